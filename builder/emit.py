@@ -1,0 +1,144 @@
+"""Emit an engine directory: manifest.json, one rank{r}.engine per rank, tokenizer files, report.md.
+
+Everything is written into a temporary sibling directory and renamed into place at the end, so a
+failed build never leaves a half-written engine. The same inputs give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jinja2
+import torch
+from importlib import resources
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from builder.errors import KilnError
+from builder.ir import Graph
+from runtime import ENGINE_FORMAT, FORMAT_VERSION, RANK_FORMAT, __version__
+
+# The C kernels are compiled for these instruction sets (pyproject.toml: -mavx2 -mfma -mf16c).
+CPU_FLAGS = ["avx2", "fma", "f16c"]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_id(model_identity: dict, plan: dict, passes: list[dict]) -> str:
+    """Content hash of everything a build depends on; equal ids mean equal engines."""
+    doc = {"kiln": __version__, "format": FORMAT_VERSION, "model": model_identity, "plan": plan,
+           "passes": passes}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def is_up_to_date(out: Path, expected_id: str) -> bool:
+    """True when `out` holds an intact engine with this build id (so the build can be skipped)."""
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("build_id") != expected_id:
+        return False
+    return all((out / r["file"]).is_file() and sha256_file(out / r["file"]) == r["sha256"]
+               for r in manifest.get("ranks", []))
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise KilnError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        what = "an engine built from other inputs" if (out / "manifest.json").is_file() else "other files"
+        raise KilnError(f"--out {out}: directory exists and holds {what}; pass --force to replace it")
+
+
+def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progress: bool = True) -> dict:
+    """Write the engine into `out` (replacing it) and return the manifest."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        ranks = []
+        for rank, graph in enumerate(tqdm(graphs, desc="writing ranks", unit="rank", disable=not show_progress)):
+            path = tmp / f"rank{rank}.engine"
+            _write_rank(path, rank, graph)
+            ranks.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size,
+                          "sha256": sha256_file(path)})
+        model.write_tokenizer(tmp)
+        manifest = dict(manifest_base, ranks=ranks)
+        memory = [g.meta["memory"] for g in graphs if "memory" in g.meta]
+        if memory:
+            manifest["memory"] = {"ranks": memory}
+        accuracy = graphs[0].meta.get("accuracy")
+        if accuracy:
+            manifest["accuracy"] = accuracy
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        (tmp / "report.md").write_text(render_report(manifest))
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp makes it private; an engine is an ordinary readable directory
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_rank(path: Path, rank: int, graph: Graph) -> None:
+    tensors, seen = {}, set()
+    for name in sorted(graph.weights):
+        tensor = graph.tensors[name].contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        # safetensors refuses tensors that share memory (slices of one fused weight): copy those.
+        tensors[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    metadata = {"kiln.format": RANK_FORMAT, "kiln.format_version": str(FORMAT_VERSION),
+                "kiln.rank": str(rank), "kiln.program": graph.to_json()}
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def render_report(manifest: dict) -> str:
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    template = env.from_string((resources.files("templates") / "report.md.j2").read_text())
+    rows = _flatten(manifest["plan"])
+    return template.render(manifest=manifest, plan_rows=rows)
+
+
+def _flatten(doc: dict, prefix: str = "") -> list[tuple[str, str]]:
+    rows = []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            rows += _flatten(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", json.dumps(value) if not isinstance(value, str) else value))
+    return rows
+
+
+def read_rank_program(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """(program JSON, tensors) of a rank file, for inspect and verify."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        program = f.metadata()["kiln.program"]
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return program, tensors

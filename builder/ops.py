@@ -1,0 +1,56 @@
+"""Leaf functions of the reference modules: each call becomes one IR node when traced with torch.fx.
+
+Every leaf takes its activations and weights as tensors and its attributes as keyword constants,
+plus `name=` (the node's name). Run eagerly they compute the op densely (one whole sequence).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from runtime import kernels
+
+
+def embedding(tokens, weight, *, name: str, hidden_size: int, vocab_size: int):
+    return F.embedding(tokens, weight)
+
+
+def rms_norm(x, weight, *, name: str, eps: float):
+    return kernels.rms_norm(x, weight, eps)
+
+
+def linear(x, weight, bias=None, *, name: str, in_features: int, out_features: int):
+    return F.linear(x, weight, bias)
+
+
+def rope(q, k, positions, *, name: str, head_dim: int, num_heads: int, num_kv_heads: int,
+         theta: float, scaling: dict | None):
+    attrs = dict(head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, theta=theta,
+                 scaling=scaling)
+    return kernels.make_rope(attrs)(q, k, positions)
+
+
+def attention(q, k, v, *, name: str, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              scale: float):
+    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale)
+    return kernels.dense_causal_attention(q, k, v, attrs)
+
+
+def silu_mul(gate, up, *, name: str):
+    return kernels.silu_mul(gate, up)
+
+
+def add(a, b, *, name: str):
+    return a + b
+
+
+def gather_last(x, *, name: str):
+    return x[-1:]
+
+
+def logits(x, weight, *, name: str, in_features: int, out_features: int):
+    return F.linear(x, weight).float()
+
+
+LEAVES = {f.__name__: f for f in (embedding, rms_norm, linear, rope, attention, silu_mul, add,
+                                   gather_last, logits)}

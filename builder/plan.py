@@ -1,0 +1,192 @@
+"""Build plans: a TOML file validated once into frozen dataclasses; errors name the key and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+
+from builder.errors import KilnError
+
+TARGETS = ("cpu", "tensorrt")
+KV_DTYPES = ("f32", "bf16", "f16", "fp8", "int8")
+QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
+GROUP_SIZES = (32, 64, 128)
+
+
+class PlanError(KilnError):
+    """An invalid plan; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: str
+    memory_gib: float
+    bandwidth_gbs: float
+    fp8: bool
+    fp8_storage: bool
+    arch: str | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int = 32
+    max_num_tokens: int = 512
+    max_seq_len: int = 2048
+
+
+@dataclass(frozen=True)
+class KVCache:
+    dtype: str = "f32"
+    block_size: int = 16
+    memory_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class Quant:
+    method: str = "source"
+    group_size: int = 32
+    exclude: tuple[str, ...] = ("*lm_head*", "embed_tokens")
+    calib: str | None = None
+    max_ppl_increase: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: str = "cpu"
+    device: str = "cpu"
+    tp: int = 1
+    pp: int = 1
+    limits: Limits = field(default_factory=Limits)
+    kv_cache: KVCache = field(default_factory=KVCache)
+    quant: Quant = field(default_factory=Quant)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def with_overrides(self, section: str | None = None, **changes) -> Plan:
+        """A new validated plan with some keys changed (CLI flags); None values are ignored."""
+        doc = self.to_dict()
+        target = doc[section] if section else doc
+        target.update({k: v for k, v in changes.items() if v is not None})
+        return plan_from_dict(doc, "command line")
+
+
+def default_plan_path() -> Path:
+    return Path(str(resources.files("plans") / "cpu.toml"))
+
+
+def load_devices() -> dict[str, Device]:
+    doc = tomllib.loads((resources.files("plans") / "devices.toml").read_text())
+    return {name: Device(name=name, **spec) for name, spec in doc.items()}
+
+
+def load_plan(path: str | Path | None = None) -> Plan:
+    path = Path(path) if path is not None else default_plan_path()
+    if not path.is_file():
+        raise PlanError(f"plan {path}: no such file")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"plan {path}: not valid TOML: {exc}") from None
+    return plan_from_dict(doc, str(path))
+
+
+def plan_from_dict(doc: dict, origin: str) -> Plan:
+    sections = {"limits": Limits, "kv_cache": KVCache, "quant": Quant}
+    top = _take(Plan, {k: v for k, v in doc.items() if k not in sections}, origin, "")
+    for key, cls in sections.items():
+        value = doc.get(key, {})
+        if not isinstance(value, dict):
+            raise PlanError(f"plan {origin}: [{key}] must be a table")
+        top[key] = cls(**_take(cls, value, origin, f"[{key}] "))
+    plan = Plan(**top)
+    _validate(plan, origin)
+    return plan
+
+
+def _take(cls, values: dict, origin: str, where: str) -> dict:
+    """Keep known keys with the right types; refuse unknown keys naming them."""
+    known = {f.name: f for f in fields(cls) if f.name not in ("limits", "kv_cache", "quant")}
+    out = {}
+    for key, value in values.items():
+        if key not in known:
+            raise PlanError(f"plan {origin}: unknown key {where}{key!r} (known: {', '.join(known)})")
+        default = known[key].default
+        if default is dataclasses.MISSING:
+            default = known[key].default_factory()
+        out[key] = _coerce(value, default, f"plan {origin}: {where}{key}")
+    return out
+
+
+def _coerce(value, default, where: str):
+    if value is None and default is None:  # optional keys written back by Plan.to_dict()
+        return None
+    if isinstance(default, bool) or (default is None and isinstance(value, bool)):
+        if not isinstance(value, bool):
+            raise PlanError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise PlanError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PlanError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float) or (default is None and isinstance(value, (int, float))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PlanError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise PlanError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _validate(plan: Plan, origin: str) -> None:
+    def fail(key: str, problem: str) -> None:
+        raise PlanError(f"plan {origin}: {key} {problem}")
+
+    devices = load_devices()
+    if plan.target not in TARGETS:
+        fail("target", f"must be one of {', '.join(TARGETS)}, got {plan.target!r}")
+    if plan.device not in devices:
+        fail("device", f"{plan.device!r} is not in the catalog (known: {', '.join(devices)})")
+    device = devices[plan.device]
+    if plan.target == "cpu" and device.kind != "cpu":
+        fail("device", f"{plan.device!r} is a GPU; the cpu target needs device = \"cpu\"")
+    if plan.target == "tensorrt" and device.kind != "gpu":
+        fail("device", "the tensorrt target needs a GPU device from the catalog")
+    for key in ("tp", "pp"):
+        if getattr(plan, key) < 1:
+            fail(key, f"must be >= 1, got {getattr(plan, key)}")
+    for key in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+        if getattr(plan.limits, key) < 1:
+            fail(f"[limits] {key}", f"must be >= 1, got {getattr(plan.limits, key)}")
+    if plan.limits.max_num_tokens < plan.limits.max_batch_size:
+        fail("[limits] max_num_tokens", "must be at least max_batch_size (one decode token per sequence)")
+    kv = plan.kv_cache
+    if kv.dtype not in KV_DTYPES:
+        fail("[kv_cache] dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv.dtype!r}")
+    if kv.block_size < 1 or kv.block_size & (kv.block_size - 1):
+        fail("[kv_cache] block_size", f"must be a power of two, got {kv.block_size}")
+    if not 0 < kv.memory_fraction <= 1:
+        fail("[kv_cache] memory_fraction", f"must be in (0, 1], got {kv.memory_fraction}")
+    q = plan.quant
+    if q.method not in QUANT_METHODS:
+        fail("[quant] method", f"must be one of {', '.join(QUANT_METHODS)}, got {q.method!r}")
+    if q.group_size not in GROUP_SIZES:
+        fail("[quant] group_size", f"must be one of {GROUP_SIZES}, got {q.group_size}")
+    if q.method == "fp8" and not (device.fp8 or device.fp8_storage):
+        fail("[quant] method", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
+    if kv.dtype == "fp8" and not (device.fp8 or device.fp8_storage):
+        fail("[kv_cache] dtype", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
+    if q.max_ppl_increase is not None and q.max_ppl_increase < 0:
+        fail("[quant] max_ppl_increase", f"must be >= 0 (a percentage), got {q.max_ppl_increase}")

@@ -1,0 +1,116 @@
+"""Reference torch module of the Llama family, written only with the leaf functions of builder.ops.
+
+Parameters live on the meta device while tracing: the trace needs names and shapes, never data.
+Module paths equal the canonical weight names (`layers.3.self_attn.q_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from builder.ops import add, attention, embedding, gather_last, linear, logits, rms_norm, rope, silu_mul
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, path: str, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.path, self.in_features, self.out_features = path, in_features, out_features
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, name=self.path,
+                      in_features=self.in_features, out_features=self.out_features)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, path: str, size: int, eps: float):
+        super().__init__()
+        self.path, self.eps = path, eps
+        self.weight = _param(size)
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, name=self.path, eps=self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, path: str, layer: int, cfg):
+        super().__init__()
+        self.path, self.layer, self.cfg = path, layer, cfg
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(f"{path}.q_proj", cfg.hidden_size, q_width, bias)
+        self.k_proj = Linear(f"{path}.k_proj", cfg.hidden_size, kv_width, bias)
+        self.v_proj = Linear(f"{path}.v_proj", cfg.hidden_size, kv_width, bias)
+        self.o_proj = Linear(f"{path}.o_proj", q_width, cfg.hidden_size, bias)
+
+    def forward(self, x, positions):
+        cfg = self.cfg
+        q, k = rope(self.q_proj(x), self.k_proj(x), positions, name=f"{self.path}.rope",
+                    head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                    theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+        out = attention(q, k, self.v_proj(x), name=f"{self.path}.attn", layer=self.layer,
+                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, path: str, cfg):
+        super().__init__()
+        self.path = path
+        bias = cfg.mlp_bias
+        self.gate_proj = Linear(f"{path}.gate_proj", cfg.hidden_size, cfg.intermediate_size, bias)
+        self.up_proj = Linear(f"{path}.up_proj", cfg.hidden_size, cfg.intermediate_size, bias)
+        self.down_proj = Linear(f"{path}.down_proj", cfg.intermediate_size, cfg.hidden_size, bias)
+
+    def forward(self, x):
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), name=f"{self.path}.act"))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, index: int, cfg):
+        super().__init__()
+        self.path = path = f"layers.{index}"
+        self.input_layernorm = RMSNorm(f"{path}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(f"{path}.self_attn", index, cfg)
+        self.post_attention_layernorm = RMSNorm(f"{path}.post_attention_layernorm", cfg.hidden_size,
+                                                cfg.rms_norm_eps)
+        self.mlp = MLP(f"{path}.mlp", cfg)
+
+    def forward(self, h, positions):
+        h = add(h, self.self_attn(self.input_layernorm(h), positions), name=f"{self.path}.attn_residual")
+        return add(h, self.mlp(self.post_attention_layernorm(h)), name=f"{self.path}.mlp_residual")
+
+
+class LlamaReference(nn.Module):
+    """tokens [T], positions [T] -> logits [N, vocab] for the last token of the sequence."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(i, cfg) for i in range(cfg.num_layers))
+        self.norm = RMSNorm("norm", cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, tokens, positions):
+        cfg = self.cfg
+        h = embedding(tokens, self.embed_tokens.weight, name="embed_tokens",
+                      hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+        for layer in self.layers:
+            h = layer(h, positions)
+        h = self.norm(gather_last(h, name="gather_last"))
+        head = self.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        return logits(h, head, name="lm_head", in_features=cfg.hidden_size, out_features=cfg.vocab_size)
+
+
+ARCHITECTURES = {"llama": LlamaReference}

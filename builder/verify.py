@@ -1,0 +1,64 @@
+"""engine-build verify: an engine's logits (reference interpreter) against Hugging Face transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from builder.emit import read_rank_program
+from builder.errors import KilnError
+from builder.interpret import Interpreter
+
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+)
+
+
+@dataclass
+class VerifyReport:
+    max_abs_diff: float = 0.0
+    lines: list[str] = field(default_factory=list)
+
+
+def load_transformers_model(source: str):
+    """The reference model: transformers loading the same HF directory or GGUF file, float32."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(source)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+def load_tokenizer(engine: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(engine / "tokenizer.json"))
+
+
+@torch.inference_mode()
+def verify_engine(engine: Path, manifest: dict, model_source: str | None,
+                  prompts: list[str] | None) -> VerifyReport:
+    if manifest["world_size"] != 1:
+        raise KilnError("verify: the reference interpreter runs single-rank engines; this one has "
+                        f"{manifest['world_size']} ranks (run `engine-run generate` to check it)")
+    program, tensors = read_rank_program(engine / manifest["ranks"][0]["file"])
+    interpreter = Interpreter(program, tensors)
+    reference = load_transformers_model(model_source or manifest["model"]["source"])
+    tokenizer = load_tokenizer(engine)
+    report = VerifyReport()
+    for text in prompts or DEFAULT_PROMPTS:
+        ids = tokenizer.encode(text).ids
+        ours = interpreter.logits(ids)[-1]
+        theirs = reference(torch.tensor([ids])).logits[0, -1].float()
+        diff = (ours - theirs).abs().max().item()
+        same_top = int(ours.argmax()) == int(theirs.argmax())
+        report.max_abs_diff = max(report.max_abs_diff, diff)
+        report.lines.append(f"{len(ids):4d} tokens  max|Δ| {diff:.3g}  top-1 {'same' if same_top else 'DIFFERS'}  {text!r}")
+    return report

@@ -1,0 +1,1 @@
+"""Compiler passes: pure functions (Graph, PassContext) -> Graph, one per file."""

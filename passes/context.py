@@ -1,0 +1,16 @@
+"""What a pass may read besides the graph: the plan, the model source and the build options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PassContext:
+    plan: object                 # builder.plan.Plan
+    model: object = None         # builder.model.ModelSpec (raw quantized blocks, calibration)
+    rank: int = 0
+    debug: bool = False
+    calibration_text: str | None = None
+    evaluation_text: str | None = None
+    report: dict = field(default_factory=dict)  # figures passes record for the manifest and report

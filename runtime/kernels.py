@@ -1,0 +1,147 @@
+"""Torch CPU kernels for the IR's dense ops, shared by the executor and the builder's interpreter.
+
+Each `make_<op>(attrs, weights)` binds a node's attributes and weight tensors once and returns a
+callable over the node's activation inputs, so the per-step cost is one Python call per node.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, scaling_key: tuple | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling_key is None:
+        return inv_freq
+    scaling = dict(scaling_key)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RopeTable:
+    """cos/sin rows by position, grown on demand: [positions, head_dim]."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        key = tuple(sorted(scaling.items())) if scaling else None
+        self.inv_freq = _inv_freq(head_dim, float(theta), key)
+        self.cos = self.sin = torch.empty(0, head_dim)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            size = max(needed, 2 * self.cos.shape[0], 256)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float32), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos[positions], self.sin[positions]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    t = x.shape[0]
+    x = x.reshape(t, heads, -1)  # [T, heads, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).reshape(t, -1)
+
+
+def make_rope(attrs: dict):
+    table = RopeTable(attrs["head_dim"], attrs["theta"], attrs.get("scaling"))
+    nh, nkv = attrs["num_heads"], attrs["num_kv_heads"]
+
+    def rope(q, k, positions):
+        cos, sin = table.lookup(positions)
+        return _rotate(q, cos, sin, nh), _rotate(k, cos, sin, nkv)
+
+    return rope
+
+
+def make_linear(attrs: dict, operands: dict[str, torch.Tensor]):
+    """A float or quantized linear; `operands` maps roles (weight, bias, scales, ...) to tensors."""
+    quant = attrs.get("quant", "none")
+    bias = operands.get("bias")
+    if quant == "none":
+        weight = operands["weight"]
+        if weight.dtype != torch.float32:
+            return lambda x: F.linear(x.to(weight.dtype), weight, bias).float()
+        return lambda x: F.linear(x, weight, bias)
+    from runtime import qlinear  # the quantized kernels, imported only when a program needs them
+
+    return qlinear.make_linear(attrs, operands)
+
+
+def make_embedding(attrs: dict, operands: dict[str, torch.Tensor]):
+    start = attrs.get("vocab_start", 0)
+    quant = attrs.get("quant", "none")
+    if quant == "none":
+        weight = operands["weight"]
+        rows = lambda ids: weight[ids].float()  # noqa: E731
+    else:
+        from runtime import qlinear
+
+        rows = qlinear.make_embedding_rows(attrs, operands)
+    vocab = attrs["vocab_size"]
+    if start == 0 and vocab == attrs.get("full_vocab_size", vocab):
+        return rows
+
+    def sharded(tokens):
+        local = tokens - start
+        inside = (local >= 0) & (local < vocab)
+        out = rows(local.clamp(0, vocab - 1))
+        return out * inside[:, None]
+
+    return sharded
+
+
+def silu_mul(*xs: torch.Tensor) -> torch.Tensor:
+    if len(xs) == 1:
+        gate, up = xs[0].chunk(2, dim=-1)
+    else:
+        gate, up = xs
+    return F.silu(gate) * up
+
+
+def add_rms_norm(x, residual, weight, eps):
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.split(x, sizes, dim=-1))
+
+
+def dense_causal_attention(q, k, v, attrs: dict) -> torch.Tensor:
+    """Attention of one whole sequence with no cache: [T, nh*hd] (the reference path)."""
+    t = q.shape[0]
+    nh, nkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    q = q.reshape(t, nh, hd).transpose(0, 1)
+    k = k.reshape(t, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
+    v = v.reshape(t, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attrs["scale"])
+    return out.transpose(0, 1).reshape(t, nh * hd)
+
+
+def operands_of(node_inputs: list[str], attrs: dict, tensors: dict) -> dict[str, torch.Tensor]:
+    """Role -> tensor for a linear/logits/embedding node whose inputs[1:] are weights."""
+    roles = attrs.get("operands", ["weight"])
+    return {role: tensors[name] for role, name in zip(roles, node_inputs[1:])}
