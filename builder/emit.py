@@ -16,7 +16,6 @@ from pathlib import Path
 import jinja2
 import torch
 from importlib import resources
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from builder.errors import KilnError
@@ -104,7 +103,32 @@ def _write_rank(path: Path, rank: int, graph: Graph) -> None:
         seen.add(key)
     metadata = {"kiln.format": RANK_FORMAT, "kiln.format_version": str(FORMAT_VERSION),
                 "kiln.rank": str(rank), "kiln.program": graph.to_json()}
-    save_file(tensors, str(path), metadata=metadata)
+    write_safetensors(path, tensors, metadata)
+
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+    torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3",
+}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file with a sorted header (the library's own writer orders metadata by hash)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # tensor data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name in sorted(tensors):
+            f.write(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -69,7 +70,8 @@ class Plan:
         return self.tp * self.pp
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON types (lists, not tuples), as stored in the manifest."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def with_overrides(self, section: str | None = None, **changes) -> Plan:
         """A new validated plan with some keys changed (CLI flags); None values are ignored."""

@@ -1,0 +1,80 @@
+"""Executor: runs one rank's program over a packed batch, with a paged KV cache per attention layer."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from runtime import attention
+from runtime.engine_dir import RankFile
+from runtime.program import Hooks, Program
+from runtime.step import StepMetadata
+
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+KV_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1, "int8": 1}
+
+
+def attention_layers(program_json: str) -> list[dict]:
+    return [n["attrs"] for n in json.loads(program_json)["nodes"] if n["op"] == "attention"]
+
+
+def kv_bytes_per_token(layers: list[dict], dtype: str) -> int:
+    return sum(2 * a["num_kv_heads"] * a["head_dim"] for a in layers) * KV_BYTES[dtype]
+
+
+class KVCacheStorage:
+    """K and V of every attention layer on this rank: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, layers: list[dict], num_blocks: int, block_size: int, dtype: str):
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"kv cache dtype {dtype!r} is not supported by this runtime "
+                             f"(supported: {', '.join(KV_DTYPES)})")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for a in layers:
+            shape = (num_blocks, block_size, a["num_kv_heads"], a["head_dim"])
+            self.k[a["layer"]] = torch.zeros(shape, dtype=KV_DTYPES[dtype])
+            self.v[a["layer"]] = torch.zeros(shape, dtype=KV_DTYPES[dtype])
+
+
+class Executor:
+    """Runs a rank's program; `execute(meta)` returns the logits rows named by meta.logits_indices."""
+
+    def __init__(self, rank_file: RankFile, num_blocks: int, block_size: int, kv_dtype: str = "f32",
+                 collectives: dict | None = None):
+        self.meta: StepMetadata | None = None
+        self.cache = KVCacheStorage(attention_layers(rank_file.program), num_blocks, block_size, kv_dtype)
+        hooks = Hooks(attention=self._attention, gather_last=self._gather_last, **(collectives or {}))
+        self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks)
+
+    @torch.inference_mode()
+    def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states."""
+        self.meta = meta
+        env = {"tokens": meta.token_ids, "positions": meta.positions}
+        if inputs:
+            env.update(inputs)
+        try:
+            return self.program.run(env)[0]
+        finally:
+            self.meta = None
+
+    def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, self.meta.logits_indices)
+
+    def _attention(self, attrs: dict):
+        k_cache, v_cache = self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]]
+        nh, nkv, hd, scale = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            meta, t = self.meta, q.shape[0]
+            attention.kv_write(k.contiguous().view(t, nkv, hd), v.contiguous().view(t, nkv, hd), k_cache, v_cache,
+                               meta.slot_mapping, check=False)
+            out = torch.empty(t, nh, hd)  # [T, num_heads, head_dim]
+            attention.paged_attention(out, q.contiguous().view(t, nh, hd), k_cache, v_cache, meta.block_tables,
+                                      meta.context_lens, meta.query_start_loc, scale, check=False)
+            return out.view(t, nh * hd)
+
+        return run
