@@ -31,12 +31,14 @@ class KVCacheStorage:
             raise ValueError(f"kv cache dtype {dtype!r} is not supported by this runtime "
                              f"(supported: {', '.join(KV_DTYPES)})")
         self.num_blocks, self.block_size = num_blocks, block_size
+        # Uninitialised on purpose: attention reads only slots this run has written, and untouched
+        # pages cost no memory until used.
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for a in layers:
             shape = (num_blocks, block_size, a["num_kv_heads"], a["head_dim"])
-            self.k[a["layer"]] = torch.zeros(shape, dtype=KV_DTYPES[dtype])
-            self.v[a["layer"]] = torch.zeros(shape, dtype=KV_DTYPES[dtype])
+            self.k[a["layer"]] = torch.empty(shape, dtype=KV_DTYPES[dtype])
+            self.v[a["layer"]] = torch.empty(shape, dtype=KV_DTYPES[dtype])
 
 
 class Executor:

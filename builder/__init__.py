@@ -1,0 +1,1 @@
+"""Kiln builder: model sources, tracing to the IR, the pass pipeline driver and engine emission."""

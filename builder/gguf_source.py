@@ -1,0 +1,243 @@
+"""GGUF source: a llama-architecture .gguf file, dequantized on load, tokenizer rebuilt from its metadata."""
+
+from __future__ import annotations
+
+import functools
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from builder.errors import KilnError
+from builder.model import ModelConfig, ModelSpec, RawBlocks, canonical_weight_shapes, make_config, write_json
+
+GGUF_MAGIC = b"GGUF"
+BLOCK = 32  # elements per Q4_1 / Q8_0 block
+NATIVE_BLOCK_TYPES = ("Q4_1", "Q8_0")
+GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                "output.weight": "lm_head.weight"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+SPECIAL_TOKEN_METADATA = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+SAMPLING_METADATA = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                     "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p"}
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    """The Kiln weight name of a llama.cpp tensor name, or None if it has no counterpart."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    match = LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in LAYER_NAMES:
+        return None
+    return f"layers.{match[1]}.{LAYER_NAMES[match[2]]}.{match[3]}"
+
+
+class GGUFModelSpec(ModelSpec):
+    """A llama-architecture GGUF file, memory-mapped; each weight dequantized when it is loaded."""
+
+    def __init__(self, name: str, path: Path, config: ModelConfig, reader: GGUFReader, tensors: dict):
+        super().__init__(name, path, config, [path])
+        self._path = path
+        self._reader = reader
+        self._tensors = tensors  # Kiln name -> gguf ReaderTensor
+
+    def _load(self, name: str) -> torch.Tensor:
+        tensor = self._tensors[name]
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(self.weight_shape(name))
+        values = np.array(self._unpermute(name, values), dtype=np.float32)  # a copy: the file is mapped read-only
+        return torch.from_numpy(values)
+
+    def raw_blocks(self, name: str) -> RawBlocks | None:
+        self._check_name(name)
+        tensor = self._tensors[name]
+        if tensor.tensor_type.name not in NATIVE_BLOCK_TYPES:
+            return None
+        rows = self.weight_shape(name)[0]
+        data = np.array(self._unpermute(name, tensor.data.reshape(rows, -1)))
+        return RawBlocks(tensor.tensor_type.name, data, self.weight_shape(name))
+
+    def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Undo llama.cpp's q/k row order (rotary pairs interleaved) back to Hugging Face's (halves).
+
+        The converter stores row h*hd + 2*i + j of HF row h*hd + j*hd/2 + i; this is transformers'
+        LlamaTensorProcessor._reverse_permute_weights. It moves whole rows, so it applies to block bytes too.
+        """
+        if ".q_proj." in name:
+            num_heads = self.config.num_heads
+        elif ".k_proj." in name:
+            num_heads = self.config.num_kv_heads
+        else:
+            return rows
+        head_pairs = rows.shape[0] // num_heads // 2
+        return rows.reshape(num_heads, head_pairs, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+    def write_tokenizer(self, dst_dir: str | Path) -> None:
+        dst_dir = Path(dst_dir)
+        tokens = _field(self._reader, "tokenizer.ggml.tokens")
+        if tokens is None:
+            raise KilnError(f"model: {self._path}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
+        stat = self._path.stat()
+        (dst_dir / "tokenizer.json").write_bytes(_tokenizer_json(self._path, stat.st_size, stat.st_mtime_ns))
+        config = {
+            "chat_template": _field(self._reader, "tokenizer.chat_template"),
+            "model_max_length": self.config.max_position_embeddings,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+        for role, gguf_role in SPECIAL_TOKEN_METADATA.items():
+            token_id = _field(self._reader, f"tokenizer.ggml.{gguf_role}_token_id")
+            config[role] = tokens[token_id] if token_id is not None else None
+        write_json(dst_dir / "tokenizer_config.json", config)
+        sampling = {key: _field(self._reader, gguf_key) for gguf_key, key in SAMPLING_METADATA.items()}
+        write_json(dst_dir / "generation_config.json", self._generation_config(sampling))
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_json(path: Path, size: int, mtime_ns: int) -> bytes:
+    """tokenizer.json rebuilt from the GGUF vocabulary and merges by transformers' GGUF converter.
+
+    Cached per unchanged file (size and mtime in the key): the rebuild takes seconds.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return (Path(tmp) / "tokenizer.json").read_bytes()
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+    """The file's GGUFReader, cached per unchanged file (size and mtime in the key).
+
+    The reader parses all metadata in Python: about 3 s for a 49k-token vocabulary.
+    """
+    return GGUFReader(path)
+
+
+def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
+    """Open a GGUF file, checking its architecture, metadata and every tensor's shape."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise KilnError(f"model: {path}: not a GGUF file (starts with {magic!r}); "
+                        "expected a .gguf file or a Hugging Face model directory")
+    try:
+        stat = path.stat()
+        reader = _gguf_reader(path, stat.st_size, stat.st_mtime_ns)
+    except Exception as e:  # the reader fails on truncation with ValueError, IndexError, struct errors...
+        raise KilnError(f"model: {path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    architecture = _field(reader, "general.architecture")
+    if architecture != "llama":
+        raise KilnError(f"model: {path}: unsupported architecture {architecture!r}; "
+                        "Kiln supports the Llama family (GGUF architecture 'llama')")
+    gguf_tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in gguf_tensors:
+        raise KilnError(f"model: {path}: rope frequency factors (rope_freqs, Llama 3.1 rope scaling) are not "
+                        "supported from GGUF; build from the Hugging Face directory instead")
+    if "token_embd.weight" not in gguf_tensors:
+        raise KilnError(f"model: {path}: tensor token_embd.weight is missing")
+    config = _config_from_metadata(reader, gguf_tensors, str(path))
+    tensors = {}
+    for gguf_name, tensor in gguf_tensors.items():
+        kiln_name = canonical_name(gguf_name)
+        if kiln_name is None:
+            raise KilnError(f"model: {path}: unsupported tensor {gguf_name} for a llama model")
+        tensors[kiln_name] = tensor
+    for kiln_name, shape in canonical_weight_shapes(config).items():
+        if kiln_name not in tensors:
+            raise KilnError(f"model: {path}: tensor for {kiln_name} is missing")
+        found = tuple(int(n) for n in reversed(tensors[kiln_name].shape))  # ggml lists dims innermost first
+        if found != shape:
+            raise KilnError(f"model: {path}: {tensors[kiln_name].name} has shape {list(found)}, "
+                            f"metadata implies {list(shape)}")
+    return GGUFModelSpec(name or path.stem, path, config, reader, tensors)
+
+
+def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str) -> ModelConfig:
+    def required(key):
+        value = _field(reader, f"llama.{key}")
+        if value is None:
+            raise KilnError(f"model: {where}: GGUF metadata has no llama.{key}")
+        return value
+
+    hidden, num_heads = required("embedding_length"), required("attention.head_count")
+    head_dim = _field(reader, "llama.attention.key_length") or hidden // num_heads
+    rotary_dim = _field(reader, "llama.rope.dimension_count") or head_dim
+    if rotary_dim != head_dim:
+        raise KilnError(f"model: {where}: partial rotary (rope.dimension_count {rotary_dim} < head_dim "
+                        f"{head_dim}) is not supported")
+    scaling_type = _field(reader, "llama.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise KilnError(f"model: {where}: rope scaling type {scaling_type!r} is not supported from GGUF")
+    eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return make_config(
+        where,
+        architecture="llama",
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=required("feed_forward_length"),
+        num_layers=required("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_field(reader, "llama.attention.head_count_kv") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_shortest_float(required("attention.layer_norm_rms_epsilon")),
+        rope_theta=_shortest_float(_field(reader, "llama.rope.freq_base") or 10000.0),
+        rope_scaling=None,
+        tie_word_embeddings="output.weight" not in tensors,
+        max_position_embeddings=required("context_length"),
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        mlp_bias="blk.0.ffn_gate.bias" in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+    )
+
+
+def _shortest_float(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (9.999999747e-06 -> 1e-05),
+    which restores the value written in the original config.json."""
+    return float(str(np.float32(value)))
+
+
+def _field(reader: GGUFReader, key: str):
+    """A metadata value as a Python int, float, str or list; None if the key is absent."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def gguf_blocks_to_int4(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks as Kiln's int4 group-32 layout: w = (q - 8) * scale + zero.
+
+    A Q4_1 block is (d f16, m f16, 16 bytes of nibbles) with w = q * d + m, so scale = d and
+    zero = m + 8d. Returns q uint8 [N, K] in 0..15, scale f32 [N, K/32], zero f32 [N, K/32].
+    """
+    if raw.ggml_type != "Q4_1":
+        raise ValueError(f"gguf_blocks_to_int4: expected Q4_1 blocks, got {raw.ggml_type}")
+    rows, cols = raw.shape
+    blocks = raw.data.reshape(rows, cols // BLOCK, 20)  # [N, K/32, 2 + 2 + 16 bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # low nibbles hold elements 0..15
+    zero = m + 8 * d
+    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def gguf_blocks_to_int8(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (d f16, 32 x int8) as q int8 [N, K] and scale f32 [N, K/32], w = q * scale."""
+    if raw.ggml_type != "Q8_0":
+        raise ValueError(f"gguf_blocks_to_int8: expected Q8_0 blocks, got {raw.ggml_type}")
+    rows, cols = raw.shape
+    blocks = raw.data.reshape(rows, cols // BLOCK, 34)  # [N, K/32, 2 + 32 bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return torch.from_numpy(q), torch.from_numpy(d)

@@ -1,0 +1,218 @@
+"""Hugging Face directory source: config.json, safetensors (single or sharded) and tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from builder.errors import KilnError
+from builder.model import ModelConfig, ModelSpec, canonical_weight_shapes, make_config, write_json
+
+LLAMA_FAMILY = ("llama", "mistral")
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def hf_weight_key(name: str) -> str:
+    """The Hugging Face checkpoint key of a Kiln weight name."""
+    return name if name == "lm_head.weight" else f"model.{name}"
+
+
+class HFModelSpec(ModelSpec):
+    """A Hugging Face model directory; weights are read through safetensors' mmap, one at a time."""
+
+    def __init__(self, name: str, path: Path, config: ModelConfig, tensor_files: dict[str, Path]):
+        super().__init__(name, path, config, list(set(tensor_files.values())))
+        self._path = path
+        self._tensor_files = tensor_files  # hf key -> shard holding it
+
+    def _load(self, name: str) -> torch.Tensor:
+        key = hf_weight_key(name)
+        with safe_open(self._tensor_files[key], framework="pt") as f:
+            return f.get_tensor(key).to(torch.float32)
+
+    def write_tokenizer(self, dst_dir: str | Path) -> None:
+        dst_dir = Path(dst_dir)
+        shutil.copyfile(self._path / "tokenizer.json", dst_dir / "tokenizer.json")
+        write_json(dst_dir / "tokenizer_config.json", self._tokenizer_config())
+        sampling = _read_optional_json(self._path / "generation_config.json")
+        write_json(dst_dir / "generation_config.json", self._generation_config(sampling))
+
+    def _tokenizer_config(self) -> dict:
+        config = _read_optional_json(self._path / "tokenizer_config.json")
+        config["chat_template"] = _chat_template(self._path, config)
+        vocab = _token_strings(_read_json(self._path / "tokenizer.json"))
+        defaults = {"bos_token": self.config.bos_token_id,
+                    "eos_token": self.config.eos_token_ids[0] if self.config.eos_token_ids else None}
+        for role, token_id in defaults.items():
+            token = config.get(role)
+            if isinstance(token, dict):  # serialized AddedToken
+                token = token.get("content")
+            if token is None and token_id is not None:
+                token = vocab.get(token_id)
+            config[role] = token
+        return config
+
+
+def load_hf_dir(path: Path, name: str | None = None) -> HFModelSpec:
+    """Open a Hugging Face model directory, checking its config, weights and tokenizer files."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise KilnError(f"model: {path}: no config.json (expected a Hugging Face model directory)")
+    hf_config = _read_json(config_path)
+    config = config_from_hf(hf_config, _read_optional_json(path / "generation_config.json"), str(path))
+    if not (path / "tokenizer.json").is_file():
+        raise KilnError(f"model: {path}: no tokenizer.json (a fast tokenizer file is required)")
+    tensor_files = _tensor_files(path)
+    _check_weights(path, config, tensor_files)
+    return HFModelSpec(name or path.name, path, config, tensor_files)
+
+
+def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig:
+    """Translate a Hugging Face config.json (and generation_config.json) into a ModelConfig."""
+    model_type = hf_config.get("model_type")
+    if model_type not in LLAMA_FAMILY:
+        architectures = ", ".join(hf_config.get("architectures") or []) or "no architectures listed"
+        raise KilnError(f"model: {where}: unsupported architecture {model_type!r} ({architectures}); "
+                        f"Kiln supports the Llama family: {', '.join(LLAMA_FAMILY)}")
+    if hf_config.get("sliding_window") is not None:
+        raise KilnError(f"model: {where}: {model_type} with sliding_window={hf_config['sliding_window']} "
+                        "is not supported (only full attention)")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise KilnError(f"model: {where}: hidden_act {hf_config['hidden_act']!r} is not supported (only silu)")
+
+    def required(key):
+        if hf_config.get(key) is None:
+            raise KilnError(f"model: {where}: config.json has no {key!r}")
+        return hf_config[key]
+
+    num_heads = required("num_attention_heads")
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_theta = hf_config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    return make_config(
+        where,
+        architecture="llama",
+        vocab_size=required("vocab_size"),
+        hidden_size=required("hidden_size"),
+        intermediate_size=required("intermediate_size"),
+        num_layers=required("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+        head_dim=hf_config.get("head_dim") or required("hidden_size") // num_heads,
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=_rope_scaling(rope),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        max_position_embeddings=required("max_position_embeddings"),
+        attention_bias=bool(hf_config.get("attention_bias", False)),
+        mlp_bias=bool(hf_config.get("mlp_bias", False)),
+        bos_token_id=hf_config.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf_config.get("eos_token_id"), generation.get("eos_token_id")),
+    )
+
+
+def _rope_scaling(rope: dict) -> dict | None:
+    """Normalise rope_scaling (transformers 4) or rope_parameters (transformers 5); None for plain rope."""
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "default":
+        return None
+    scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = rope_type
+    return scaling
+
+
+def _eos_ids(*sources) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in sources:
+        for token_id in source if isinstance(source, list) else [source]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return tuple(ids)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Map each checkpoint key to its safetensors file, validating every file's header."""
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise KilnError(f"model: {index_path}: no weight_map (corrupt safetensors index)")
+        listed = {key: path / shard for key, shard in weight_map.items()}
+    elif (path / SINGLE_FILE).is_file():
+        listed = None
+    else:
+        raise KilnError(f"model: {path}: no {SINGLE_FILE} or {INDEX_FILE} "
+                        "(only safetensors weights are supported)")
+    files = {}
+    for shard in sorted(set(listed.values())) if listed is not None else [path / SINGLE_FILE]:
+        if not shard.is_file():
+            raise KilnError(f"model: {shard}: missing (listed in {INDEX_FILE})")
+        files.update({key: shard for key in _safetensors_keys(shard)})
+    if listed is None:
+        return files
+    absent = sorted(key for key, shard in listed.items() if files.get(key) != shard)
+    if absent:
+        raise KilnError(f"model: {listed[absent[0]]}: lacks {absent[0]} (listed in {INDEX_FILE})")
+    return listed
+
+
+def _safetensors_keys(shard: Path) -> set[str]:
+    try:
+        with safe_open(shard, framework="pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise KilnError(f"model: {shard}: corrupt or truncated safetensors file ({e})") from None
+
+
+def _check_weights(path: Path, config: ModelConfig, tensor_files: dict[str, Path]) -> None:
+    """Every weight the config implies is present, with that shape and a float dtype."""
+    expected = {hf_weight_key(name): shape for name, shape in canonical_weight_shapes(config).items()}
+    missing = sorted(set(expected) - set(tensor_files))
+    if missing:
+        raise KilnError(f"model: {path}: weight {missing[0]} is missing (config.json expects it)")
+    for shard in sorted({tensor_files[key] for key in expected}):
+        with safe_open(shard, framework="pt") as f:
+            for key in sorted(k for k in expected if tensor_files[k] == shard):
+                info = f.get_slice(key)
+                shape, dtype = tuple(info.get_shape()), info.get_dtype()
+                if shape != expected[key]:
+                    raise KilnError(f"model: {shard}: {key} has shape {list(shape)}, "
+                                    f"config.json implies {list(expected[key])}")
+                if dtype not in FLOAT_DTYPES:
+                    raise KilnError(f"model: {shard}: {key} has dtype {dtype} "
+                                    f"(supported: {', '.join(FLOAT_DTYPES)})")
+
+
+def _chat_template(path: Path, tokenizer_config: dict):
+    """The chat template from tokenizer_config.json, or from chat_template.jinja / .json beside it."""
+    if tokenizer_config.get("chat_template"):
+        return tokenizer_config["chat_template"]
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if (path / "chat_template.json").is_file():
+        return _read_json(path / "chat_template.json").get("chat_template")
+    return None
+
+
+def _token_strings(tokenizer: dict) -> dict[int, str]:
+    """id -> token string from a tokenizer.json (model vocab plus added tokens)."""
+    vocab = tokenizer.get("model", {}).get("vocab", {})
+    strings = {i: t for t, i in vocab.items()} if isinstance(vocab, dict) else {}
+    strings.update({t["id"]: t["content"] for t in tokenizer.get("added_tokens", [])})
+    return strings
+
+
+def _read_optional_json(path: Path) -> dict:
+    return _read_json(path) if path.is_file() else {}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KilnError(f"model: {path}: unreadable JSON ({e})") from None

@@ -1,0 +1,207 @@
+"""What every model source yields: a ModelConfig and a ModelSpec with lazily loaded weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from builder.errors import KilnError
+
+# rope scaling types Kiln implements -> the parameters each needs
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyperparameters of a Llama-family decoder, independent of the source format."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture != "llama":
+            raise ValueError(f"architecture: {self.architecture!r} is not supported (only 'llama')")
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field}: expected a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            if rope_type not in ROPE_SCALING_KEYS:
+                raise ValueError(f"rope_scaling: type {rope_type!r} is not supported (supported: llama3)")
+            missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"rope_scaling: {rope_type} scaling lacks {', '.join(missing)}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    def to_dict(self) -> dict:
+        config = dataclasses.asdict(self)
+        config["eos_token_ids"] = list(self.eos_token_ids)
+        return config
+
+    @classmethod
+    def from_dict(cls, config: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown fields {', '.join(unknown)}")
+        return cls(**{**config, "eos_token_ids": tuple(config.get("eos_token_ids", ()))})
+
+
+def canonical_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Kiln weight names mapped to their shapes ([out, in] for projections, as in Hugging Face)."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    projections = {
+        "self_attn.q_proj": (q_out, hidden, config.attention_bias),
+        "self_attn.k_proj": (kv_out, hidden, config.attention_bias),
+        "self_attn.v_proj": (kv_out, hidden, config.attention_bias),
+        "self_attn.o_proj": (hidden, q_out, config.attention_bias),
+        "mlp.gate_proj": (inter, hidden, config.mlp_bias),
+        "mlp.up_proj": (inter, hidden, config.mlp_bias),
+        "mlp.down_proj": (hidden, inter, config.mlp_bias),
+    }
+    for i in range(config.num_layers):
+        shapes[f"layers.{i}.input_layernorm.weight"] = (hidden,)
+        shapes[f"layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+        for proj, (out_features, in_features, has_bias) in projections.items():
+            shapes[f"layers.{i}.{proj}.weight"] = (out_features, in_features)
+            if has_bias:
+                shapes[f"layers.{i}.{proj}.bias"] = (out_features,)
+    return shapes
+
+
+class RawBlocks(NamedTuple):
+    """A weight in its source's native quantized form: ggml type name, block bytes [N, row_bytes], [N, K]."""
+
+    ggml_type: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+
+class ModelSpec:
+    """A loaded model source: config, identity and weights read one tensor at a time.
+
+    Subclasses (one per source format) implement `_load`, `write_tokenizer` and, where the
+    source holds quantized blocks, `raw_blocks`.
+    """
+
+    def __init__(self, name: str, source: Path, config: ModelConfig, weight_files: list[Path]):
+        self.name = name
+        self.source = str(source)
+        self.config = config
+        self.weight_files = sorted(weight_files)
+        self._shapes = canonical_weight_shapes(config)
+        self._sha256: str | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, source={self.source!r})"
+
+    def weight_names(self) -> list[str]:
+        return sorted(self._shapes)
+
+    def weight_shape(self, name: str) -> tuple[int, ...]:
+        self._check_name(name)
+        return self._shapes[name]
+
+    def load(self, name: str) -> torch.Tensor:
+        """The weight `name` as a new float32 tensor in Hugging Face layout."""
+        self._check_name(name)
+        return self._load(name)
+
+    def raw_blocks(self, name: str) -> RawBlocks | None:
+        """The source's quantized blocks of `name` (GGUF Q4_1/Q8_0), or None for a float weight."""
+        self._check_name(name)
+        return None
+
+    def weights_sha256(self) -> str:
+        """sha256 over the bytes of the weight files in sorted path order (streamed, cached)."""
+        if self._sha256 is None:
+            digest = hashlib.sha256()
+            for path in self.weight_files:
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        digest.update(chunk)
+            self._sha256 = digest.hexdigest()
+        return self._sha256
+
+    def write_tokenizer(self, dst_dir: str | Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json into dst_dir."""
+        raise NotImplementedError
+
+    def _load(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_name(self, name: str) -> None:
+        if name not in self._shapes:
+            raise KeyError(f"{name!r} is not a weight of {self.name} (see ModelSpec.weight_names())")
+
+    def _generation_config(self, sampling: dict) -> dict:
+        config = {"eos_token_id": list(self.config.eos_token_ids)}
+        if self.config.bos_token_id is not None:
+            config["bos_token_id"] = self.config.bos_token_id
+        config.update({k: sampling[k] for k in SAMPLING_KEYS if sampling.get(k) is not None})
+        return config
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON with sorted keys and a fixed layout, so equal content gives equal bytes."""
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_config(where: str, **fields) -> ModelConfig:
+    """ModelConfig(**fields), with a validation failure reported as a one-line KilnError."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise KilnError(f"model: {where}: {e}") from None
+
+
+def load_model(source: str) -> ModelSpec:
+    """Open a model source: a preset name, a Hugging Face model directory or a .gguf file."""
+    from builder import gguf_source, hf, presets
+
+    preset_path = presets.resolve_preset(source)
+    if preset_path is not None:
+        return gguf_source.load_gguf(preset_path, name=source)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise KilnError(f"model: {source}: no such file or directory (expected a Hugging Face model directory, "
+                        f"a .gguf file or a preset: {', '.join(sorted(presets.PRESETS))})")
+    path = path.resolve()
+    if path.is_dir():
+        return hf.load_hf_dir(path)
+    return gguf_source.load_gguf(path)

@@ -1,0 +1,112 @@
+"""`engine-run`: load a Kiln engine and generate, serve or benchmark."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from runtime.engine_dir import EngineError
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Run Kiln engines built by `engine-build`: offline generation, an OpenAI-compatible HTTP "
+         "server, and benchmarks. One process per rank; in-flight batching over a paged KV cache.",
+)
+
+DEFAULT_ENGINE = Path("engines/smollm2-135m")
+
+ENGINE_ARG = typer.Argument(DEFAULT_ENGINE, help="Engine directory written by `engine-build build`.")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"engine-run: error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def one_line_errors(command):
+    """User errors end as one line on stderr and exit 1; KILN_DEBUG=1 shows the traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (EngineError, ValueError, OSError) as exc:
+            if os.environ.get("KILN_DEBUG"):
+                raise
+            fail(" ".join(str(exc).split()))
+        except KeyboardInterrupt:
+            fail("interrupted")
+
+    return wrapper
+
+
+def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads):
+    from runtime.engine import EngineOptions
+
+    return EngineOptions(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                         kv_cache_gib=kv_cache_gib, num_threads=threads)
+
+
+@app.callback()
+def main() -> None:
+    """Run Kiln engines: generate, serve, bench."""
+
+
+MAX_BATCH = typer.Option(None, "--max-batch-size", help="Lower the plan's sequences per step.")
+MAX_TOKENS_STEP = typer.Option(None, "--max-num-tokens", help="Lower the plan's tokens per step.")
+MAX_SEQ = typer.Option(None, "--max-seq-len", help="Lower the plan's prompt + output length limit.")
+KV_GIB = typer.Option(None, "--kv-cache-gib", help="KV cache budget in GiB (default: the build's memory plan).")
+THREADS = typer.Option(None, "--threads", help="CPU threads per rank (default: all cores).")
+
+
+@app.command()
+@one_line_errors
+def generate(
+    engine: Path = ENGINE_ARG,
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text (repeat for a batch)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user message in the chat template."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(-1, "--top-k", help="Sample among the k likeliest tokens (-1 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Per-request seed: same seed, same text."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
+    max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
+    threads: Optional[int] = THREADS,
+):
+    """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
+    from runtime.launcher import open_llm_engine
+    from runtime.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
+                            stop=tuple(stop or ()))
+    with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
+                                                threads)) as llm:
+        texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
+        ids = [llm.add_request(t, params) for t in texts]
+        stream = len(ids) == 1
+        final = {}
+        while len(final) < len(ids):
+            for out in llm.step():
+                if stream:
+                    sys.stdout.write(out.delta)
+                    sys.stdout.flush()
+                if out.finished:
+                    final[out.request_id] = out
+                    if out.finish_reason == "error":
+                        fail(f"request failed: {out.error}")
+        if stream:
+            sys.stdout.write("\n")
+        else:
+            for i, rid in enumerate(ids):
+                typer.echo(f"--- [{i}] {prompt[i]!r}\n{final[rid].text}")
+
+
+if __name__ == "__main__":
+    sys.exit(app())

@@ -1,0 +1,234 @@
+"""LLMEngine: requests in, tokens out; one `step()` runs one batch of the in-flight scheduler."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.engine_dir import EngineDir, EngineError, open_engine
+from runtime.executor import Executor, attention_layers, kv_bytes_per_token
+from runtime.sampler import Sampler
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import Sequence
+from runtime.step import build_step_metadata
+
+log = logging.getLogger("kiln.engine")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Start-up settings; limits may only be lowered below the engine's plan (None keeps the plan's)."""
+
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_seq_len: int | None = None
+    kv_cache_gib: float | None = None   # KV budget; default: the blocks the build's memory plan derived
+    num_threads: int | None = None
+    enable_prefix_caching: bool = True
+    check_hashes: bool = True
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    delta: str                       # text new since the previous output of this request
+    text: str                        # all output text so far
+    token_ids: list[int]             # all output token ids so far
+    finished: bool
+    finish_reason: str | None        # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, engine: EngineDir, options: EngineOptions = EngineOptions(), executor=None):
+        self.engine = engine
+        self.options = options
+        plan = engine.plan
+        self.limits = _lowered(plan["limits"], options)
+        self.block_size = plan["kv_cache"]["block_size"]
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
+        self.tokenizer = Tokenizer.from_file(str(engine.path / "tokenizer.json"))
+        self.tokenizer_config = _read_json(engine.path / "tokenizer_config.json")
+        self.generation_config = _read_json(engine.path / "generation_config.json")
+        self.eos_token_ids = tuple(engine.manifest["model"]["config"]["eos_token_ids"])
+        if executor is None:
+            rank = engine.load_rank(0)
+            num_blocks = self._num_blocks(attention_layers(rank.program))
+            executor = Executor(rank, num_blocks, self.block_size, plan["kv_cache"]["dtype"])
+        self.executor = executor
+        self.num_blocks = executor.cache.num_blocks
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_batch_size=self.limits["max_batch_size"], max_num_tokens=self.limits["max_num_tokens"],
+            max_seq_len=self.limits["max_seq_len"], num_blocks=self.num_blocks, block_size=self.block_size,
+            enable_prefix_caching=options.enable_prefix_caching), self.eos_token_ids)
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens = self.generated_tokens = 0
+
+    @classmethod
+    def from_dir(cls, path: str | Path, options: EngineOptions = EngineOptions()) -> LLMEngine:
+        return cls(open_engine(path, world_size=None, check_hashes=options.check_hashes), options)
+
+    def _num_blocks(self, layers: list[dict]) -> int:
+        kv = self.engine.plan["kv_cache"]
+        if self.options.kv_cache_gib is not None:
+            per_block = kv_bytes_per_token(layers, kv["dtype"]) * self.block_size
+            blocks = int(self.options.kv_cache_gib * (1 << 30) // per_block)
+            if blocks < 1:
+                raise EngineError(f"kv_cache_gib={self.options.kv_cache_gib} holds no KV block "
+                                  f"({per_block} bytes each); raise it")
+            return blocks
+        return self.engine.manifest["memory"]["ranks"][0]["kv_blocks"]
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; ValueError (before it takes any KV blocks) if it can never run."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.engine.manifest["model"]["config"]["vocab_size"]
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(request_id, ids, params)
+        self.scheduler.add(seq)
+        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self.prompt_tokens += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
+        self.requests.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        try:
+            meta = build_step_metadata(batch, self.block_size)
+            logits = self.executor.execute(meta)
+            tokens, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
+        except Exception as exc:  # a failing step ends its own requests, never the engine
+            log.exception("step failed; ending its %d request(s)", len(batch.seqs))
+            return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs
+                    if seq.request_id in self.requests]
+        self.scheduler.postprocess(batch, tokens, logprobs)
+        self.generated_tokens += len(tokens)
+        outputs = []
+        for seq in batch.sampling_seqs:
+            request = self.requests.get(seq.request_id)
+            if request is not None:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _output(self, request: _Request) -> RequestOutput:
+        seq, detok = request.seq, request.detok
+        delta = detok.update(seq.output_token_ids, final=seq.is_finished)
+        if detok.stopped and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+            delta += detok.update(seq.output_token_ids, final=True)
+        if seq.is_finished:
+            del self.requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id, delta=delta, text=detok.text, token_ids=list(seq.output_token_ids),
+            finished=seq.is_finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        self.scheduler.finish(seq, "abort")
+        request = self.requests.pop(seq.request_id)
+        return RequestOutput(seq.request_id, "", request.detok.text, list(seq.output_token_ids), True,
+                             "error", seq.num_prompt_tokens, seq.num_cached_tokens, error=error)
+
+    # ------------------------------------------------------------------ conveniences
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from runtime.chat import render_chat
+
+        return render_chat(self.tokenizer_config, messages, add_generation_prompt)
+
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
+            prefix_queries=bm.prefix_cache_queries, prefix_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens)
+
+
+def _lowered(plan_limits: dict, options: EngineOptions) -> dict:
+    limits = dict(plan_limits)
+    for key in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+        wanted = getattr(options, key)
+        if wanted is None:
+            continue
+        if not 1 <= wanted <= plan_limits[key]:
+            raise EngineError(f"{key}={wanted}: must be between 1 and the engine's plan limit "
+                              f"{plan_limits[key]}; rebuild with a larger [limits] {key} to go higher")
+        limits[key] = wanted
+    if limits["max_num_tokens"] < limits["max_batch_size"]:
+        limits["max_batch_size"] = limits["max_num_tokens"]
+    return limits
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}

