@@ -11,6 +11,9 @@ from builder.errors import KilnError
 from builder.ir import Graph, IRError, verify
 from passes.canonicalize import canonicalize
 from passes.context import PassContext
+from passes.fuse_add_rms_norm import fuse_add_rms_norm
+from passes.fuse_gate_up import fuse_gate_up
+from passes.fuse_qkv import fuse_qkv
 from passes.plan_memory import plan_memory
 
 
@@ -24,6 +27,13 @@ class Pass:
 PIPELINE: list[Pass] = [
     # Phase 1: clean the traced graph.
     Pass("canonicalize", canonicalize),
+    # Phase 2: quantization. Before fusion, so each source weight is quantized as itself (its own
+    # GGUF blocks, its own exclusion glob); fusion then stacks quantized operands row-wise.
+    # Phase 3: fusion (exact rewrites): fewer, larger kernels per layer.
+    Pass("fuse_qkv", fuse_qkv),
+    Pass("fuse_gate_up", fuse_gate_up),
+    Pass("fuse_add_rms_norm", fuse_add_rms_norm),
+    # Phase 4: sharding; from here on each rank has its own graph.
     # Phase 5: analysis of each rank's final program.
     Pass("plan_memory", plan_memory, per_rank=True),
 ]

@@ -1,0 +1,47 @@
+"""Helpers shared by rewriting passes: use lists and row-wise concatenation of sibling linears."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from builder.ir import Graph, Node, Value
+
+
+def consumers(graph: Graph) -> dict[str, list[Node]]:
+    """Value name -> nodes that read it, in program order."""
+    users: dict[str, list[Node]] = defaultdict(list)
+    for node in graph.nodes:
+        for name in node.inputs:
+            users[name].append(node)
+    return users
+
+
+def can_concat(linears: list[Node]) -> bool:
+    """Linears whose operands can be stacked by output rows: same input, scheme and operand roles."""
+    first = linears[0].attrs
+    same = ("quant", "group_size", "operands", "in_features")
+    return (all(n.op == "linear" for n in linears)
+            and all(n.inputs[0] == linears[0].inputs[0] for n in linears)
+            and all(n.attrs.get(k) == first.get(k) for n in linears for k in same)
+            and first.get("layout", "logical") == "logical")
+
+
+def concat_linears(graph: Graph, linears: list[Node], name: str) -> Node:
+    """One linear computing all of `linears` side by side: every operand stacked along dim 0.
+
+    Adds the stacked weights to `graph` (the originals stay until dropped as unused) and returns
+    the new node, whose single output `name` is [rows, sum of out_features].
+    """
+    roles = linears[0].attrs["operands"]
+    inputs = [linears[0].inputs[0]]
+    for i, role in enumerate(roles, start=1):
+        fused = f"{name}.{role}"
+        graph.add_weight(fused, torch.cat([graph.tensors[n.inputs[i]] for n in linears], dim=0))
+        inputs.append(fused)
+    out_features = sum(n.attrs["out_features"] for n in linears)
+    attrs = dict(linears[0].attrs, out_features=out_features)
+    rows = graph.values[linears[0].outputs[0]].shape[0]
+    graph.values[name] = Value(name, "f32", (rows, out_features))
+    return Node(name, "linear", inputs, [name], attrs)
