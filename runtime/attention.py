@@ -1,0 +1,143 @@
+"""Paged attention and KV-cache writes: checks torch tensors, then calls the C kernels in _native._attention.
+
+The wrapper checks dtypes, dimensions, matching sizes, devices and contiguity (skipped with
+check=False, for callers that validated the step once). The C side always checks buffer lengths
+and the metadata values (slot range, block ids of used blocks, query_start_loc monotonic and
+ending at T, context_lens >= query length) before touching any data, so check=False stays
+memory-safe; both raise ValueError.
+"""
+
+import torch
+
+from runtime._native import _attention as _C
+
+# torch dtype of a KV cache -> the C kernel's element code
+CACHE_DTYPE_CODES = {
+    torch.float32: _C.DTYPE_F32,
+    torch.bfloat16: _C.DTYPE_BF16,
+    torch.float16: _C.DTYPE_F16,
+    torch.int8: _C.DTYPE_I8,
+    torch.float8_e4m3fn: _C.DTYPE_F8E4M3,
+}
+QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # store x / kv_scale
+
+# dtypes numpy cannot hold, viewed as same-width integers to reach the buffer protocol
+_NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+
+
+def kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, kv_scale: float = 1.0, num_threads: int | None = None,
+             check: bool = True) -> None:
+    """Scatter key/value [T, nkv, hd] f32 into caches [num_blocks, block_size, nkv, hd] at slot_mapping [T].
+
+    Slot s is block s // block_size, offset s % block_size; slot -1 skips the token. i8 and
+    f8e4m3 caches store key / kv_scale (int8: rounded half to even, clamped to +-127; f8e4m3:
+    saturating at 448).
+    """
+    if check:
+        _check_kv_write(key, value, k_cache, v_cache, slot_mapping, kv_scale)
+    _C.kv_write(key.numpy(), value.numpy(), _buffer(k_cache), _buffer(v_cache), slot_mapping.numpy(),
+                k_cache.shape[2], k_cache.shape[3], CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale),
+                _threads(num_threads))
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, *, kv_scale: float = 1.0, num_threads: int | None = None,
+                    check: bool = True) -> torch.Tensor:
+    """Causal attention of packed queries through the paged KV cache; writes and returns out [T, nh, hd] f32.
+
+    Sequence s owns query tokens query_start_loc[s] .. query_start_loc[s+1]-1 ([S+1] i32), the
+    last qlen positions of its context_lens[s] ([S] i32) cached tokens; query j attends to key
+    positions 0 .. context_lens[s] - qlen + j, read through block_tables [S, max_blocks] i32.
+    Query head h uses kv head h // (nh // nkv). kv_scale dequantizes i8/f8e4m3 caches.
+    """
+    if check:
+        _check_paged_attention(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                               kv_scale)
+    _C.paged_attention(out.numpy(), query.numpy(), _buffer(k_cache), _buffer(v_cache), block_tables.numpy(),
+                       context_lens.numpy(), query_start_loc.numpy(), query.shape[1], k_cache.shape[2],
+                       query.shape[2], k_cache.shape[1], float(scale), CACHE_DTYPE_CODES[k_cache.dtype],
+                       float(kv_scale), _threads(num_threads))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+def _check_kv_write(key, value, k_cache, v_cache, slot_mapping, kv_scale) -> None:
+    fn = "kv_write"
+    _expect(fn, "key", key, torch.float32, 3, "[T, num_kv_heads, head_dim]")
+    _expect(fn, "value", value, torch.float32, 3, "[T, num_kv_heads, head_dim]", shape=key.shape)
+    _check_caches(fn, k_cache, v_cache, kv_scale)
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"{fn}: key [T, num_kv_heads, head_dim] = {tuple(key.shape)} does not match "
+                         f"cache [num_blocks, block_size, num_kv_heads, head_dim] = {tuple(k_cache.shape)}")
+    _expect(fn, "slot_mapping", slot_mapping, torch.int64, 1, "[T]", shape=key.shape[:1])
+
+
+def _check_paged_attention(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                           kv_scale) -> None:
+    fn = "paged_attention"
+    _expect(fn, "query", query, torch.float32, 3, "[T, num_heads, head_dim]")
+    _expect(fn, "out", out, torch.float32, 3, "[T, num_heads, head_dim]", shape=query.shape)
+    _check_caches(fn, k_cache, v_cache, kv_scale)
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if head_dim != k_cache.shape[3] or num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"{fn}: query [T, num_heads, head_dim] = {tuple(query.shape)} needs a cache with "
+                         f"the same head_dim and num_kv_heads dividing num_heads, "
+                         f"got cache {tuple(k_cache.shape)}")
+    _expect(fn, "context_lens", context_lens, torch.int32, 1, "[S]")
+    num_seqs = context_lens.shape[0]
+    _expect(fn, "query_start_loc", query_start_loc, torch.int32, 1, "[S + 1]", shape=(num_seqs + 1,))
+    _expect(fn, "block_tables", block_tables, torch.int32, 2, "[S, max_blocks]")
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"{fn}: block_tables must be [S, max_blocks] with S = {num_seqs}, "
+                         f"got {tuple(block_tables.shape)}")
+
+
+def _check_caches(fn: str, k_cache, v_cache, kv_scale) -> None:
+    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    if k_cache.dtype not in CACHE_DTYPE_CODES:
+        raise ValueError(f"{fn}: k_cache dtype must be one of {sorted(map(str, CACHE_DTYPE_CODES))}, "
+                         f"got {k_cache.dtype}")
+    _expect(fn, "k_cache", k_cache, k_cache.dtype, 4, layout)
+    _expect(fn, "v_cache", v_cache, k_cache.dtype, 4, layout + " like k_cache", shape=k_cache.shape)
+    if k_cache.dtype not in QUANTIZED_CACHE_DTYPES and kv_scale != 1.0:
+        raise ValueError(f"{fn}: kv_scale applies to int8/float8_e4m3fn caches only; got {kv_scale} "
+                         f"with a {k_cache.dtype} cache (pass 1.0)")
+    if not kv_scale > 0.0:
+        raise ValueError(f"{fn}: kv_scale must be positive, got {kv_scale}")
+
+
+def _expect(fn: str, name: str, t, dtype: torch.dtype, ndim: int, layout: str, shape=None) -> None:
+    """Raise ValueError unless t is a contiguous CPU tensor of dtype with ndim dims (and shape if given)."""
+    ok = (isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == ndim and t.is_contiguous()
+          and t.is_cpu and (shape is None or t.shape == shape))
+    if not ok:
+        expected = f"{tuple(shape)} " if shape is not None else ""
+        raise ValueError(f"{fn}: {name} must be {_dtype_name(dtype)} contiguous CPU {layout} {expected}"
+                         f"got {_describe(t)}")
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    layout = "contiguous" if t.is_contiguous() else "non-contiguous"
+    return f"{_dtype_name(t.dtype)} {tuple(t.shape)} {layout} on {t.device}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------- buffers
+
+def _buffer(t: torch.Tensor):
+    """A numpy view of t's memory, which exposes the buffer protocol (tensors do not)."""
+    view = _NUMPY_VIEW.get(t.dtype)
+    return (t.view(view) if view is not None else t).numpy()
+
+
+def _threads(num_threads: int | None) -> int:
+    return torch.get_num_threads() if num_threads is None else num_threads
