@@ -1,0 +1,72 @@
+"""Sampler: picks each sequence's next token from its logits row (greedy, temperature, top-k, top-p).
+
+Every row depends only on its own logits, params and generator, never on the rest of the batch:
+- greedy (temperature 0): argmax of the raw logits, ties to the lowest token id;
+- otherwise probs = softmax(logits / temperature); top-k keeps the k most likely tokens and top-p
+  the smallest most-likely-first set whose mass reaches top_p of what top-k kept (ties in order
+  of token id, by a stable sort, so top_k=1 and a tiny top_p both equal greedy); the kept
+  probabilities are never rescaled, so a row's numbers are the same whichever filters other rows use;
+- the token is argmax(probs / e) with e ~ Exp(1) drawn by the row's own generator over the whole
+  vocabulary (the exponential race: token i wins with probability probs[i] / sum(probs)), so the
+  same seed gives the same tokens in any batch.
+Log-probs are log_softmax of the raw logits, before temperature and filtering: the model's own
+probability of the chosen token, comparable across requests whatever their sampling settings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.sequence import Sequence
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float | None]]:
+        """logits [N, V], one row per sequence -> (token ids, log-prob of each, None where not requested)."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"sample: logits must be [N, V] with N = {len(seqs)} sequences, "
+                             f"got {tuple(logits.shape)}")
+        logits = logits.float()
+        tokens = torch.empty(len(seqs), dtype=torch.int64)
+        greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
+        random = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if random:
+            tokens[random] = self._sample_random(logits[random], [seqs[i] for i in random])
+        token_list = tokens.tolist()
+        logprobs: list[float | None] = [None] * len(seqs)
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
+        if wanted:
+            chosen = torch.log_softmax(logits[wanted], dim=-1).gather(1, tokens[wanted].unsqueeze(1))
+            for i, value in zip(wanted, chosen.squeeze(1).tolist()):
+                logprobs[i] = value
+        return token_list, logprobs
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [R, V] of rows with temperature > 0 -> sampled token ids [R]."""
+        temperatures = torch.tensor([seq.params.temperature for seq in seqs], dtype=torch.float32)
+        probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)  # [R, V]
+        if any(seq.params.uses_top_k or seq.params.uses_top_p for seq in seqs):
+            probs = self._filter_top_k_top_p(probs, seqs)
+        noise = torch.empty_like(probs)  # [R, V], row r from seqs[r]'s generator only
+        for row, seq in zip(noise, seqs):
+            row.exponential_(generator=seq.generator)
+        # An Exp(1) draw of exactly 0 would divide to inf (or 0/0 = nan on a filtered token).
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _filter_top_k_top_p(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Zero the probabilities that top-k / top-p drop; kept values are unchanged."""
+        vocab = probs.shape[1]
+        top_k = torch.tensor([seq.params.top_k if seq.params.uses_top_k else vocab for seq in seqs])
+        top_p = torch.tensor([seq.params.top_p for seq in seqs], dtype=torch.float32)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V]
+        ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
+        sorted_probs = sorted_probs.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        mass_before = cumulative - sorted_probs  # mass of the more likely tokens; 0 for the first
+        threshold = (top_p * cumulative[:, -1]).unsqueeze(1)
+        drop = (mass_before >= threshold) & (top_p < 1.0).unsqueeze(1)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,74 @@
+"""SamplingParams: how one request picks its tokens and when it stops, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    temperature 0 is greedy (argmax, ties to the lowest token id). top_k -1 or 0 and top_p 1.0
+    are off. A request stops on a token in stop_token_ids, on the model's EOS (unless
+    ignore_eos), after max_tokens generated tokens, or on a stop string (checked by the engine).
+    ignore_eos only ignores the model's EOS tokens; stop_token_ids always stop (as in vLLM).
+    logprobs=True returns the log-probability of each chosen token under the raw logits.
+    stop and stop_token_ids accept any sequence and are stored as tuples so the params stay immutable.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            raise ValueError(f"stop must be a list of strings, got the string {self.stop!r} (wrap it in a list)")
+        stop = tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}")
+        stop_token_ids = tuple(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
+            raise ValueError(f"stop_token_ids must hold integers >= 0, got {list(stop_token_ids)!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k >= 1
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,0 +1,93 @@
+"""Sequence: one request's tokens, KV blocks, progress and random state as the scheduler moves it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from runtime.sampling import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # queued, holds no blocks (new, or preempted and waiting to be recomputed)
+    RUNNING = "running"    # holds blocks; prefilling in chunks or decoding one token per step
+    FINISHED = "finished"  # done; finish_reason says why; blocks already freed
+
+
+class Sequence:
+    """A request as the scheduler sees it.
+
+    token_ids = prompt_token_ids + output_token_ids. Tokens 0 .. num_computed_tokens-1 have their
+    K/V in the cache (of which the first num_cached_tokens came from the prefix cache); the rest are
+    computed by coming steps. After a prefill completes, the newest sampled token is always the one
+    uncomputed token, written to the cache by the next decode step.
+
+    generator is this request's own torch.Generator: seeded from params.seed, or, when seed is None,
+    from torch's global generator (so torch.manual_seed makes unseeded runs reproducible). It is
+    never reset, so a preempted and recomputed sequence continues its random stream where it was.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None):
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty (a prompt needs at least one token)")
+        self.request_id = request_id
+        self.params = params if params is not None else SamplingParams()
+        self.prompt_token_ids = prompt
+        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt)  # prompt + output, kept as one list for cheap slicing
+        self.logprobs: list[float] = []  # log-prob of each output token, when params.logprobs
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.arrival = next(_arrival_counter)
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of leading full computed blocks (BlockManager's)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        seed = self.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose K/V is not yet in the cache: the rest of the prefill, or 1 when decoding."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def reset_for_recompute(self) -> None:
+        """Forget all cached state (after preemption): prompt + outputs so far become the next prefill."""
+        self.status = SequenceStatus.WAITING
+        self.block_table = []
+        self.block_hashes = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
