@@ -1,0 +1,310 @@
+"""Quantized linear kernels against a float64 reference of the dequantized weights.
+
+Tolerances come from what the kernels do: act="f32" accumulates fp32 products in chains of at
+most K + 2K/G terms, so |y - ref| <= gamma_n * sum|terms| with gamma_n = n * 2^-24 (plus one
+rounding of each dequantized weight); act="int8" adds the activation rounding, at most half an
+int8 step (block amax / 127) per element times |w|.
+"""
+
+import pytest
+import torch
+
+from runtime import qlinear as ql
+
+EPS32 = 2.0 ** -24
+SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+ODD = {"n40_k96": (40, 96), "n17_k320": (17, 320), "n1_k384": (1, 384)}  # N % 16 != 0, K = G * odd
+TOKENS = (1, 3, 17, 64)
+ISAS = (["avx512"] if ql.set_isa("auto") == "avx512" else []) + ["avx2", "portable"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    ql.set_isa(request.param)
+    yield request.param
+    ql.set_isa("auto")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_int4(n, k, g, seed=0, f16=False):
+    r = gen(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=r)
+    s = torch.rand(n, k // g, generator=r) * 0.02 + 1e-4
+    z = torch.randn(n, k // g, generator=r) * 0.02
+    if f16:  # GGUF Q4_1: f16 d and m, zero = m + 8d in f32
+        s, m = s.half().float(), (z - 8 * s).half().float()
+        z = m + 8 * s
+    return q, s, z
+
+
+def random_int8(n, k, g, seed=0):
+    r = gen(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=r)
+    s = torch.rand((n,) if g is None else (n, k // g), generator=r) * 1e-3 + 1e-5
+    return q, s
+
+
+def check_f32(y, x, terms_w, ref, k, g):
+    """Deterministic fp32 bound, and a typical (L2) relative error near fp32 epsilon."""
+    bound = (k + 2 * k // g + 8) * EPS32 * magnitude(x, terms_w)
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3e}"
+    assert err.norm() <= 2e-6 * ref.norm() + 1e-30
+
+
+def check_int8_act(y, x, w, terms_w, ref, k, block):
+    """|y - ref| <= sum_k |w| * step / 2 (activation rounding) + the fp32 bound."""
+    t = x.shape[0]
+    amax = x.double().abs().reshape(t, k // block, block).amax(-1)
+    half_step = (amax / 127 / 2).repeat_interleave(block, dim=1)  # [T, K]
+    bound = magnitude(half_step, w.abs()) + (k + 8) * EPS32 * magnitude(x, terms_w)
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3e}"
+
+
+def magnitude(x, terms_w):
+    """|x| @ terms_w.T, a bound's scale: computed in f32 and padded by 1% (no need for f64 here)."""
+    return (x.float().abs() @ terms_w.float().T).double() * 1.01
+
+
+def int4_terms(q, s, z, g):
+    """|q - 8| * s + |z| per weight: what the fp32 sums are made of (cancellation-aware)."""
+    expand = lambda t: t.repeat_interleave(g, dim=1)  # noqa: E731
+    return (q.float() - 8).abs() * expand(s).abs() + expand(z).abs()
+
+
+def run_shapes(isa, all_smollm2=True):
+    """The odd shapes and the SmolLM2 ones: all of them for the AVX-512 kernels' main cases, only
+    q elsewhere (AVX2 shares the layouts and loop structure; portable C is slow)."""
+    shapes = dict(ODD)
+    shapes.update(SMOLLM2 if isa == "avx512" and all_smollm2 else {"q": SMOLLM2["q"]})
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Products against the reference
+
+
+def per_batch(k, kernel, seed=0):
+    """Runs kernel on batches of every size in TOKENS: (x [sum(TOKENS), K], outputs stacked the same way)."""
+    x = torch.randn(sum(TOKENS), k, generator=gen(seed))
+    starts = [sum(TOKENS[:i]) for i in range(len(TOKENS))]
+    return x, torch.cat([kernel(x[a:a + t]) for a, t in zip(starts, TOKENS)])
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("act", ["f32", "int8"])
+def test_int4_matches_reference(isa, g, act):
+    for idx, (n, k) in enumerate(run_shapes(isa, g == 32).values()):
+        if k % g:
+            continue
+        q, s, z = random_int4(n, k, g, seed=idx, f16=idx % 2 == 0)
+        packed = ql.pack_int4(q, s, z, g)
+        w = ql.dequantize_int4(packed, n, k, g)
+        bias = torch.randn(n, generator=gen(idx))
+        x, y = per_batch(k, lambda xt: ql.linear_int4(xt, packed, n, k, g, bias, act=act), seed=idx)
+        ref = x.double() @ w.double().T + bias.double()
+        if act == "f32":
+            check_f32(y, x, int4_terms(q, s, z, g), ref, k, g)
+        else:
+            check_int8_act(y, x, w, int4_terms(q, s, z, g), ref, k, g)
+
+
+@pytest.mark.parametrize("g", [None, 32])
+@pytest.mark.parametrize("act", ["f32", "int8"])
+def test_int8_matches_reference(isa, g, act):
+    for idx, (n, k) in enumerate(run_shapes(isa, g == 32).values()):
+        q, s = random_int8(n, k, g, seed=idx)
+        packed = ql.pack_int8(q, s, g)
+        w = ql.dequantize_int8(packed, n, k, g)
+        x, y = per_batch(k, lambda xt: ql.linear_int8(xt, packed, n, k, g, act=act), seed=idx)
+        ref = x.double() @ w.double().T
+        if act == "f32":
+            check_f32(y, x, w.abs(), ref, k, g or k)
+        else:
+            block = g or next(b for b in (128, 64, 32) if k % b == 0)  # the kernels' per-channel choice
+            check_int8_act(y, x, w, w.abs(), ref, k, block)
+
+
+def test_fp8_and_bf16_match_reference(isa):
+    for idx, (n, k) in enumerate(run_shapes(isa).values()):
+        codes = (torch.randn(n, k, generator=gen(idx)) * 30).to(torch.float8_e4m3fn)
+        fp8 = ql.pack_fp8(codes, torch.rand(n, generator=gen(idx)) + 0.01)
+        bf16 = ql.pack_bf16(torch.randn(n, k, generator=gen(idx)))
+        for packed, linear, w in ((fp8, ql.linear_fp8, ql.dequantize_fp8(fp8, n, k)),
+                                  (bf16, ql.linear_bf16, ql.dequantize_bf16(bf16, n, k))):
+            x, y = per_batch(k, lambda xt: linear(xt, packed, n, k), seed=idx)
+            check_f32(y, x, w.abs(), x.double() @ w.double().T, k, k)
+
+
+def test_fp8_decodes_every_finite_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].reshape(1, -1)[:, :248]  # 254 finite codes -> 248 (K % 8)
+    packed = ql.pack_fp8(codes, torch.tensor([1.0]))
+    expected = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(ql.dequantize_fp8(packed, 1, 248), expected)
+    x = torch.eye(248)
+    assert torch.equal(ql.linear_fp8(x, packed, 1, 248)[:, 0], expected[0])  # one product each: exact
+
+
+def test_avx512_and_portable_agree_on_int8_activations():
+    if "avx512" not in ISAS:
+        pytest.skip("no AVX-512")
+    n, k, g = 40, 320, 64
+    packed = ql.pack_int4(*random_int4(n, k, g), g)
+    x = torch.randn(17, k, generator=gen(3))
+    ys = {}
+    for name in ISAS:
+        ql.set_isa(name)
+        ys[name] = ql.linear_int4(x, packed, n, k, g, act="int8")
+    ql.set_isa("auto")
+    torch.testing.assert_close(ys["avx512"], ys["portable"], rtol=1e-5, atol=1e-6)
+
+
+def test_threads_give_identical_results():
+    n, k, g = 576, 576, 32
+    packed = ql.pack_int4(*random_int4(n, k, g), g)
+    for t in (1, 17):
+        x = torch.randn(t, k, generator=gen(t))
+        for act in ("f32", "int8"):
+            one = ql.linear_int4(x, packed, n, k, g, act=act, num_threads=1)
+            assert torch.equal(one, ql.linear_int4(x, packed, n, k, g, act=act, num_threads=2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+
+@pytest.mark.parametrize("f16", [True, False])
+def test_int4_pack_round_trip_is_exact(f16):
+    n, k, g = 40, 96, 32
+    q, s, z = random_int4(n, k, g, f16=f16)
+    packed = ql.pack_int4(q, s, z, g)
+    assert ("mins" in packed) == f16 and packed["scales"].dtype == (torch.float16 if f16 else torch.float32)
+    assert packed["qweight"].shape == (3, k // 8, 64)
+    q2, s2, z2 = ql.unpack_int4(packed, n, k, g)
+    assert torch.equal(q2, q) and torch.equal(s2, s) and torch.equal(z2, z)
+    expected = ((q.double() - 8) * s.double().repeat_interleave(g, 1) + z.double().repeat_interleave(g, 1)).float()
+    assert torch.equal(ql.dequantize_int4(packed, n, k, g), expected)
+
+
+@pytest.mark.parametrize("g", [None, 32])
+def test_int8_pack_round_trip_is_exact(g):
+    n, k = 33, 96
+    q, s = random_int8(n, k, g)
+    for scales in (s, s.half().float()):  # f32 kept as f32; f16-exact stored as f16
+        packed = ql.pack_int8(q, scales, g)
+        assert packed["scales"].dtype == (torch.float16 if scales is not s else torch.float32)
+        q2, s2 = ql.unpack_int8(packed, n, k, g)
+        assert torch.equal(q2, q) and torch.equal(s2, scales)
+
+
+def test_bf16_pack_round_trip_is_exact():
+    w = torch.randn(17, 64).to(torch.bfloat16)
+    assert torch.equal(ql.dequantize_bf16(ql.pack_bf16(w), 17, 64), w.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# Adversarial inputs
+
+
+@pytest.mark.parametrize("act", ["f32", "int8"])
+def test_outliers_and_zero_scales(isa, act):
+    n, k, g = 40, 192, 32
+    q, s, z = random_int4(n, k, g, seed=5)
+    s[3] = 0.0           # row 3: zero scales, w = z
+    s[4], z[4] = 0.0, 0.0  # row 4: all zero
+    s[7] *= 1e4          # outlier row
+    z[:, 2] = -8 * s[:, 2]  # group 2 symmetric (zero point cancels)
+    packed = ql.pack_int4(q, s, z, g)
+    w = ql.dequantize_int4(packed, n, k, g)
+    x = torch.randn(5, k, generator=gen(9))
+    x[:, 11] *= 1e4      # outlier channel
+    x[2] = 0.0           # an all-zero token (int8 step 0)
+    x[3, :32] = 0.0      # an all-zero block
+    y = ql.linear_int4(x, packed, n, k, g, act=act)
+    assert bool(torch.isfinite(y).all()) and bool((y[:, 4] == 0).all()) and bool((y[2] == 0).all())
+    ref = x.double() @ w.double().T
+    terms = int4_terms(q, s, z, g)
+    if act == "f32":
+        bound = (k + 2 * k // g + 8) * EPS32 * magnitude(x, terms)
+        assert bool(((y.double() - ref).abs() <= bound).all())
+    else:
+        check_int8_act(y, x, w, terms, ref, k, g)
+
+
+def test_empty_batch_and_out_argument():
+    n, k, g = 40, 96, 32
+    packed = ql.pack_int4(*random_int4(n, k, g), g)
+    assert ql.linear_int4(torch.empty(0, k), packed, n, k, g).shape == (0, n)
+    out = torch.full((2, n), float("nan"))
+    x = torch.randn(2, k)
+    assert ql.linear_int4(x, packed, n, k, g, out=out) is out
+    torch.testing.assert_close(out, x @ ql.dequantize_int4(packed, n, k, g).T, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Executor entry points
+
+
+def test_make_linear_and_embedding_rows():
+    n, k, g = 40, 96, 32
+    q, s = random_int8(n, k, g)
+    packed = ql.pack_int8(q, s, g)
+    w = ql.dequantize_int8(packed, n, k, g)
+    bias = torch.randn(n)
+    attrs = {"quant": "int8", "layout": ql.LAYOUT_INT8, "out_features": n, "in_features": k, "group_size": g}
+    fn = ql.make_linear(attrs, dict(packed, bias=bias))
+    x = torch.randn(6, 2 * k)[:, ::2]  # non-contiguous activations are made contiguous
+    torch.testing.assert_close(fn(x), x @ w.T + bias, rtol=1e-5, atol=1e-5)
+    rows = ql.make_embedding_rows(dict(attrs, vocab_size=n, hidden_size=k), packed)
+    ids = torch.tensor([0, 39, 17, 17])
+    assert torch.equal(rows(ids), w[ids])
+    q4 = ql.pack_int4(*random_int4(n, k, g, f16=True), g)
+    rows4 = ql.make_embedding_rows({"quant": "int4", "layout": ql.LAYOUT_INT4, "vocab_size": n, "hidden_size": k,
+                                    "group_size": g}, q4)
+    assert torch.equal(rows4(ids), ql.dequantize_int4(q4, n, k, g)[ids])
+    with pytest.raises(ValueError, match="layout"):
+        ql.make_linear(dict(attrs, layout="q8.other"), packed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: raised by the wrapper before any pointer is touched
+
+
+def test_wrapper_errors():
+    n, k, g = 40, 96, 32
+    q, s, z = random_int4(n, k, g)
+    packed = ql.pack_int4(q, s, z, g)
+    x = torch.randn(2, k)
+    cases = [
+        (lambda: ql.pack_int4(q.to(torch.int8), s, z, g), "q must be"),
+        (lambda: ql.pack_int4(q, s.double(), z, g), "scales must be"),
+        (lambda: ql.pack_int4(q, s[:, :2], z, g), "scales must be"),
+        (lambda: ql.pack_int4(q[:, :80], s, z, 64), "not divisible"),
+        (lambda: ql.pack_int4(q, s, z, 48), "group_size"),
+        (lambda: ql.pack_int4(q | 16, s, z, g), "0..15"),
+        (lambda: ql.pack_int8(q.to(torch.int8), s[:, :2].contiguous(), g), "scales must be"),
+        (lambda: ql.pack_int8(q.to(torch.int8), torch.rand(n, 2), None), "scales must be"),
+        (lambda: ql.pack_fp8(torch.full((2, 8), 0x7F, dtype=torch.uint8), torch.ones(2)), "NaN"),
+        (lambda: ql.linear_int4(x.double(), packed, n, k, g), "x must be"),
+        (lambda: ql.linear_int4(x.bfloat16(), packed, n, k, g), "x must be"),
+        (lambda: ql.linear_int4(torch.randn(2, 2 * k)[:, ::2], packed, n, k, g), "x must be"),
+        (lambda: ql.linear_int4(torch.randn(2, 64), packed, n, k, g), "x must be"),
+        (lambda: ql.linear_int4(x, packed, n, k, 64), "not divisible"),
+        (lambda: ql.linear_int4(x, dict(packed, scales=packed["scales"][:, :2].contiguous()), n, k, g), "scales must"),
+        (lambda: ql.linear_int4(x, packed, n + 16, k, g), "qweight must be"),
+        (lambda: ql.linear_int4(x, {"qweight": packed["qweight"]}, n, k, g), "lack 'scales'"),
+        (lambda: ql.linear_int4(x, dict(packed, scales=packed["scales"].half()), n, k, g), "f16 scales"),
+        (lambda: ql.linear_int4(x, packed, n, k, g, bias=torch.randn(n + 1)), "bias must be"),
+        (lambda: ql.linear_int4(x, packed, n, k, g, act="int4"), "act must be"),
+        (lambda: ql.linear_int4(x, packed, n, k, g, out=torch.empty(2, n + 1)), "out must be"),
+        (lambda: ql.linear_int8(torch.randn(2, 40), ql.pack_int8(torch.zeros(8, 40, dtype=torch.int8),
+                                                                  torch.ones(8)), 8, 40, act="int8"), "int8"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fn()
