@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from builder import emit
+from builder.calibration import KV_MAX, shipped_text
+from builder.errors import KilnError
+from builder.lazy_tensors import LazyTensors
 from builder.model import load_model
 from builder.pipeline import PIPELINE, PipelineOptions, run_pipeline
 from builder.plan import Plan, load_devices
 from builder.trace import trace
 from passes.context import PassContext
+from passes.pack_weights import LAYOUTS
 from runtime import ENGINE_FORMAT, FORMAT_VERSION, __version__
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -32,7 +37,11 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     model = load_model(model_source)
     identity = {"name": model.name, "architecture": model.config.architecture,
                 "config": model.config.to_dict(), "weights_sha256": model.weights_sha256()}
-    passes = [{"name": p.name, "params": _pass_params(p.name, plan)} for p in PIPELINE]
+    if calibration_text is None and plan.quant.calib is not None:
+        calibration_text = _read_calibration(plan.quant.calib)
+    texts = {"calibration": calibration_text if calibration_text is not None else shipped_text("calibration"),
+             "evaluation": shipped_text("evaluation")}
+    passes = [{"name": p.name, "params": _pass_params(p.name, plan, texts)} for p in PIPELINE]
     build_id = emit.build_id(identity, plan.to_dict(), passes)
     if emit.is_up_to_date(out, build_id):
         import json
@@ -41,10 +50,12 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     emit.check_output_dir(out, force)
 
     graph = trace(model)
-    for name in tqdm(sorted(graph.weights), desc="loading weights", unit="tensor", disable=not show_progress):
-        graph.tensors[name] = model.load(name)
+    # Weights are read from the source when a pass or the emitter needs them, never all at once.
+    graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
     ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text)
     graphs = run_pipeline(graph, ctx, options)
+    # The figures go into the manifest and report, not into every rank's program.
+    accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
 
     manifest = {
         "format": ENGINE_FORMAT,
@@ -56,22 +67,62 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
         "passes": passes,
         "target": _target_requirements(plan),
         "world_size": plan.world_size,
+        "quantization": _quantization_summary(plan, graphs[0]),
     }
+    if accuracy:
+        manifest["accuracy"] = accuracy
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch:  # reproducible-builds convention: a build time only when the caller fixes it
         manifest["build_time"] = int(epoch)
     return BuildResult(out, emit.emit(out, graphs, model, manifest, show_progress), False)
 
 
-def _pass_params(name: str, plan: Plan) -> dict:
-    if name.startswith("quantize"):
-        return {"method": plan.quant.method, "group_size": plan.quant.group_size,
-                "exclude": list(plan.quant.exclude)}
+def _read_calibration(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KilnError(f"[quant] calib {path}: cannot read the calibration text ({exc})") from None
+
+
+def _pass_params(name: str, plan: Plan, texts: dict[str, str]) -> dict:
+    """What each pass depends on besides the graph (in the build id: a change rebuilds)."""
+    digest = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in texts.items()}
+    quant = plan.quant
+    if name.startswith("quantize") or name == "keep_source_quant":
+        return {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude)}
+    if name in ("fold_awq_scales", "clip_awq_weights"):
+        return {"method": quant.method, "calibration_sha256": digest["calibration"]} \
+            if quant.method == "int4-awq" else {}
+    if name == "calibrate_kv_scales":
+        return {"kv_dtype": plan.kv_cache.dtype, "calibration_sha256": digest["calibration"]} \
+            if plan.kv_cache.dtype in KV_MAX else {}
+    if name == "measure_accuracy":
+        return {"max_ppl_increase": quant.max_ppl_increase, "evaluation_sha256": digest["evaluation"]}
+    if name == "pack_weights":
+        return {"layouts": dict(LAYOUTS)} if plan.target == "cpu" else {}
     if name == "plan_memory":
         return {"device": plan.device, "kv_cache": plan.to_dict()["kv_cache"]}
     if name in ("shard_tensor_parallel", "split_pipeline_stages"):
         return {"tp": plan.tp, "pp": plan.pp}
     return {}
+
+
+def _quantization_summary(plan: Plan, graph) -> dict:
+    """How the weights of rank 0 are stored and computed (counts of weight nodes per format)."""
+    formats = Counter()
+    for node in graph.nodes:
+        if node.op in ("linear", "logits", "embedding"):
+            a = node.attrs
+            quant = a.get("quant", "none")
+            formats[quant if quant == "none" or not a.get("group_size") else f"{quant} g{a['group_size']}"] += 1
+    summary = {"method": plan.quant.method, "kv_cache_dtype": plan.kv_cache.dtype,
+               "nodes": dict(sorted(formats.items()))}
+    if plan.target == "cpu" and set(formats) != {"none"}:
+        summary["compute"] = "weights stay quantized in memory and are widened inside the kernels; f32 activations"
+    if plan.quant.method == "fp8" or plan.kv_cache.dtype == "fp8":
+        summary["fp8"] = ("stored as e4m3 with f32 scales, computed in f32 on the cpu target; "
+                          "the tensorrt target runs it as FP8 Q/DQ on FP8 tensor cores")
+    return summary
 
 
 def _target_requirements(plan: Plan) -> dict:

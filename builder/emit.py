@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -19,7 +20,7 @@ from importlib import resources
 from tqdm import tqdm
 
 from builder.errors import KilnError
-from builder.ir import Graph
+from builder.ir import TORCH_DTYPES, Graph
 from runtime import ENGINE_FORMAT, FORMAT_VERSION, RANK_FORMAT, __version__
 
 # The C kernels are compiled for these instruction sets (pyproject.toml: -mavx2 -mfma -mf16c).
@@ -78,6 +79,9 @@ def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progre
         memory = [g.meta["memory"] for g in graphs if "memory" in g.meta]
         if memory:
             manifest["memory"] = {"ranks": memory}
+        shares = [_rank_share(rank, g) for rank, g in enumerate(graphs) if "shard" in g.meta]
+        if shares:
+            manifest["sharding"] = {"ranks": shares}
         accuracy = graphs[0].meta.get("accuracy")
         if accuracy:
             manifest["accuracy"] = accuracy
@@ -93,17 +97,20 @@ def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progre
     return manifest
 
 
+def _rank_share(rank: int, graph: Graph) -> dict:
+    """What one rank holds: its stage's layers and its share of heads, MLP columns and vocabulary."""
+    return dict(rank=rank, tp_rank=graph.meta["mapping"]["tp_rank"], pp_rank=graph.meta["mapping"]["pp_rank"],
+                layers=graph.meta["stage"]["layers"], **{k: v for k, v in graph.meta["shard"].items() if k != "tp_rank"})
+
+
 def _write_rank(path: Path, rank: int, graph: Graph) -> None:
-    tensors, seen = {}, set()
-    for name in sorted(graph.weights):
-        tensor = graph.tensors[name].contiguous()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        # safetensors refuses tensors that share memory (slices of one fused weight): copy those.
-        tensors[name] = tensor.clone() if key in seen else tensor
-        seen.add(key)
+    """Stream one rank's weights into its file: each tensor is loaded, written and released in turn."""
     metadata = {"kiln.format": RANK_FORMAT, "kiln.format_version": str(FORMAT_VERSION),
                 "kiln.rank": str(rank), "kiln.program": graph.to_json()}
-    write_safetensors(path, tensors, metadata)
+    specs = {name: (TORCH_DTYPES[w.dtype], w.shape) for name, w in graph.weights.items()}
+    with SafetensorsWriter(path, specs, metadata) as writer:
+        for name in sorted(specs):
+            writer.write(name, graph.tensors[name])
 
 
 SAFETENSORS_DTYPES = {
@@ -112,23 +119,54 @@ SAFETENSORS_DTYPES = {
 }
 
 
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time, in sorted name order, from a header of types.
+
+    The header is sorted (the library's own writer orders metadata by hash), so equal inputs give
+    equal bytes.
+    """
+
+    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple]], metadata: dict[str, str]):
+        self.specs, self.order = specs, sorted(specs)
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        for name in self.order:
+            dtype, shape = specs[name]
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # tensor data starts 8-byte aligned
+        self.file = open(path, "wb")
+        self.file.write(len(blob).to_bytes(8, "little"))
+        self.file.write(blob)
+        self.written = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.written >= len(self.order) or name != self.order[self.written]:
+            raise KilnError(f"rank file: tensor {name!r} written out of order")
+        dtype, shape = self.specs[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise KilnError(f"rank file: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)} but the "
+                            f"program declares {dtype} {tuple(shape)} (a pass recorded the wrong type)")
+        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        self.written += 1
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.file.close()
+        if exc_type is None and self.written != len(self.order):
+            raise KilnError(f"rank file: {len(self.order) - self.written} tensor(s) were never written")
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """A safetensors file with a sorted header (the library's own writer orders metadata by hash)."""
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # tensor data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    with SafetensorsWriter(path, specs, metadata) as writer:
         for name in sorted(tensors):
-            f.write(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            writer.write(name, tensors[name])
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

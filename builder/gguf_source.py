@@ -17,6 +17,7 @@ from builder.model import ModelConfig, ModelSpec, RawBlocks, canonical_weight_sh
 
 GGUF_MAGIC = b"GGUF"
 BLOCK = 32  # elements per Q4_1 / Q8_0 block
+DEQUANT_CHUNK = 1 << 22  # elements dequantized at a time when loading a weight
 NATIVE_BLOCK_TYPES = ("Q4_1", "Q8_0")
 GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -52,10 +53,19 @@ class GGUFModelSpec(ModelSpec):
         self._tensors = tensors  # Kiln name -> gguf ReaderTensor
 
     def _load(self, name: str) -> torch.Tensor:
-        tensor = self._tensors[name]
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(self.weight_shape(name))
-        values = np.array(self._unpermute(name, values), dtype=np.float32)  # a copy: the file is mapped read-only
-        return torch.from_numpy(values)
+        tensor, shape = self._tensors[name], self.weight_shape(name)
+        if len(shape) == 1:
+            values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only
+        # Row chunks into one float32 array: dequantizing a whole embedding at once needs several
+        # temporaries of its float size, the largest share of a streaming build's peak memory.
+        blocks = tensor.data.reshape(shape[0], -1)
+        values = np.empty(shape, dtype=np.float32)
+        step = max(1, DEQUANT_CHUNK // shape[1])
+        for start in range(0, shape[0], step):
+            rows = dequantize(blocks[start:start + step], tensor.tensor_type)
+            values[start:start + step] = rows.reshape(-1, shape[1])
+        return torch.from_numpy(np.ascontiguousarray(self._unpermute(name, values)))
 
     def raw_blocks(self, name: str) -> RawBlocks | None:
         self._check_name(name)

@@ -84,7 +84,7 @@ class Graph:
         fields = dict(
             inputs=list(self.inputs), nodes=[copy.deepcopy(n) for n in self.nodes],
             outputs=list(self.outputs), weights=dict(self.weights), values=dict(self.values),
-            meta=copy.deepcopy(self.meta), tensors=dict(self.tensors),
+            meta=copy.deepcopy(self.meta), tensors=copy.copy(self.tensors),
         )
         fields.update(changes)
         return Graph(**fields)
@@ -92,6 +92,15 @@ class Graph:
     def add_weight(self, name: str, tensor: torch.Tensor) -> None:
         self.weights[name] = Value(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
         self.tensors[name] = tensor
+
+    def derive_weight(self, name: str, dtype: str, shape: tuple, sources: list[str], fn) -> None:
+        """A weight computed as fn(*source tensors): when read, if tensors are lazy (a streaming
+        build), else now."""
+        self.weights[name] = Value(name, dtype, tuple(shape))
+        if hasattr(self.tensors, "derive"):
+            self.tensors.derive(name, sources, fn)
+        else:
+            self.tensors[name] = fn(*(self.tensors[s] for s in sources))
 
     def drop_unused_weights(self) -> None:
         used = {i for n in self.nodes for i in n.inputs}
@@ -229,6 +238,8 @@ def _check_shapes(graph: Graph, node: Node, where: str) -> None:
         expect(out.shape == (*x.shape[:-1], n), f"output must be [{x.shape[0]}, out_features={n}]")
         if node.attrs.get("quant", "none") == "none":
             expect(ins[1].shape == (n, k), f"float weight must be [{n}, {k}]")
+        else:
+            _check_logical_operands(node, ins[1:], n, k, expect)
     elif op == "add":
         expect(ins[0].shape == ins[1].shape == outs[0].shape, "add needs equal shapes")
     elif op == "split":
@@ -250,6 +261,33 @@ def _check_shapes(graph: Graph, node: Node, where: str) -> None:
         expect(outs[0].shape == ins[0].shape, "attention output has q's shape")
     elif op == "embedding":
         expect(ins[0].dtype in ("i64", "i32") and len(ins[0].shape) == 1, "tokens must be integer [T]")
+        if node.attrs.get("quant", "none") != "none":
+            _check_logical_operands(node, ins[1:], node.attrs["vocab_size"], node.attrs["hidden_size"], expect)
         expect(outs[0].shape == (ins[0].shape[0], node.attrs["hidden_size"]), "embedding output [T, hidden]")
     elif op == "gather_last":
         expect(outs[0].shape[1:] == ins[0].shape[1:], "gather_last keeps the row width")
+
+
+# Logical quantized operands (before pack_weights gives them the kernels' layout): role -> dtypes
+LOGICAL_DTYPES = {"int8": {"qweight": ("i8",)}, "int4": {"qweight": ("u8",)}, "fp8": {"qweight": ("f8e4m3",)}}
+
+
+def _check_logical_operands(node: Node, operands: list[Value], n: int, k: int, expect) -> None:
+    """qweight [N, K]; scales (and zeros) f32 [N] per channel or [N, K/G] per group; bias f32 [N]."""
+    a = node.attrs
+    if a.get("layout") != "logical":
+        return  # packed: runtime.qlinear checks its own layouts when it binds the node
+    expect(a.get("quant") in LOGICAL_DTYPES, f"quant must be one of {sorted(LOGICAL_DTYPES)}")
+    group = a.get("group_size")
+    expect(group is None or (group > 0 and k % group == 0), f"group_size {group} must divide in_features {k}")
+    per_group = (n,) if group is None else (n, k // group)
+    roles = a.get("operands", [])
+    expect(len(roles) == len(operands), "operands must name every weight input")
+    for role, value in zip(roles, operands):
+        if role == "qweight":
+            expect(value.shape == (n, k) and value.dtype in LOGICAL_DTYPES[a["quant"]]["qweight"],
+                   f"qweight must be {LOGICAL_DTYPES[a['quant']]['qweight'][0]} [{n}, {k}]")
+        elif role in ("scales", "zeros"):
+            expect(value.dtype == "f32" and value.shape == per_group, f"{role} must be f32 {list(per_group)}")
+        elif role == "bias":
+            expect(value.shape == (n,), f"bias must be [{n}]")

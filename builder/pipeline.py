@@ -9,12 +9,23 @@ from pathlib import Path
 
 from builder.errors import KilnError
 from builder.ir import Graph, IRError, verify
+from passes.calibrate_kv_scales import calibrate_kv_scales
 from passes.canonicalize import canonicalize
+from passes.clip_awq_weights import clip_awq_weights
 from passes.context import PassContext
+from passes.fold_awq_scales import fold_awq_scales
 from passes.fuse_add_rms_norm import fuse_add_rms_norm
 from passes.fuse_gate_up import fuse_gate_up
 from passes.fuse_qkv import fuse_qkv
+from passes.keep_source_quant import keep_source_quant
+from passes.measure_accuracy import measure_accuracy
+from passes.pack_weights import pack_weights
 from passes.plan_memory import plan_memory
+from passes.shard_tensor_parallel import shard_tensor_parallel
+from passes.split_pipeline_stages import split_pipeline_stages
+from passes.quantize_fp8 import quantize_fp8
+from passes.quantize_int4 import quantize_int4
+from passes.quantize_int8 import quantize_int8
 
 
 @dataclass(frozen=True)
@@ -29,12 +40,31 @@ PIPELINE: list[Pass] = [
     Pass("canonicalize", canonicalize),
     # Phase 2: quantization. Before fusion, so each source weight is quantized as itself (its own
     # GGUF blocks, its own exclusion glob); fusion then stacks quantized operands row-wise.
+    # Each pass acts for its plan method only. The calibration passes run on the float weights,
+    # and AWQ's scales are folded before INT4 rounds the scaled weights.
+    Pass("keep_source_quant", keep_source_quant),
+    Pass("calibrate_kv_scales", calibrate_kv_scales),
+    Pass("fold_awq_scales", fold_awq_scales),
+    Pass("clip_awq_weights", clip_awq_weights),
+    Pass("quantize_int8", quantize_int8),
+    Pass("quantize_int4", quantize_int4),
+    Pass("quantize_fp8", quantize_fp8),
     # Phase 3: fusion (exact rewrites): fewer, larger kernels per layer.
     Pass("fuse_qkv", fuse_qkv),
     Pass("fuse_gate_up", fuse_gate_up),
     Pass("fuse_add_rms_norm", fuse_add_rms_norm),
-    # Phase 4: sharding; from here on each rank has its own graph.
-    # Phase 5: analysis of each rank's final program.
+    # Analysis of the whole quantized program, before sharding splits it: perplexity and KL
+    # against the float model, and the max_ppl_increase gate (a failing build writes nothing).
+    Pass("measure_accuracy", measure_accuracy),
+    # Phase 4: sharding; from here on each rank has its own graph. Stages are cut first, so they are
+    # priced on whole layers and every tensor-parallel rank of a stage cuts at the same layers; the
+    # tensor-parallel pass then slices only the weights of the rank's own stage.
+    Pass("split_pipeline_stages", split_pipeline_stages, per_rank=True),
+    Pass("shard_tensor_parallel", shard_tensor_parallel, per_rank=True),
+    # Phase 5: kernel layouts. After sharding, which slices the logical [N, K] operands; before
+    # plan_memory, which counts the packed bytes.
+    Pass("pack_weights", pack_weights, per_rank=True),
+    # Phase 6: analysis of each rank's final program.
     Pass("plan_memory", plan_memory, per_rank=True),
 ]
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from builder.errors import KilnError
-from builder.ir import Graph
+from builder.ir import TORCH_DTYPES, Graph
 from builder.plan import load_devices
 from passes.context import PassContext
 
@@ -14,7 +16,8 @@ GIB = 1 << 30
 def plan_memory(graph: Graph, ctx: PassContext) -> Graph:
     plan = ctx.plan
     device = load_devices()[plan.device]
-    weight_bytes = sum(t.numel() * t.element_size() for n, t in graph.tensors.items() if n in graph.weights)
+    # From the weights' types, not their tensors: those load lazily, one at a time, when emitted.
+    weight_bytes = sum(math.prod(w.shape) * TORCH_DTYPES[w.dtype].itemsize for w in graph.weights.values())
     layers = [n.attrs for n in graph.nodes if n.op == "attention"]
     kv_bytes_per_token = sum(2 * a["num_kv_heads"] * a["head_dim"] for a in layers) * KV_BYTES[plan.kv_cache.dtype]
     widest = max((v.shape[-1] for v in graph.values.values() if len(v.shape) == 2 and v.shape[0] == "T"), default=0)

@@ -38,7 +38,10 @@ def concat_linears(graph: Graph, linears: list[Node], name: str) -> Node:
     inputs = [linears[0].inputs[0]]
     for i, role in enumerate(roles, start=1):
         fused = f"{name}.{role}"
-        graph.add_weight(fused, torch.cat([graph.tensors[n.inputs[i]] for n in linears], dim=0))
+        parts = [n.inputs[i] for n in linears]
+        first = graph.weights[parts[0]]
+        shape = (sum(graph.weights[p].shape[0] for p in parts), *first.shape[1:])
+        graph.derive_weight(fused, first.dtype, shape, parts, lambda *ts: torch.cat(ts, dim=0))
         inputs.append(fused)
     out_features = sum(n.attrs["out_features"] for n in linears)
     attrs = dict(linears[0].attrs, out_features=out_features)

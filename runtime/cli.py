@@ -45,11 +45,11 @@ def one_line_errors(command):
     return wrapper
 
 
-def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads):
+def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0):
     from runtime.engine import EngineOptions
 
     return EngineOptions(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                         kv_cache_gib=kv_cache_gib, num_threads=threads)
+                         kv_cache_gib=kv_cache_gib, num_threads=threads, rank_timeout=rank_timeout)
 
 
 @app.callback()
@@ -62,6 +62,10 @@ MAX_TOKENS_STEP = typer.Option(None, "--max-num-tokens", help="Lower the plan's 
 MAX_SEQ = typer.Option(None, "--max-seq-len", help="Lower the plan's prompt + output length limit.")
 KV_GIB = typer.Option(None, "--kv-cache-gib", help="KV cache budget in GiB (default: the build's memory plan).")
 THREADS = typer.Option(None, "--threads", help="CPU threads per rank (default: all cores).")
+RANK_TIMEOUT = typer.Option(60.0, "--rank-timeout",
+                            help="Multi-rank engines: seconds a dead or hung rank is given before every rank "
+                                 "stops and engine-run exits naming it. Ranks: one process each, started here, "
+                                 "or by `torchrun --nproc-per-node N -m runtime.cli generate ...`.")
 
 
 @app.command()
@@ -78,7 +82,7 @@ def generate(
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
-    threads: Optional[int] = THREADS,
+    threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT,
 ):
     """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
     from runtime.launcher import open_llm_engine
@@ -87,7 +91,7 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads)) as llm:
+                                                threads, rank_timeout)) as llm:
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         ids = [llm.add_request(t, params) for t in texts]
         stream = len(ids) == 1
@@ -106,6 +110,31 @@ def generate(
         else:
             for i, rid in enumerate(ids):
                 typer.echo(f"--- [{i}] {prompt[i]!r}\n{final[rid].text}")
+
+
+@app.command()
+@one_line_errors
+def serve(
+    engine: Path = ENGINE_ARG,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: all interfaces)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    max_waiting: int = typer.Option(64, "--max-waiting", min=1,
+                                    help="Requests that may wait for a batch slot; more get 429 + Retry-After."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0.0,
+                                        help="On SIGTERM, seconds running requests get to finish before abort."),
+    model_name: Optional[str] = typer.Option(None, "--model-name",
+                                             help="Model id clients send (default: the manifest's model name)."),
+    max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
+    max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
+    threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT,
+):
+    """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
+    from runtime.launcher import open_llm_engine
+    from runtime.server import serve as run_server
+
+    options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout)
+    raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
+                                max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ class EngineOptions:
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     check_hashes: bool = True
+    rank_timeout: float = 60.0          # multi-rank: seconds a silent rank is given before all ranks stop
 
 
 @dataclass
@@ -151,7 +152,9 @@ class LLMEngine:
             meta = build_step_metadata(batch, self.block_size)
             logits = self.executor.execute(meta)
             tokens, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
-        except Exception as exc:  # a failing step ends its own requests, never the engine
+        except Exception as exc:  # a failing step ends its own requests, never the engine...
+            if getattr(exc, "fatal", False):  # ...unless the engine itself is lost (a rank died)
+                raise
             log.exception("step failed; ending its %d request(s)", len(batch.seqs))
             return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs
                     if seq.request_id in self.requests]

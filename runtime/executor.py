@@ -11,7 +11,8 @@ from runtime.engine_dir import RankFile
 from runtime.program import Hooks, Program
 from runtime.step import StepMetadata
 
-KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "int8": torch.int8,
+             "fp8": torch.float8_e4m3fn}
 KV_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1, "int8": 1}
 
 
@@ -52,14 +53,15 @@ class Executor:
         self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks)
 
     @torch.inference_mode()
-    def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states."""
         self.meta = meta
         env = {"tokens": meta.token_ids, "positions": meta.positions}
         if inputs:
             env.update(inputs)
         try:
-            return self.program.run(env)[0]
+            outputs = self.program.run(env)
+            return outputs[0] if outputs else None  # a pipeline stage before the last sends, returns nothing
         finally:
             self.meta = None
 
@@ -69,14 +71,17 @@ class Executor:
     def _attention(self, attrs: dict):
         k_cache, v_cache = self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]]
         nh, nkv, hd, scale = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
+        # int8/fp8 caches store k / kv_scale (calibrated per layer at build time); wider ones store k.
+        kv_scale = attrs.get("kv_scale", 1.0) if k_cache.dtype in attention.QUANTIZED_CACHE_DTYPES else 1.0
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             meta, t = self.meta, q.shape[0]
             attention.kv_write(k.contiguous().view(t, nkv, hd), v.contiguous().view(t, nkv, hd), k_cache, v_cache,
-                               meta.slot_mapping, check=False)
+                               meta.slot_mapping, kv_scale=kv_scale, check=False)
             out = torch.empty(t, nh, hd)  # [T, num_heads, head_dim]
             attention.paged_attention(out, q.contiguous().view(t, nh, hd), k_cache, v_cache, meta.block_tables,
-                                      meta.context_lens, meta.query_start_loc, scale, check=False)
+                                      meta.context_lens, meta.query_start_loc, scale, kv_scale=kv_scale,
+                                      check=False)
             return out.view(t, nh * hd)
 
         return run

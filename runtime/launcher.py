@@ -1,4 +1,9 @@
-"""Open an engine for serving: one rank in this process, or (multi-rank engines) one process per rank."""
+"""Open an engine for serving: one rank in this process, or (multi-rank engines) one process per rank.
+
+A multi-rank engine started by `engine-run` makes this process rank 0 (the scheduler) and starts the
+other ranks as child processes on this host. Under torchrun every process calls this: rank 0 gets
+the LLMEngine, and every other rank serves rank 0's steps here and then exits the process.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,34 @@ from runtime.engine_dir import EngineError, open_engine
 
 @contextlib.contextmanager
 def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
-    engine_dir = open_engine(path, check_hashes=options.check_hashes)
-    if engine_dir.world_size != 1:
-        raise EngineError(f"{path}: {engine_dir.world_size}-rank engines need the multi-rank launcher")
-    yield LLMEngine(engine_dir, options)
+    from runtime.distributed import Rendezvous
+
+    if options.rank_timeout <= 0:
+        raise EngineError(f"--rank-timeout {options.rank_timeout:g}: must be a positive number of seconds")
+    rdzv = Rendezvous.from_env(options.rank_timeout)
+    if rdzv is None or rdzv.world_size == 1:
+        # Every bad input is found here, before a rank process starts: missing rank files, world size, hashes.
+        engine_dir = open_engine(path, world_size=1 if rdzv else None, check_hashes=options.check_hashes)
+        if engine_dir.world_size == 1:
+            yield LLMEngine(engine_dir, options)
+            return
+        world_size = engine_dir.world_size
+    else:
+        world_size = rdzv.world_size
+    yield from _multi_rank(Path(path), world_size, options, rdzv)
+
+
+def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
+    from runtime.distributed import start_ranks
+
+    worker = rdzv is not None and rdzv.rank != 0
+    try:
+        with start_ranks(path, world_size, options.rank_timeout, kv_cache_gib=options.kv_cache_gib,
+                         num_threads=options.num_threads, check_hashes=options.check_hashes, rdzv=rdzv) as rank:
+            if worker:  # torchrun: this process is only ever a rank worker
+                raise SystemExit(rank.serve())
+            yield LLMEngine(rank.engine, options, executor=rank)
+    except EngineError:
+        if worker:
+            raise SystemExit(1) from None  # rank 0 reports the same problem, in one line
+        raise

@@ -20,8 +20,8 @@ from runtime import kernels
 class Hooks:
     attention: Callable[[dict], Callable]     # attrs -> fn(q, k, v) -> out
     gather_last: Callable[[torch.Tensor], torch.Tensor]
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    all_reduce: Callable[[torch.Tensor, dict], torch.Tensor] | None = None  # (x, attrs) -> sum over attrs["group"]
+    all_gather: Callable[[torch.Tensor, dict], torch.Tensor] | None = None  # (x, attrs) -> concat of the group's pieces
     send: Callable[[torch.Tensor, dict], None] | None = None
     recv: Callable[[dict], torch.Tensor] | None = None
 
@@ -54,7 +54,7 @@ class Program:
             result = call.fn(*[env[i] for i in call.inputs])
             if len(call.outputs) == 1:
                 env[call.outputs[0]] = result
-            else:
+            elif call.outputs:  # send has none
                 env.update(zip(call.outputs, result))
         return [env[o] for o in self.outputs]
 
@@ -86,7 +86,8 @@ class Program:
         elif op == "gather_last":
             fn = hooks.gather_last
         elif op in ("all_reduce", "all_gather"):
-            fn = getattr(hooks, op)
+            collective = getattr(hooks, op)
+            fn = collective and (lambda x: collective(x, attrs))
         elif op == "send":
             fn = lambda x: hooks.send(x, attrs)  # noqa: E731
         elif op == "recv":

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+import runtime  # noqa: F401  (before torch: sets the OpenMP wait policy)
 import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2

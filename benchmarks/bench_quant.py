@@ -1,0 +1,214 @@
+"""Decode and prefill tokens/s of Kiln's float32, INT8, INT4 and FP8 engines beside llama.cpp Q4_0 / Q8_0, in one run.
+
+    python benchmarks/bench_quant.py [--model smollm2-135m] [--threads 2] [--decode 64] [--prefill 256]
+                                     [--rounds 3] [--engines DIR] [--methods none,int8,int4,fp8,source]
+
+Kiln engines of the model are built with `builder.build.build_engine` into --engines (default: a
+temporary directory; an existing directory is reused when its engines are up to date) and run by
+runtime.engine.LLMEngine. llama.cpp runs the same GGUF requantized to Q4_0 and Q8_0 by its own
+`llama_model_quantize` (llama-cpp-python's ctypes API). Every configuration is timed once per
+round, rounds interleaved, and the best round is reported (the median in brackets): a shared,
+noisy machine slows single runs, never speeds them up.
+
+decode tok/s: one sequence, greedy, --decode tokens after a short prompt (time per token after the first).
+prefill tok/s: one --prefill-token prompt processed in one step, to its first token.
+GB/s: bytes of weights read per decode token / time per token (Kiln: every linear and logits
+operand, the embedding table counted only when the logits read it; llama.cpp: every tensor but an
+untied token embedding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import statistics
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PROMPT_SEED = 0
+
+
+def kiln_weight_bytes(engine: Path) -> int:
+    """Bytes of the weights one decode step reads: linear and logits operands (the rank file's header sizes)."""
+    path = engine / "rank0.engine"
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    program = json.loads(header["__metadata__"]["kiln.program"])
+    read = {i for n in program["nodes"] if n["op"] in ("linear", "logits") for i in n["inputs"][1:]}
+    return sum(header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n in read)
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight")  # untied: the embedding is a row lookup
+    return sum(tensors.values())
+
+
+# ------------------------------------------------------------------------------------------ Kiln
+
+class KilnRunner:
+    def __init__(self, engine: Path, threads: int):
+        from runtime.engine import EngineOptions, LLMEngine
+
+        self.llm = LLMEngine.from_dir(engine, EngineOptions(kv_cache_gib=0.25, num_threads=threads,
+                                                             enable_prefix_caching=False))
+        self.weight_bytes = kiln_weight_bytes(engine)
+
+    def _params(self, max_tokens: int):
+        from runtime.sampling import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def decode(self, prompt: list[int], tokens: int) -> float:
+        """Seconds per decode token."""
+        self.llm.add_request(prompt, self._params(tokens + 1))
+        self.llm.step()  # prefill and the first token
+        start = time.perf_counter()
+        while self.llm.has_unfinished():
+            self.llm.step()
+        return (time.perf_counter() - start) / tokens
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Seconds to process the prompt (one step)."""
+        self.llm.add_request(prompt, self._params(1))
+        start = time.perf_counter()
+        while self.llm.has_unfinished():
+            self.llm.step()
+        return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence what C code writes to fd 2 (llama.cpp logs every tensor it quantizes)."""
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def llama_cpp_quantize(source: Path, out: Path, ftype: int, threads: int) -> Path:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread, params.allow_requantize = ftype, threads, True
+    with quiet_stderr():
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {out.name}")
+    return out
+
+
+class LlamaCppRunner:
+    def __init__(self, path: Path, threads: int, context: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
+                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.weight_bytes = gguf_weight_bytes(path)
+
+    def decode(self, prompt: list[int], tokens: int) -> float:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        start = time.perf_counter()
+        for _ in range(tokens):
+            self.llm.eval([token])
+            token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))  # greedy, as Kiln's sampler
+        return (time.perf_counter() - start) / tokens
+
+    def prefill(self, prompt: list[int]) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+def build_kiln(model: str, method: str, engines: Path):
+    from builder.build import build_engine
+    from builder.plan import load_plan
+
+    out = engines / f"kiln-{method}"
+    start = time.perf_counter()
+    result = build_engine(model, load_plan().with_overrides("quant", method=method), out, force=True,
+                          show_progress=False)
+    print(f"  kiln {method:8s} {'up to date' if result.up_to_date else 'built'} in "
+          f"{time.perf_counter() - start:5.1f} s", flush=True)
+    return out, result.manifest.get("accuracy", {})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="preset or .gguf path (llama.cpp needs a GGUF)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=64, help="decode tokens per measurement")
+    parser.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill measurement")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", type=Path, default=None, help="directory for the engines (reused if current)")
+    parser.add_argument("--methods", default="none,int8,int4,fp8", help="Kiln [quant] methods to build and run")
+    args = parser.parse_args()
+
+    from builder.model import load_model
+
+    torch.set_num_threads(args.threads)
+    source = Path(load_model(args.model).source)
+    tmp = tempfile.TemporaryDirectory(prefix="bench_quant.")
+    engines = args.engines or Path(tmp.name)
+    engines.mkdir(parents=True, exist_ok=True)
+    print(f"model {args.model} ({source.name}), {args.threads} threads; building into {engines}; "
+          f"load average {os.getloadavg()[0]:.1f} (a shared machine: compare within one run)", flush=True)
+
+    runners, accuracy = {}, {}
+    for method in args.methods.split(","):
+        path, accuracy[f"kiln {method}"] = build_kiln(args.model, method, engines)
+        runners[f"kiln {method}"] = KilnRunner(path, args.threads)
+    context = args.prefill + args.decode + 64
+    for name, ftype in (("Q4_0", 2), ("Q8_0", 7)):
+        quantized = engines / f"{source.stem}.{name}.gguf"
+        if not quantized.exists():
+            llama_cpp_quantize(source, quantized, ftype, args.threads)
+        runners[f"llama.cpp {name}"] = LlamaCppRunner(quantized, args.threads, context)
+
+    rng = np.random.default_rng(PROMPT_SEED)
+    vocab = min(load_model(args.model).config.vocab_size, 32000)
+    short = rng.integers(100, vocab, 16).tolist()
+    long = rng.integers(100, vocab, args.prefill).tolist()
+    decode = {name: [] for name in runners}
+    prefill = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            decode[name].append(runner.decode(short, args.decode))
+            prefill[name].append(runner.prefill(long))
+
+    print(f"\nload average {os.getloadavg()[0]:.1f}; best of {args.rounds} rounds [median]")
+    print(f"{'engine':18s} {'decode tok/s':>20s} {'GB/s':>6s} {'weights MB':>10s} {'prefill tok/s':>20s}  ppl (+%)")
+    for name, runner in runners.items():
+        best, median = min(decode[name]), statistics.median(decode[name])
+        p_best, p_median = min(prefill[name]), statistics.median(prefill[name])
+        acc = accuracy.get(name) or {}
+        ppl = f"{acc['ppl_quantized']:.3f} ({acc['ppl_increase_pct']:+.2f}%)" if "ppl_quantized" in acc else ""
+        print(f"{name:18s} {1 / best:9.1f} [{1 / median:7.1f}] {runner.weight_bytes / best / 1e9:6.2f} "
+              f"{runner.weight_bytes / 1e6:10.1f} {args.prefill / p_best:9.1f} [{args.prefill / p_median:7.1f}]  {ppl}")
+
+
+if __name__ == "__main__":
+    main()

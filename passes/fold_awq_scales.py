@@ -1,0 +1,145 @@
+"""Fold AWQ scales: per-input-channel scales searched on calibration text, folded into the preceding norm or linear.
+
+For each set of float linears reading one activation x (q/k/v, gate/up, o, down; fused or not),
+awq_search picks s = mean|x|^alpha minimising the INT4 output error; the linears' input columns
+are multiplied by s and the producer of x divided by it, so the float function and the graph's
+size are unchanged and quantize_int4 (next) rounds the scaled weights:
+  rms_norm / add_rms_norm -> x   norm weight / s
+  attention(q, k, v) -> x        v_proj rows / s (one scale per KV channel, shared by its query heads)
+  silu_mul(gate, up) -> x        up_proj rows / s
+Sets whose producer is anything else (or whose x feeds other ops) are left to plain INT4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from builder.calibration import calibration_windows, capture_activations
+from builder.ir import Graph, Node
+from builder.quant import awq_search, fake_quantize
+from passes.context import PassContext
+from passes.quant_rewrite import is_float_weight_node, requant_targets
+from passes.rewrite import consumers
+
+
+@dataclass
+class ScaleSet:
+    input: str                          # the activation x the linears share
+    linears: list[Node]                 # every consumer of x (float linears); their columns are scaled
+    searched: list[Node]                # those quantize_int4 will round (the search's objective)
+    norm: Node | None = None            # fold into this norm's weight ...
+    rows_of: Node | None = None         # ... or into these rows of this linear's weight (and bias)
+    row_offset: int = 0
+    channel_map: torch.Tensor | None = None  # x channel -> scale index (grouped-query o_proj)
+
+
+def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
+    if ctx.plan.quant.method != "int4-awq":
+        return graph
+    out = graph.replace()
+    sets = _scale_sets(out, {n.name for n in requant_targets(out, ctx.plan) if n.op == "linear"})
+    if not sets:
+        return out
+    activations = capture_activations(out, {s.input for s in sets}, calibration_windows(ctx, "int4-awq"))
+    group_size = ctx.plan.quant.group_size
+    alphas = {}
+    for scale_set in sets:
+        if any(out.weights[n.inputs[1]].shape[1] % group_size for n in scale_set.searched):
+            continue  # quantize_int4 reports the group size that does not divide
+        weights = [out.tensors[n.inputs[1]] for n in scale_set.searched]
+        found = awq_search(activations[scale_set.input], weights, lambda w: fake_quantize(w, "int4", group_size),
+                           channel_map=scale_set.channel_map, group_size=group_size)
+        _fold(out, scale_set, found.scales)
+        alphas.update((n.name, found.alpha) for n in scale_set.searched)
+    out.meta["awq_alpha"] = alphas
+    return out
+
+
+# ------------------------------------------------------------------------------------------ finding the sets
+
+def _scale_sets(graph: Graph, searched: set[str]) -> list[ScaleSet]:
+    users = consumers(graph)
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+    sets = []
+    for name, readers in users.items():
+        targets = [n for n in readers if n.name in searched and n.inputs[0] == name]
+        if not targets or name not in producer:
+            continue
+        if not all(is_float_weight_node(n) and n.op == "linear" and n.inputs[0] == name for n in readers):
+            continue  # x feeds something besides float linears: scaling it would change that
+        scale_set = ScaleSet(name, readers, targets)
+        if _find_fold(graph, scale_set, producer[name], users, producer):
+            touched = [w for n in readers for w in n.inputs[1:]]
+            if all(len(users[w]) == 1 for w in touched):  # no shared weight changes under another node
+                sets.append(scale_set)
+    return sets
+
+
+def _find_fold(graph: Graph, scale_set: ScaleSet, node: Node, users, producer) -> bool:
+    x = scale_set.input
+    if node.op in ("rms_norm", "add_rms_norm") and node.outputs[0] == x:
+        scale_set.norm = node
+        return len(users[node.inputs[-1]]) == 1
+    if node.op == "silu_mul":
+        if len(node.inputs) == 2:
+            source = _rows_source(node.inputs[1], node, users, producer)
+            width = 0
+        else:
+            source = _rows_source(node.inputs[0], node, users, producer)
+            width = graph.values[x].shape[-1]  # up is the second half of gate_up
+        if source is None:
+            return False
+        scale_set.rows_of, scale_set.row_offset = source[0], source[1] + width
+        return True
+    if node.op == "attention":
+        source = _rows_source(node.inputs[2], node, users, producer)
+        if source is None:
+            return False
+        a = node.attrs
+        channels = torch.arange(a["num_heads"] * a["head_dim"])
+        head, dim = channels // a["head_dim"], channels % a["head_dim"]
+        scale_set.channel_map = head // (a["num_heads"] // a["num_kv_heads"]) * a["head_dim"] + dim
+        scale_set.rows_of, scale_set.row_offset = source
+        return True
+    return False
+
+
+def _rows_source(value: str, reader: Node, users, producer) -> tuple[Node, int] | None:
+    """(float linear, first row) whose output rows are `value`, read only by `reader` (directly or via a split)."""
+    if [id(n) for n in users[value]] != [id(reader)] or value not in producer:
+        return None
+    node, offset = producer[value], 0
+    if node.op == "split":
+        offset = sum(node.attrs["sizes"][: node.outputs.index(value)])
+        source = node.inputs[0]
+        if [id(n) for n in users[source]] != [id(node)] or source not in producer:
+            return None
+        node = producer[source]
+    if node.op != "linear" or not is_float_weight_node(node):
+        return None
+    if any(len(users[w]) != 1 for w in node.inputs[1:]):
+        return None
+    return node, offset
+
+
+# ------------------------------------------------------------------------------------------ folding
+
+def _fold(graph: Graph, scale_set: ScaleSet, scales: torch.Tensor) -> None:
+    """Scale the linears' input columns by s and divide the producer by s (new tensors; inputs untouched)."""
+    full = scales if scale_set.channel_map is None else scales[scale_set.channel_map]
+    for node in scale_set.linears:
+        weight = node.inputs[1]
+        graph.tensors[weight] = graph.tensors[weight] * full
+    if scale_set.norm is not None:
+        weight = scale_set.norm.inputs[-1]
+        graph.tensors[weight] = graph.tensors[weight] / full
+        return
+    node, start, count = scale_set.rows_of, scale_set.row_offset, scales.shape[0]
+    roles = node.attrs.get("operands", ["weight"])
+    for role, name in zip(roles, node.inputs[1:]):
+        tensor = graph.tensors[name].clone()
+        rows = tensor[start:start + count]
+        tensor[start:start + count] = rows / (scales[:, None] if role == "weight" else scales)
+        graph.tensors[name] = tensor

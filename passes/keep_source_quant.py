@@ -1,0 +1,45 @@
+"""Keep source quantization: a GGUF's Q4_1 / Q8_0 blocks become logical int4 / int8 group-32 operands, exactly.
+
+Method "source" keeps every weight the file ships quantized; the requantization methods keep the
+excluded ones (for them "higher precision" means what the file ships); "none" keeps all float.
+"""
+
+from __future__ import annotations
+
+from builder.gguf_source import BLOCK, gguf_blocks_to_int4, gguf_blocks_to_int8
+from builder.ir import Graph
+from passes.context import PassContext
+from passes.quant_rewrite import REQUANT_METHODS, is_excluded, is_float_weight_node, quantize_node
+
+
+def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
+    method = ctx.plan.quant.method
+    if ctx.model is None or method not in ("source", *REQUANT_METHODS):
+        return graph
+    out = graph.replace()
+    names = set(ctx.model.weight_names())
+    cache: dict = {}
+    for node in out.nodes:
+        if not is_float_weight_node(node) or node.inputs[1] not in names:
+            continue
+        if method != "source" and not is_excluded(node, ctx.plan.quant.exclude):
+            continue
+        raw = ctx.model.raw_blocks(node.inputs[1])
+        if raw is None:
+            continue
+        if raw.ggml_type == "Q4_1":
+            quantize_node(out, node, "int4", BLOCK, lambda _: _int4(raw), cache)
+        else:
+            quantize_node(out, node, "int8", BLOCK, lambda _: _int8(raw), cache)
+    out.drop_unused_weights()
+    return out
+
+
+def _int4(raw):
+    q, scales, zeros = gguf_blocks_to_int4(raw)
+    return {"qweight": q, "scales": scales, "zeros": zeros}, None
+
+
+def _int8(raw):
+    q, scales = gguf_blocks_to_int8(raw)
+    return {"qweight": q, "scales": scales}, None

@@ -1,0 +1,45 @@
+"""Measure accuracy (analysis): perplexity and KL of the quantized whole graph against the float model; the build gate.
+
+Runs when the build loses precision (a requantization method, or a KV cache narrower than f32)
+and records manifest figures in graph.meta["accuracy"]; "source" keeps the file's blocks exactly,
+so it is recorded as exact without an evaluation, and "none" records nothing.
+"""
+
+from __future__ import annotations
+
+from builder.accuracy import check_gate, evaluate, reference_graph
+from builder.calibration import evaluation_windows
+from builder.errors import KilnError
+from builder.ir import Graph
+from passes.context import PassContext
+from passes.quant_rewrite import REQUANT_METHODS
+
+
+def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
+    quant, kv_dtype = ctx.plan.quant, ctx.plan.kv_cache.dtype
+    out = graph.replace()
+    errors = out.meta.pop("quant_error", {})
+    alphas = out.meta.pop("awq_alpha", {})
+    quantized = sum(n.attrs.get("quant", "none") != "none" for n in out.nodes)
+    if quant.method not in REQUANT_METHODS and kv_dtype == "f32":
+        if quant.method == "source" and quantized:
+            out.meta["accuracy"] = {"method": "source", "evaluated": False, "quantized_nodes": quantized,
+                                    "note": "the source's quantized blocks are kept bit for bit: logits equal "
+                                            "the dequantized model's"}
+        return out
+    if ctx.model is None:
+        raise KilnError("measure_accuracy: the evaluation needs the model source")
+    figures = {"method": quant.method, "kv_cache_dtype": kv_dtype, "quantized_nodes": quantized}
+    figures.update(evaluate(reference_graph(ctx.model), out, evaluation_windows(ctx), kv_dtype))
+    figures["max_ppl_increase"] = quant.max_ppl_increase
+    if errors:
+        figures["layer_error_max"] = max(errors.values())
+        figures["layer_error_mean"] = round(sum(errors.values()) / len(errors), 6)
+        figures["layer_error"] = errors
+    if alphas:
+        figures["awq_alpha"] = alphas
+    if kv_dtype in ("int8", "fp8"):
+        figures["kv_scale"] = {str(n.attrs["layer"]): n.attrs["kv_scale"] for n in out.nodes if n.op == "attention"}
+    check_gate(figures, quant.max_ppl_increase)
+    out.meta["accuracy"] = figures
+    return out

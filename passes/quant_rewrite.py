@@ -1,0 +1,104 @@
+"""Helpers shared by the quantization passes: which nodes a method rewrites, and giving a node quantized operands.
+
+A quantized linear/logits/embedding node keeps its op; attrs quant ("int8" | "int4" | "fp8"),
+group_size (None: one scale per output channel), layout "logical" until pack_weights, and
+operands = the roles of inputs[1:] with the quantized roles first (then "bias"). Logical operands
+are named after the float weight they replace, `<name minus .weight>.qweight` / `.scales` / `.zeros`:
+  qweight  [N, K]  int8 | uint8 codes 0..15 (int4) | float8_e4m3fn
+  scales   [N] f32 per channel, or [N, K/G] per group
+  zeros    [N, K/G] f32 (int4: w = (q - 8) * scale + zero)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+
+import torch
+
+from builder.errors import KilnError
+from builder.ir import Graph, Node
+
+WEIGHT_OPS = ("linear", "logits", "embedding")
+QUANT_ROLES = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros"), "fp8": ("qweight", "scales")}
+# plan method -> the weight format it rewrites to (int4-awq is int4 after fold_awq_scales)
+REQUANT_METHODS = {"int8": "int8", "int4": "int4", "int4-awq": "int4", "fp8": "fp8"}
+
+
+def is_float_weight_node(node: Node) -> bool:
+    return node.op in WEIGHT_OPS and node.attrs.get("quant", "none") == "none"
+
+
+def is_excluded(node: Node, patterns) -> bool:
+    return any(fnmatchcase(node.name, p) for p in patterns)
+
+
+def requant_targets(graph: Graph, plan) -> list[Node]:
+    """Float linear/logits/embedding nodes the plan's requantization method rewrites (none for none/source)."""
+    if plan.quant.method not in REQUANT_METHODS:
+        return []
+    return [n for n in graph.nodes if is_float_weight_node(n) and not is_excluded(n, plan.quant.exclude)]
+
+
+def in_features(graph: Graph, node: Node) -> int:
+    return graph.weights[node.inputs[1]].shape[1]
+
+
+def check_divisible(graph: Graph, nodes: list[Node], divisor: int, what: str) -> None:
+    """A one-line error naming the first node whose input size `divisor` does not divide."""
+    for node in nodes:
+        k = in_features(graph, node)
+        if k % divisor:
+            raise KilnError(f"{what} {divisor} does not divide the input size {k} of {node.name}; "
+                            f"{_fix(graph, nodes, what)}")
+
+
+def _fix(graph: Graph, nodes: list[Node], what: str) -> str:
+    sizes = {in_features(graph, n) for n in nodes}
+    fitting = [g for g in (32, 64, 128) if all(k % g == 0 for k in sizes)]
+    if what.endswith("group_size") and fitting:
+        return f"use --group-size {' or '.join(map(str, fitting))}"
+    return "exclude the layer with [quant] exclude"
+
+
+def quantize_node(graph: Graph, node: Node, quant: str, group_size: int | None,
+                  make: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], float | None]],
+                  cache: dict) -> None:
+    """Replace the node's float weight by logical quantized operands made by `make(weight)` (in place).
+
+    `cache` shares one quantized copy between nodes reading the same weight with the same scheme
+    (a tied embedding and lm_head). Records the reconstruction error in graph.meta["quant_error"].
+    """
+    weight = node.inputs[1]
+    key = (weight, quant, group_size)
+    if key not in cache:
+        parts, error = make(graph.tensors[weight])
+        base = weight.removesuffix(".weight")
+        if f"{base}.qweight" in graph.weights:  # the same weight under another scheme already
+            base = f"{base}.{quant}" + (f"g{group_size}" if group_size else "")
+        names = []
+        for role in QUANT_ROLES[quant]:
+            graph.add_weight(f"{base}.{role}", parts[role].contiguous())
+            names.append(f"{base}.{role}")
+        cache[key] = (names, error)
+    names, error = cache[key]
+    roles = node.attrs.get("operands", ["weight"])
+    node.inputs = [node.inputs[0], *names, *node.inputs[2:]]
+    node.attrs.update(quant=quant, group_size=group_size, layout="logical",
+                      operands=[*QUANT_ROLES[quant], *roles[1:]])
+    if error is not None:
+        graph.meta.setdefault("quant_error", {})[node.name] = round(error, 6)
+
+
+def requantize(graph: Graph, plan, quant: str, group_size: int | None,
+               make: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], float]]) -> Graph:
+    """The body of quantize_int8/int4/fp8: rewrite every requantization target with `make`."""
+    out = graph.replace()
+    nodes = requant_targets(out, plan)
+    # The int8 and fp8 kernels read K in steps of 8; int4 needs whole groups.
+    check_divisible(out, nodes, group_size or 8, "[quant] group_size" if group_size else "the kernels' step of")
+    cache: dict = {}
+    for node in nodes:
+        quantize_node(out, node, quant, group_size, make, cache)
+    out.drop_unused_weights()
+    return out

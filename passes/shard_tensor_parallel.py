@@ -1,0 +1,242 @@
+"""Shard tensor parallel: keep this rank's heads, MLP columns and vocabulary rows; collectives where shares meet.
+
+Column split (output rows of the weight): q/k/v (by heads), gate/up (by intermediate columns), the
+embedding and logits (by vocabulary rows). Row split (input columns of the weight): o and down,
+followed by an all_reduce of the partial sums; their bias is added on tp rank 0 only. The embedding
+gives zeros outside its rows and is all_reduced; the logits' pieces are all_gathered. Fused linears
+(q/k/v + split, gate/up + one-input silu_mul) keep each part's rows. Quantized operands in the logical
+layout are sliced along the same axes; group-wise scales need shares aligned to the group size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from builder.errors import KilnError
+from builder.ir import Graph, Node, Value
+from builder.lazy_tensors import LazyTensors
+from builder.mapping import HeadShare, Mapping, Span
+from passes.context import PassContext
+from passes.rewrite import consumers
+
+
+def shard_tensor_parallel(graph: Graph, ctx: PassContext) -> Graph:
+    mapping = Mapping(ctx.plan.tp, ctx.plan.pp, ctx.rank)
+    cfg = graph.meta["model"]
+    try:
+        heads = mapping.attention_heads(cfg["num_heads"], cfg["num_kv_heads"])
+        mlp = mapping.columns(cfg["intermediate_size"], "intermediate_size")
+        vocab = mapping.columns(cfg["vocab_size"], "vocab_size")
+    except ValueError as exc:
+        raise KilnError(f"shard_tensor_parallel: {exc}") from None
+    out = graph.replace(tensors=LazyTensors.of(graph.tensors))
+    out.meta["mapping"] = mapping.to_dict()
+    out.meta["shard"] = {"tp_rank": mapping.tp_rank,
+                         "q_heads": [heads.q.start, heads.q.count], "kv_heads": [heads.kv.start, heads.kv.count],
+                         "intermediate": [mlp.start, mlp.count], "vocab": [vocab.start, vocab.count]}
+    if mapping.tp > 1:
+        _Sharder(out, mapping, heads, mlp, vocab).run()
+    return out
+
+
+class _Sharder:
+    def __init__(self, graph: Graph, mapping: Mapping, heads: HeadShare, mlp: Span, vocab: Span):
+        self.g, self.mapping, self.heads, self.mlp, self.vocab = graph, mapping, heads, mlp, vocab
+        self.defined_by = {o: n for n in graph.nodes for o in n.outputs}
+        self.users = consumers(graph)
+        self.kept: dict[str, list[Span]] = {}     # value -> its columns this rank computes
+        self.sliced: dict[str, tuple] = {}        # weight -> (dim, spans) already applied
+        self.collectives: dict[str, Node] = {}    # node name -> the collective inserted after it
+
+    def run(self) -> None:
+        for node in list(self.g.nodes):
+            if node.op == "attention":
+                self._attention(node)
+            elif node.op == "silu_mul":
+                self._mlp(node)
+            elif node.op == "embedding":
+                self._embedding(node)
+            elif node.op == "logits":
+                self._logits(node)
+        self._split_producers()
+        nodes = []
+        for node in self.g.nodes:
+            nodes.append(node)
+            if node.name in self.collectives:
+                nodes.append(self.collectives[node.name])
+        self.g.nodes = nodes
+
+    # ------------------------------------------------------------------ what each block keeps
+
+    def _attention(self, node: Node) -> None:
+        hd = node.attrs["head_dim"]
+        q_cols = [Span(self.heads.q.start * hd, self.heads.q.count * hd)]
+        kv_cols = [Span(self.heads.kv.start * hd, self.heads.kv.count * hd)]
+        q, k, v = node.inputs
+        rope = self.defined_by.get(q)
+        if rope is not None and rope.op == "rope":  # q and k reach attention through rope
+            if rope.outputs != [q, k]:
+                raise KilnError(f"shard_tensor_parallel: {node.name}: q and k come from different rope nodes")
+            self._set_heads(rope)
+            self._resize(rope.outputs[0], q_cols[0].count)
+            self._resize(rope.outputs[1], kv_cols[0].count)
+            q, k = rope.inputs[0], rope.inputs[1]
+        self._keep(q, q_cols)
+        self._keep(k, kv_cols)
+        self._keep(v, kv_cols)
+        self._set_heads(node)
+        self._resize(node.outputs[0], q_cols[0].count)
+        for user in self.users[node.outputs[0]]:
+            self._row_split(user, q_cols)
+
+    def _mlp(self, node: Node) -> None:
+        cols = [Span(self.mlp.start, self.mlp.count)]
+        if len(node.inputs) == 2:
+            self._keep(node.inputs[0], cols)
+            self._keep(node.inputs[1], cols)
+        else:  # one [T, 2I] input: gate columns, then up columns
+            width = self.g.values[node.inputs[0]].shape[-1] // 2
+            self._keep(node.inputs[0], cols + [Span(width + self.mlp.start, self.mlp.count)])
+        self._resize(node.outputs[0], self.mlp.count)
+        for user in self.users[node.outputs[0]]:
+            self._row_split(user, cols)
+
+    def _embedding(self, node: Node) -> None:
+        for name in node.inputs[1:]:
+            if self.g.weights[name].shape[0] == node.attrs["vocab_size"]:
+                self._slice(name, 0, [self.vocab])
+        node.attrs.update(vocab_start=self.vocab.start, vocab_size=self.vocab.count,
+                          full_vocab_size=self.full_vocab)
+        self._collective_after(node, "all_reduce", {"group": "tp"})
+
+    def _logits(self, node: Node) -> None:
+        self._column_split(node, [self.vocab])
+        sizes = self.mapping.column_sizes(self.full_vocab)
+        self._collective_after(node, "all_gather", {"group": "tp", "sizes": sizes})
+
+    @property
+    def full_vocab(self) -> int:
+        return self.g.meta["model"]["vocab_size"]
+
+    # ------------------------------------------------------------------ column splits
+
+    def _keep(self, value: str, spans: list[Span]) -> None:
+        if self.kept.setdefault(value, spans) != spans:
+            raise KilnError(f"shard_tensor_parallel: %{value} feeds two blocks that shard it differently")
+
+    def _split_producers(self) -> None:
+        """Column-split the producer of every kept value: a linear, or a split of a fused linear."""
+        splits: dict[str, Node] = {}
+        for value, spans in self.kept.items():
+            producer = self.defined_by.get(value)
+            if producer is not None and producer.op == "linear":
+                self._column_split(producer, spans)
+            elif producer is not None and producer.op == "split":
+                splits[producer.name] = producer
+            else:
+                what = f"a {producer.op} node" if producer else "no node"
+                raise KilnError(f"shard_tensor_parallel: %{value} comes from {what}; expected a linear or a split")
+        for split in splits.values():
+            missing = [o for o in split.outputs if o not in self.kept]
+            if missing:
+                raise KilnError(f"shard_tensor_parallel: {split.name}: part %{missing[0]} has no known share")
+            spans, offset = [], 0
+            for size, part in zip(split.attrs["sizes"], split.outputs):
+                spans += [Span(offset + s.start, s.count) for s in self.kept[part]]
+                offset += size
+                self._resize(part, sum(s.count for s in self.kept[part]))
+            split.attrs["sizes"] = [sum(s.count for s in self.kept[p]) for p in split.outputs]
+            producer = self.defined_by.get(split.inputs[0])
+            if producer is None or producer.op != "linear":
+                raise KilnError(f"shard_tensor_parallel: {split.name} does not split a linear's output")
+            self._column_split(producer, spans)
+
+    def _column_split(self, node: Node, spans: list[Span]) -> None:
+        """Keep the output features `spans` of a linear/logits node: rows of every per-row operand."""
+        _require_logical(node)
+        rows = node.attrs["out_features"]
+        for name in node.inputs[1:]:
+            if self.g.weights[name].shape[0] == rows:  # per-tensor scales stay whole
+                self._slice(name, 0, spans)
+        node.attrs["out_features"] = sum(s.count for s in spans)
+        self._resize(node.outputs[0], node.attrs["out_features"])
+
+    # ------------------------------------------------------------------ row splits
+
+    def _row_split(self, node: Node, spans: list[Span]) -> None:
+        """Keep the input features `spans` of a linear and all_reduce its partial output."""
+        if node.op != "linear":
+            raise KilnError(f"shard_tensor_parallel: {node.name} ({node.op}) reads a sharded value; expected a linear")
+        _require_logical(node)
+        k, group = node.attrs["in_features"], node.attrs.get("group_size")
+        roles = node.attrs.get("operands", ["weight", "bias"][: len(node.inputs) - 1])
+        inputs, kept_roles = [node.inputs[0]], []
+        for role, name in zip(roles, node.inputs[1:]):
+            shape = self.g.weights[name].shape
+            if role == "bias":
+                if self.mapping.tp_rank != 0:
+                    continue  # the bias joins the sum once
+            elif len(shape) == 2 and shape[1] == k:
+                self._slice(name, 1, spans)
+            elif len(shape) == 2 and group and shape[1] * group == k:  # group-wise scales/zeros
+                if any(s.start % group or s.count % group for s in spans):
+                    raise KilnError(
+                        f"shard_tensor_parallel: {node.name}: this rank's input columns "
+                        f"{[(s.start, s.stop) for s in spans]} do not fall on group_size={group} boundaries; "
+                        f"choose a tp that splits the heads/intermediate size into multiples of {group}, "
+                        f"or a smaller group_size")
+                self._slice(name, 1, [Span(s.start // group, s.count // group) for s in spans])
+            inputs.append(name)
+            kept_roles.append(role)
+        node.inputs = inputs
+        if "operands" in node.attrs:
+            node.attrs["operands"] = kept_roles
+        node.attrs["in_features"] = sum(s.count for s in spans)
+        self._collective_after(node, "all_reduce", {"group": "tp"})
+
+    # ------------------------------------------------------------------ helpers
+
+    def _collective_after(self, node: Node, op: str, attrs: dict) -> None:
+        """The node's output becomes <name>.partial (all_reduce) or <name>.shard (all_gather); the
+        collective gives back the original value, so its readers are unchanged."""
+        full = node.outputs[0]
+        local = f"{full}.partial" if op == "all_reduce" else f"{full}.shard"
+        shape, dtype = self.g.values[full].shape, self.g.values[full].dtype
+        self.g.values[local] = Value(local, dtype, shape)
+        if op == "all_gather":  # the gathered value is as wide as every rank's share together
+            self.g.values[full] = Value(full, dtype, (*shape[:-1], sum(attrs["sizes"])))
+        node.outputs = [local]
+        self.collectives[node.name] = Node(f"{node.name}.{op}", op, [local], [full], attrs)
+
+    def _set_heads(self, node: Node) -> None:
+        node.attrs["num_heads"] = self.heads.q.count
+        node.attrs["num_kv_heads"] = self.heads.kv.count
+
+    def _resize(self, value: str, width: int) -> None:
+        v = self.g.values[value]
+        self.g.values[value] = Value(value, v.dtype, (*v.shape[:-1], width))
+
+    def _slice(self, name: str, dim: int, spans: list[Span]) -> None:
+        """The weight keeps the `spans` of dimension `dim` (lazily: sliced when the tensor is read)."""
+        spec = (dim, tuple(spans))
+        if name in self.sliced:
+            if self.sliced[name] != spec:
+                raise KilnError(f"shard_tensor_parallel: @{name} is read by two nodes that shard it differently")
+            return
+        self.sliced[name] = spec
+        w = self.g.weights[name]
+        shape = list(w.shape)
+        shape[dim] = sum(s.count for s in spans)
+        self.g.weights[name] = Value(name, w.dtype, tuple(shape))
+        self.g.tensors.derive(name, [name], lambda t: _take(t, dim, spans))
+
+
+def _take(tensor: torch.Tensor, dim: int, spans: list[Span]) -> torch.Tensor:
+    parts = [tensor.narrow(dim, s.start, s.count) for s in spans]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _require_logical(node: Node) -> None:
+    if node.attrs.get("quant", "none") != "none" and node.attrs.get("layout", "logical") != "logical":
+        raise KilnError(f"shard_tensor_parallel: {node.name} holds packed operands (layout "
+                        f"{node.attrs['layout']!r}); sharding needs the logical layout, so pack after sharding")

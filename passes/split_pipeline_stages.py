@@ -1,0 +1,100 @@
+"""Split pipeline stages: keep this rank's stage of the layer list, with recv/send of the values crossing its cuts."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from builder.errors import KilnError
+from builder.ir import TORCH_DTYPES, Graph, Node
+from builder.lazy_tensors import LazyTensors
+from builder.mapping import Mapping
+from passes.context import PassContext
+
+LAYER_NODE = re.compile(r"layers\.(\d+)\.")
+MATMUL_OPS = ("linear", "logits")
+
+
+def split_pipeline_stages(graph: Graph, ctx: PassContext) -> Graph:
+    mapping = Mapping(ctx.plan.tp, ctx.plan.pp, ctx.rank)
+    num_layers = graph.meta["model"]["num_layers"]
+    segment = _segments(graph, num_layers)  # node name -> -1 (before the layers), layer index, or num_layers (after)
+    costs = _segment_costs(graph, segment, num_layers)
+    try:
+        layers = mapping.pp_layers(num_layers, costs[:num_layers], first_cost=costs[-1], last_cost=costs[num_layers])
+    except ValueError as exc:
+        raise KilnError(f"split_pipeline_stages: {exc}") from None
+    out = graph.replace(tensors=LazyTensors.of(graph.tensors))
+    out.meta["mapping"] = mapping.to_dict()
+    out.meta["stage"] = {"pp_rank": mapping.pp_rank, "layers": [layers.start, layers.stop]}
+    if mapping.pp == 1:
+        return out
+
+    first = -1 if mapping.is_first_pp_rank() else layers.start
+    last = num_layers if mapping.is_last_pp_rank() else layers.stop - 1
+    kept = [n for n in graph.nodes if first <= segment[n.name] <= last]
+    received = _crossing(graph, segment, first) if not mapping.is_first_pp_rank() else []
+    sent = _crossing(graph, segment, last + 1) if not mapping.is_last_pp_rank() else []
+    recvs = [Node(f"recv.{v}", "recv", [], [v], {"src": mapping.prev_pp_rank(), "dtype": graph.values[v].dtype,
+                                                   "shape": list(graph.values[v].shape)}) for v in received]
+    sends = [Node(f"send.{v}", "send", [v], [], {"dst": mapping.next_pp_rank()}) for v in sent]
+    out.nodes = recvs + kept + sends
+    out.outputs = list(graph.outputs) if mapping.is_last_pp_rank() else []
+    out.values = {v.name: v for v in graph.inputs}
+    out.values.update((o, graph.values[o]) for n in out.nodes for o in n.outputs)
+    # The KV cache of a rank holds only its stage's layers: number them from 0.
+    for index, node in enumerate(n for n in out.nodes if n.op == "attention"):
+        node.attrs["layer"] = index
+    out.drop_unused_weights()
+    return out
+
+
+def _segments(graph: Graph, num_layers: int) -> dict[str, int]:
+    """Each node's place in the layer list, from its name (`layers.<i>.` prefix; the others are
+    before the first layer or after the last)."""
+    segment: dict[str, int] = {}
+    seen_layer = False
+    for node in graph.nodes:
+        match = LAYER_NODE.match(node.name)
+        if match:
+            segment[node.name] = int(match[1])
+            seen_layer = True
+        elif not seen_layer:
+            segment[node.name] = -1
+        else:
+            segment[node.name] = num_layers
+    order = [segment[n.name] for n in graph.nodes]
+    if order != sorted(order):
+        late = next(n.name for n, a, b in zip(graph.nodes[1:], order, order[1:]) if b < a)
+        raise KilnError(f"split_pipeline_stages: node {late!r} is out of layer order; cannot cut the graph")
+    return segment
+
+
+def _segment_costs(graph: Graph, segment: dict[str, int], num_layers: int) -> list[float]:
+    """Cost of each layer, then after-the-layers, then before-the-layers: the mean of the segment's
+    share of weight bytes (memory) and of matmul weight bytes (work per token)."""
+    stored = [0.0] * (num_layers + 2)
+    computed = [0.0] * (num_layers + 2)
+    seen: set[str] = set()
+    for node in graph.nodes:
+        for name in node.inputs:
+            if name not in graph.weights:
+                continue
+            w = graph.weights[name]
+            size = math.prod(w.shape) * TORCH_DTYPES[w.dtype].itemsize
+            if name not in seen:  # a tied weight is stored once per stage that uses it; count it once
+                stored[segment[node.name]] += size
+                seen.add(name)
+            if node.op in MATMUL_OPS:
+                computed[segment[node.name]] += size
+    total_stored, total_computed = sum(stored) or 1.0, sum(computed) or 1.0
+    return [s / total_stored + c / total_computed for s, c in zip(stored, computed)]
+
+
+def _crossing(graph: Graph, segment: dict[str, int], cut: int) -> list[str]:
+    """Values defined before segment `cut` and used from it on, in definition order (both sides of
+    a cut compute the same list, so sends and receives pair up in order)."""
+    defined_before = [o for n in graph.nodes if segment[n.name] < cut for o in n.outputs]
+    used_after = {i for n in graph.nodes if segment[n.name] >= cut for i in n.inputs}
+    used_after.update(graph.outputs)
+    return [v for v in defined_before if v in used_after]

@@ -1,0 +1,57 @@
+"""Prometheus metrics of one server: latency histograms, queue depth, KV and prefix-cache use, token counts."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from runtime.engine import EngineStats
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of their own (so several servers can live in one process).
+
+    Latencies are observed by the engine thread as each step's tokens come out: TTFT from the
+    moment the HTTP handler received the request, inter-token latency between a request's tokens.
+    """
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "kiln_time_to_first_token_seconds", "Request arrival to its first generated token.",
+            buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "kiln_inter_token_latency_seconds", "Time between consecutive generated tokens of a request.",
+            buckets=ITL_BUCKETS, registry=r)
+        self.requests_running = Gauge("kiln_num_requests_running", "Sequences holding KV blocks.", registry=r)
+        self.requests_waiting = Gauge("kiln_num_requests_waiting", "Sequences queued for admission.", registry=r)
+        self.kv_cache_usage = Gauge("kiln_kv_cache_usage_ratio", "Fraction of KV blocks held by sequences.",
+                                    registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "kiln_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / tokens looked up, "
+            "since start.", registry=r)
+        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens.", registry=r)
+        self.preemptions = Counter("kiln_num_preemptions", "Sequences preempted for lack of KV blocks.", registry=r)
+        self.requests_finished = Counter("kiln_requests_finished", "Engine requests finished, by reason.",
+                                         ["finish_reason"], registry=r)
+        self.http_errors = Counter("kiln_http_errors", "Requests answered with an error, by HTTP status.",
+                                   ["status"], registry=r)
+        self._last = EngineStats(0, 0, 0.0, 0, 0, 0)
+
+    def update(self, stats: EngineStats) -> None:
+        """Set the gauges from the engine's stats and advance the counters by what changed since last time."""
+        self.requests_running.set(stats.num_running)
+        self.requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_usage)
+        self.prefix_cache_hit_rate.set(stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
+        last = self._last
+        self.prompt_tokens.inc(stats.prompt_tokens - last.prompt_tokens)
+        self.generation_tokens.inc(stats.generated_tokens - last.generated_tokens)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self._last = stats
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,275 @@
+"""The OpenAI API's request and response bodies (the subset Kiln serves), and its error shape.
+
+Requests are validated strictly (no "0.5" for a number, no 1 for a bool). A field this server
+does not implement is refused when it is set to anything that would change the output, rather
+than silently ignored; fields that change nothing (user, metadata, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_CHOICES = 128  # prompts x n of one request
+
+# Accepted and ignored: they label a request but do not change what is generated.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
+                            "prompt_cache_key", "safety_identifier"})
+
+
+class APIError(Exception):
+    """An HTTP error answered in the OpenAI shape {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(errors: list[dict], body: Any) -> APIError:
+    """A 400 for pydantic/FastAPI validation errors, naming the first bad field as `param`."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = _field_path(first["loc"], body)
+    same = list(dict.fromkeys(e["msg"] for e in errors if _field_path(e["loc"], body) == param))
+    message = f"{param or 'request body'}: {' or '.join(same)}"
+    others = sum(1 for e in errors if _field_path(e["loc"], body) != param)
+    if others:
+        message += f" (and {others} more error(s))"
+    return APIError(400, message, param=param)
+
+
+def _field_path(loc: tuple, body: Any) -> str | None:
+    """The dotted field path of an error's loc ("messages.0.role"), without union-member tags ("prompt.str")."""
+    parts, node = [], body
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(node, dict) and isinstance(part, str):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    def check_supported(self) -> None:
+        """APIError 400 for an unknown field set to a value that would change the output."""
+        for name, value in (self.model_extra or {}).items():
+            if name not in IGNORED_FIELDS and value not in (None, False, 0, "", [], {}):
+                raise APIError(400, f"`{name}` is not supported by this server; leave it out", param=name)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None  # an extension, as in vLLM
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"`{name}` is not supported by this server; leave it out or set it to 0",
+                               param=name)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # None: up to the engine's context
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError(400, "this server returns only the log-prob of each sampled token: set logprobs to 0 "
+                                "(top alternatives are not computed)", param="logprobs")
+        if self.echo:
+            raise APIError(400, "`echo` is not supported by this server", param="echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt (text or token ids) per entry of a batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return list(prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template sees it: content as one string, extra fields kept."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True  # an extension, as in vLLM
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs:
+            raise APIError(400, "this server returns only the log-prob of each sampled token: top_logprobs must "
+                                "be 0 or left out", param="top_logprobs")
+
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []  # the sampled token only (logprobs=0)
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: int) -> CompletionLogprobs:
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs,
+                              top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)], text_offset=offsets)
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                                   for t, lp in zip(tokens, logprobs)])
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kiln"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

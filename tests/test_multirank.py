@@ -1,0 +1,141 @@
+"""Multi-rank engines in real processes (gloo on CPU): parity with one rank, torchrun, a lost rank, bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from builder.build import build_engine
+from builder.plan import load_plan
+from runtime.engine import EngineOptions, LLMEngine
+from runtime.launcher import open_llm_engine
+from runtime.sampling import SamplingParams
+from runtime.step import StepMetadata
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 40))]
+OPTIONS = EngineOptions(kv_cache_gib=0.01, rank_timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, request):
+    """engine(fixture name, tp, pp) -> engine directory (float32, built once per module)."""
+    root, built = tmp_path_factory.mktemp("multirank"), {}
+
+    def get(fixture: str, tp: int = 1, pp: int = 1):
+        if (fixture, tp, pp) not in built:
+            plan = load_plan().with_overrides(tp=tp, pp=pp).with_overrides("quant", method="none")
+            out = root / f"{fixture}-tp{tp}pp{pp}"
+            build_engine(str(request.getfixturevalue(fixture)), plan, out, show_progress=False)
+            built[fixture, tp, pp] = out
+        return built[fixture, tp, pp]
+
+    return get
+
+
+def prefill(ids: list[int], block_size: int = 16) -> StepMetadata:
+    """One sequence's whole prompt in blocks 0.., with the logits of every position."""
+    t = len(ids)
+    return StepMetadata(
+        token_ids=torch.tensor(ids), positions=torch.arange(t), slot_mapping=torch.arange(t),
+        block_tables=torch.arange(-(-t // block_size), dtype=torch.int32)[None],
+        context_lens=torch.tensor([t], dtype=torch.int32), query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+        logits_indices=torch.arange(t))
+
+
+def run(llm) -> tuple[torch.Tensor, list[list[int]]]:
+    logits = llm.executor.execute(prefill(PROMPTS[2]))  # before generate: blocks 0.. are not in use yet
+    return logits, [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("fixture,tp,pp", [
+    ("tiny_llama_uneven_dir", 2, 1),  # 9 query / 3 KV heads: 6 + 3 and 2 + 1
+    ("tiny_llama_dir", 3, 1),         # 4 query / 2 KV heads on 3 ranks: KV head 0 replicated
+    ("tiny_llama_dir", 1, 2),
+    ("tiny_llama_dir", 2, 2),
+])
+def test_ranks_give_the_tokens_and_logits_of_one_rank(fixture, tp, pp, engine):
+    expected_logits, expected_tokens = run(LLMEngine.from_dir(engine(fixture), OPTIONS))
+    with open_llm_engine(engine(fixture, tp, pp), OPTIONS) as llm:
+        logits, tokens = run(llm)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
+    assert tokens == expected_tokens
+
+
+def engine_run(*args, env=None, **popen):
+    return subprocess.Popen([sys.executable, "-m", "runtime.cli", "generate", *map(str, args)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen)
+
+
+def test_torchrun_on_one_host_gives_the_same_text(engine):
+    expected = LLMEngine.from_dir(engine("tiny_llama_dir"), OPTIONS).generate(
+        ["Hello world"], SamplingParams(temperature=0.0, max_tokens=8))[0].text
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "runtime.cli",
+         "generate", str(engine("tiny_llama_dir", 2)), "-p", "Hello world", "--max-tokens", "8",
+         "--kv-cache-gib", "0.01"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected + "\n"
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_lost_rank_stops_every_rank_within_the_timeout(sig, engine):
+    timeout = 5
+    proc = engine_run(engine("tiny_llama_dir", 2), "-p", "Hello world", "--max-tokens", "1500",
+                      "--kv-cache-gib", "0.01", "--rank-timeout", timeout)
+    assert proc.stdout.read(8)  # generating: streamed text arrives
+    ranks = children_of(proc.pid)
+    assert len(ranks) == 1
+    os.kill(ranks[0], sig)
+    start = time.monotonic()
+    _, stderr = proc.communicate(timeout=timeout + 30)
+    waited = time.monotonic() - start
+    assert proc.returncode == 1
+    assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith("engine-run: error: rank 1 ")
+    assert ("killed by SIGKILL" if sig == signal.SIGKILL else "stopped responding") in stderr
+    assert waited < timeout + 3
+    assert not is_running(ranks[0])
+
+
+def test_bad_input_fails_in_one_line_before_any_rank_starts(engine, tmp_path):
+    import shutil
+
+    broken = tmp_path / "engine"
+    shutil.copytree(engine("tiny_llama_dir", 2), broken)
+    (broken / "rank1.engine").unlink()
+    proc = engine_run(broken, "-p", "hi")
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and stderr == f"engine-run: error: {broken}: rank 1 file rank1.engine is missing; " \
+                                              f"rebuild the engine\n"
+    # Started (as torchrun would) with a world size other than the engine's rank count.
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = engine_run(engine("tiny_llama_dir", 2), "-p", "hi", env=env)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and stderr.count("\n") == 1
+    assert "the engine has 2 rank(s) but was started with world size 3; start it with 2 rank(s)" in stderr

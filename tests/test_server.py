@@ -1,0 +1,301 @@
+"""`engine-run serve` as a real process on 127.0.0.1, driven by the official openai client and raw httpx."""
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from runtime.engine import EngineOptions, LLMEngine
+from runtime.sampling import SamplingParams
+
+MODEL = "tiny"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m runtime.cli serve` on a free port, ready once /health answers 200."""
+
+    def __init__(self, engine_dir: Path, log_path: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "runtime.cli", "serve", str(engine_dir), "--port", str(self.port),
+                   "--kv-cache-gib", "0.02", "--threads", "1", "--model-name", MODEL, *args]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"server did not come up:\n{self.log()}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        return False
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def metric(self, line_prefix: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(line_prefix + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_llama_dir, build_tiny_engine):
+    return build_tiny_engine(tiny_llama_dir, "serve-tiny")
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    proc = ServerProcess(engine_dir, tmp_path_factory.mktemp("server") / "server.log")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def offline(engine_dir):
+    return LLMEngine.from_dir(engine_dir, EngineOptions(kv_cache_gib=0.02))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(llm: LLMEngine, prompts: list[str], max_tokens: int):
+    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completions_match_offline_generation(client, offline):
+    prompt = "The quick brown fox"
+    ref = greedy(offline, [prompt], 12)[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(offline.encode(prompt)) and out.usage.completion_tokens == 12
+    assert len(out.choices[0].logprobs.token_logprobs) == 12
+    assert all(lp <= 0 for lp in out.choices[0].logprobs.token_logprobs)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    sampled = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.9, seed=7, n=2)
+               for _ in range(2)]
+    assert [c.index for c in sampled[0].choices] == [0, 1]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]  # same seed, same text
+
+
+def test_chat_with_and_without_streaming(client, offline):
+    messages = [{"role": "user", "content": "Hello! How are you?"}]
+    ref = greedy(offline, [offline.apply_chat_template(messages)], 10)[0]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0,
+                                         logprobs=True)
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert len(choice.logprobs.content) == out.usage.completion_tokens == len(ref.token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+
+
+def test_sixty_four_concurrent_streams_finish_and_match_offline(server, offline):
+    prompts = [f"Request {i}: " + "the quick brown fox " * (i % 7) for i in range(64)]
+
+    async def stream(api: AsyncOpenAI, prompt: str) -> tuple[str, str]:
+        text, reason = "", None
+        async for chunk in await api.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                        stream=True):
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def run_all():
+        async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as api:
+            return await asyncio.gather(*(stream(api, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    expected = [(o.text, o.finish_reason) for o in greedy(offline, prompts, 16)]
+    assert results == expected
+    assert server.metric("kiln_num_requests_running") == 0
+    assert server.metric("kiln_time_to_first_token_seconds_count") >= 64
+    assert server.metric("kiln_inter_token_latency_seconds_count") >= 64 * 10
+    assert server.metric("kiln_generation_tokens_total") >= 64 * 16 and server.metric("kiln_prompt_tokens_total") > 0
+    assert 0 <= server.metric("kiln_prefix_cache_hit_rate") <= 1
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    aborted = server.metric('kiln_requests_finished_total{finish_reason="abort"}')
+    body = {"model": MODEL, "prompt": "Kiln bakes", "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(6)) if line.startswith("data:")) >= 3
+    deadline = time.monotonic() + 10
+    while server.metric("kiln_num_requests_running") or server.metric("kiln_kv_cache_usage_ratio"):
+        assert time.monotonic() < deadline, "the disconnected request kept running"
+        time.sleep(0.1)
+    assert server.metric('kiln_requests_finished_total{finish_reason="abort"}') == aborted + 1
+
+
+MALFORMED = [
+    ("completions", b"{not json", None),
+    ("completions", b'{"model": "tiny", "prompt": "caf\xff\xfe"}', None),
+    ("completions", b"[1, 2]", None),
+    ("completions", {"model": MODEL, "prompt": 5}, "prompt"),
+    ("completions", {"model": MODEL}, "prompt"),
+    ("completions", {"prompt": "hi"}, "model"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, None),
+    ("completions", {"model": MODEL, "prompt": "hi " * 2100, "max_tokens": 4}, None),
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ("completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, None),
+    ("completions", {"model": MODEL, "prompt": ""}, None),
+    ("completions", {"model": MODEL, "prompt": [10**6]}, None),
+    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "frobnicate": True}, "frobnicate"),
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+    ("chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                          "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
+    for path, body, param in MALFORMED:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(f"{server.url}/v1/{path}", content=content,
+                              headers={"Content-Type": "application/json"}, timeout=30)
+        assert 400 <= response.status_code < 500, (body, response.status_code, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], (body, error)
+        assert error["type"] == "invalid_request_error", (body, error)
+        if param is not None:
+            assert error["param"] == param, (body, error)
+    assert httpx.get(f"{server.url}/v1/nothing-here").json()["error"]["type"] == "invalid_request_error"
+    assert server.metric("kiln_kv_cache_usage_ratio") == 0
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_overload_answers_429_with_retry_after(engine_dir, tmp_path):
+    server = ServerProcess(engine_dir, tmp_path / "server.log", "--max-waiting", "1", "--max-batch-size", "1")
+    body = {"model": MODEL, "prompt": "Kiln bakes", "max_tokens": 40, "temperature": 0}
+
+    async def fire():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
+
+    try:
+        responses = asyncio.run(fire())
+        refused = [r for r in responses if r.status_code == 429]
+        assert refused and any(r.status_code == 200 for r in responses), [r.status_code for r in responses]
+        assert all(r.status_code in (200, 429) for r in responses)
+        assert refused[0].headers["Retry-After"] and set(refused[0].json()["error"]) >= {"message", "type"}
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_sigterm_drains_running_requests_then_exits_zero(engine_dir, tmp_path):
+    server = ServerProcess(engine_dir, tmp_path / "server.log", "--drain-timeout", "60")
+    body = {"model": MODEL, "prompt": "Kiln bakes", "max_tokens": 300, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data:")
+            server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{server.url}/health").status_code == 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            late = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+            assert late.status_code == 503 and late.json()["error"]["message"]
+            events = [line[len("data: "):] for line in lines if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 300
+        assert server.proc.wait(30) == 0, server.log()
+    finally:
+        server.stop()
+
+
+def test_failures_answer_for_that_request_only(engine_dir):
+    """In-process (ASGI) on the real engine: /health is 503 until it is loaded; a failing step is a 500 and a
+    template error a 400, for that request only."""
+    from runtime.server import EngineLoop, create_app
+
+    llm = LLMEngine.from_dir(engine_dir, EngineOptions(kv_cache_gib=0.02))
+    llm.tokenizer_config = {**llm.tokenizer_config, "chat_template": "{{ raise_exception('roles must alternate') }}"}
+    execute, failures = llm.executor.execute, [RuntimeError("injected kernel failure")]
+
+    def flaky_execute(meta):
+        if failures:
+            raise failures.pop()
+        return execute(meta)
+
+    llm.executor.execute = flaky_execute
+    engine = EngineLoop(lambda: contextlib.nullcontext(llm), max_waiting=8)
+    completion = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=create_app(engine, MODEL))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as http:
+            loading = await http.get("/health")
+            engine.start(asyncio.get_running_loop())
+            while not engine.ready:
+                await asyncio.sleep(0.01)
+            failed = await http.post("/v1/completions", json=completion)
+            template = await http.post("/v1/chat/completions",
+                                       json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+            fine = await http.post("/v1/completions", json=completion)
+        await asyncio.to_thread(engine.stop)
+        return loading, failed, template, fine
+
+    loading, failed, template, fine = asyncio.run(scenario())
+    assert loading.status_code == 503 and loading.json() == {"status": "loading"}
+    assert failed.status_code == 500 and "injected kernel failure" in failed.json()["error"]["message"]
+    assert template.status_code == 400 and "roles must alternate" in template.json()["error"]["message"]
+    assert template.json()["error"]["code"] == "chat_template_error"
+    assert fine.status_code == 200 and fine.json()["choices"][0]["finish_reason"] == "length"
