@@ -63,6 +63,10 @@ def build(
     max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase",
                                                      help="Fail the build when quantization raises perplexity "
                                                           "by more than this many percent."),
+    activations: Optional[str] = typer.Option(None, "--activations",
+                                              help="Override [quant] activations: f32 (exact) or int8 "
+                                                   "(int4/int8 layers quantize activations per token: "
+                                                   "faster batched, small extra error)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Override the plan's tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Override the plan's pipeline-parallel degree."),
     print_after: Optional[str] = typer.Option(None, "--print-after",
@@ -80,7 +84,8 @@ def build(
     chosen = load_plan(plan)
     chosen = chosen.with_overrides(tp=tp, pp=pp)
     chosen = chosen.with_overrides("quant", method=quant, group_size=group_size,
-                                   calib=str(calib) if calib else None, max_ppl_increase=max_ppl_increase)
+                                   calib=str(calib) if calib else None, max_ppl_increase=max_ppl_increase,
+                                   activations=activations)
     chosen = chosen.with_overrides("kv_cache", dtype=kv_dtype)
     if out is None:
         out = Path("engines") / load_model(model).name

@@ -15,6 +15,7 @@ TARGETS = ("cpu", "tensorrt")
 KV_DTYPES = ("f32", "bf16", "f16", "fp8", "int8")
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
+ACTIVATIONS = ("f32", "int8")
 
 
 class PlanError(KilnError):
@@ -53,6 +54,7 @@ class Quant:
     exclude: tuple[str, ...] = ("*lm_head*", "embed_tokens")
     calib: str | None = None
     max_ppl_increase: float | None = None
+    activations: str = "f32"  # int8: int4/int8 linears quantize activations per token (VNNI path)
 
 
 @dataclass(frozen=True)
@@ -190,5 +192,7 @@ def _validate(plan: Plan, origin: str) -> None:
         fail("[quant] method", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
     if kv.dtype == "fp8" and not (device.fp8 or device.fp8_storage):
         fail("[kv_cache] dtype", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
+    if q.activations not in ACTIVATIONS:
+        fail("[quant] activations", f"must be one of {', '.join(ACTIVATIONS)}, got {q.activations!r}")
     if q.max_ppl_increase is not None and q.max_ppl_increase < 0:
         fail("[quant] max_ppl_increase", f"must be >= 0 (a percentage), got {q.max_ppl_increase}")

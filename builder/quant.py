@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import os
 import torch
 
 INT8_MAX = 127
@@ -121,8 +122,7 @@ class AWQScales(NamedTuple):
 
 
 def awq_search(x: torch.Tensor, weights: list[torch.Tensor], fake_quant: Callable[[torch.Tensor], torch.Tensor],
-               grid: int = 20, channel_map: torch.Tensor | None = None, loss_rows: int = 128,
-               group_size: int | None = None) -> AWQScales:
+               grid: int = 20, channel_map: torch.Tensor | None = None, loss_rows: int = int(os.environ.get('KILN_LR', 128))) -> AWQScales:
     """Activation-aware scales for linears sharing the input x [T, K] (Lin et al., AWQ, 2023).
 
     For alpha on a grid of step 1/grid in [0, 1): s = mean|x|^alpha, normalised so that
@@ -142,19 +142,10 @@ def awq_search(x: torch.Tensor, weights: list[torch.Tensor], fake_quant: Callabl
     w_all = torch.cat([w.float() for w in weights])  # [sum N, K]
     reference = x @ w_all.T
     errors: dict[int, tuple[float, torch.Tensor]] = {}
-    import os
-    duo = os.environ.get("KILN_AWQ_DUO") and group_size
-    if duo:
-        wa = w_all.abs().reshape(w_all.shape[0], -1, group_size)
-        w_scale = (wa / (wa.amax(-1, keepdim=True) + 1e-6)).reshape(w_all.shape).mean(0)
-        w_stat = torch.zeros(channels).index_add_(0, channel_map, w_scale) / counts
 
     def error_at(i: int) -> float:
         if i not in errors:
-            if duo and i > 0:
-                s = (stat.pow(i / grid) / (w_stat.pow(1 - i / grid) + 1e-4)).clamp(min=1e-4)
-            else:
-                s = stat.pow(i / grid).clamp(min=1e-4)
+            s = stat.pow(i / grid).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
             full = s[channel_map]
             approx = (x / full) @ fake_quant(w_all * full).T
@@ -167,7 +158,7 @@ def awq_search(x: torch.Tensor, weights: list[torch.Tensor], fake_quant: Callabl
 
 
 def awq_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 20, max_shrink: float = 0.5,
-             rows: int = 64) -> torch.Tensor:
+             rows: int = int(os.environ.get('KILN_CR', 64))) -> torch.Tensor:
     """w [N, K] with each (output channel, group) clipped to +-(1 - i/grid) max|w|, i < max_shrink * grid,
     whichever gives that group's INT4 partial outputs x_g w_g^T the least squared error on `rows`
     evenly spaced rows of x [T, K] (AWQ's weight clipping search; round to nearest cannot clip)."""

@@ -50,7 +50,7 @@ def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
             continue  # quantize_int4 reports the group size that does not divide
         weights = [out.tensors[n.inputs[1]] for n in scale_set.searched]
         found = awq_search(activations[scale_set.input], weights, lambda w: fake_quantize(w, "int4", group_size),
-                           channel_map=scale_set.channel_map, group_size=group_size)
+                           channel_map=scale_set.channel_map)
         _fold(out, scale_set, found.scales)
         alphas.update((n.name, found.alpha) for n in scale_set.searched)
     out.meta["awq_alpha"] = alphas

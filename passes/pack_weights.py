@@ -14,10 +14,10 @@ def pack_weights(graph: Graph, ctx: PassContext) -> Graph:
     # The panel layout is the cpu target's; the tensorrt target exports the logical operands (ONNX Q/DQ).
     if ctx.plan.target != "cpu":
         return graph
-    return pack_graph(graph)
+    return pack_graph(graph, ctx.plan.quant.activations)
 
 
-def pack_graph(graph: Graph) -> Graph:
+def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
     """A copy of `graph` whose logical quantized nodes read packed operands (layout = the kernel's id)."""
     out = graph.replace()
     packed: dict[tuple, tuple[list[str], list[str]]] = {}  # logical operand names -> (packed names, roles)
@@ -32,6 +32,8 @@ def pack_graph(graph: Graph) -> Graph:
         names, roles = packed[logical]
         node.inputs = [node.inputs[0], *names, *node.inputs[1 + count:]]
         node.attrs = dict(attrs, layout=LAYOUTS[attrs["quant"]], operands=[*roles, *attrs["operands"][count:]])
+        if _runs_int8_activations(node, activations):
+            node.attrs["act"] = "int8"
     out.drop_unused_weights()
     return out
 
@@ -48,3 +50,9 @@ def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, 
     for role, tensor in parts.items():
         graph.add_weight(f"{base}.{role}", tensor)
     return [f"{base}.{role}" for role in parts], list(parts)
+
+
+def _runs_int8_activations(node, activations: str) -> bool:
+    """The VNNI path takes int4/int8 linears whose input width is a multiple of 32."""
+    return (activations == "int8" and node.op == "linear" and node.attrs["quant"] in ("int4", "int8")
+            and node.attrs["in_features"] % 32 == 0)
