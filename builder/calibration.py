@@ -21,7 +21,7 @@ from runtime.program import Hooks, Program
 WINDOW = 512
 MAX_TOKENS = 1024          # calibration and evaluation read at most this many tokens
 MIN_CALIBRATION_TOKENS = 256
-MAX_CAPTURED_ROWS = int(__import__("os").environ.get("KILN_MCR", 512))    # activation rows kept per value by capture_activations (evenly spaced)
+MAX_CAPTURED_ROWS = 512    # activation rows kept per value by capture_activations (evenly spaced)
 KV_EMULATION = {"bf16": torch.bfloat16, "f16": torch.float16}
 KV_MAX = {"int8": 127.0, "fp8": 448.0}
 

@@ -21,18 +21,11 @@ from tqdm import tqdm
 
 from builder.errors import KilnError
 from builder.ir import TORCH_DTYPES, Graph
-from runtime import ENGINE_FORMAT, FORMAT_VERSION, RANK_FORMAT, __version__
+from runtime import FORMAT_VERSION, RANK_FORMAT, __version__
+from runtime.engine_dir import sha256_file
 
 # The C kernels are compiled for these instruction sets (pyproject.toml: -mavx2 -mfma -mf16c).
 CPU_FLAGS = ["avx2", "fma", "f16c"]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def build_id(model_identity: dict, plan: dict, passes: list[dict]) -> str:

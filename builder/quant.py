@@ -1,4 +1,4 @@
-"""Quantization tensor math, apart from any graph: quantize/dequantize INT8, INT4, FP8 and the AWQ scale search.
+"""Quantization tensor math, apart from any graph: quantize/dequantize INT8, INT4, FP8 and the AWQ searches.
 
 Logical formats (the IR's "logical" layout; runtime/qlinear.py packs them for the kernels):
   int8  symmetric:   w[n,k] = q[n,k] * scale[n]                  (or scale[n, k//G] with a group size)
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-import os
 import torch
 
 INT8_MAX = 127
@@ -122,7 +121,7 @@ class AWQScales(NamedTuple):
 
 
 def awq_search(x: torch.Tensor, weights: list[torch.Tensor], fake_quant: Callable[[torch.Tensor], torch.Tensor],
-               grid: int = 20, channel_map: torch.Tensor | None = None, loss_rows: int = int(os.environ.get('KILN_LR', 128))) -> AWQScales:
+               grid: int = 20, channel_map: torch.Tensor | None = None, loss_rows: int = 512) -> AWQScales:
     """Activation-aware scales for linears sharing the input x [T, K] (Lin et al., AWQ, 2023).
 
     For alpha on a grid of step 1/grid in [0, 1): s = mean|x|^alpha, normalised so that
@@ -158,7 +157,7 @@ def awq_search(x: torch.Tensor, weights: list[torch.Tensor], fake_quant: Callabl
 
 
 def awq_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 20, max_shrink: float = 0.5,
-             rows: int = int(os.environ.get('KILN_CR', 64))) -> torch.Tensor:
+             rows: int = 256) -> torch.Tensor:
     """w [N, K] with each (output channel, group) clipped to +-(1 - i/grid) max|w|, i < max_shrink * grid,
     whichever gives that group's INT4 partial outputs x_g w_g^T the least squared error on `rows`
     evenly spaced rows of x [T, K] (AWQ's weight clipping search; round to nearest cannot clip)."""

@@ -86,7 +86,7 @@ def open_engine(path: str | Path, world_size: int | None = None, check_hashes: b
         file = path / entry["file"]
         if not file.is_file():
             raise EngineError(f"{path}: rank {entry['rank']} file {entry['file']} is missing; rebuild the engine")
-        if check_hashes and _sha256(file) != entry["sha256"]:
+        if check_hashes and sha256_file(file) != entry["sha256"]:
             raise EngineError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the engine")
     return EngineDir(path, manifest)
 
@@ -100,7 +100,7 @@ def _check_target(path: Path, target: dict) -> None:
                           "run it on a CPU that has them")
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
