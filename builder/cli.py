@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -12,6 +10,7 @@ from typing import Optional
 import typer
 
 from builder.errors import KilnError
+from runtime import cli_errors
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -21,25 +20,10 @@ app = typer.Typer(
 
 
 def fail(message: str) -> None:
-    typer.echo(f"engine-build: error: {message}", err=True)
-    raise typer.Exit(1)
+    cli_errors.fail("engine-build", message)
 
 
-def one_line_errors(command):
-    """User errors end as one line on stderr and exit 1; KILN_DEBUG=1 shows the traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except (KilnError, OSError) as exc:
-            if os.environ.get("KILN_DEBUG"):
-                raise
-            fail(str(exc))
-        except KeyboardInterrupt:
-            fail("interrupted; nothing was written")
-
-    return wrapper
+one_line_errors = cli_errors.one_line_errors("engine-build", (KilnError, OSError), interrupted="interrupted; nothing was written")
 
 
 @app.command()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from runtime import cli_errors
 from runtime.engine_dir import EngineError
 
 app = typer.Typer(
@@ -24,25 +23,10 @@ ENGINE_ARG = typer.Argument(DEFAULT_ENGINE, help="Engine directory written by `e
 
 
 def fail(message: str) -> None:
-    typer.echo(f"engine-run: error: {message}", err=True)
-    raise typer.Exit(1)
+    cli_errors.fail("engine-run", message)
 
 
-def one_line_errors(command):
-    """User errors end as one line on stderr and exit 1; KILN_DEBUG=1 shows the traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except (EngineError, ValueError, OSError) as exc:
-            if os.environ.get("KILN_DEBUG"):
-                raise
-            fail(" ".join(str(exc).split()))
-        except KeyboardInterrupt:
-            fail("interrupted")
-
-    return wrapper
+one_line_errors = cli_errors.one_line_errors("engine-run", (EngineError, ValueError, OSError))
 
 
 def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0):
