@@ -42,9 +42,11 @@ def window_figures(reference: torch.Tensor, quantized: torch.Tensor, ids: list[i
     return nll_ref, nll_q, kl
 
 
-def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dtype: str = "f32") -> dict:
-    """Perplexity of both graphs and the mean KL over `windows`; the quantized one with its KV cache rounding."""
-    ref_runner, q_runner = GraphRunner(reference), GraphRunner(quantized, kv_dtype)
+def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dtype: str = "f32",
+             activations: str = "f32") -> dict:
+    """Perplexity of both graphs and the mean KL over `windows`; the quantized one as the engine runs it
+    (its KV cache rounding, and int8 activations if the plan asks for them)."""
+    ref_runner, q_runner = GraphRunner(reference), GraphRunner(quantized, kv_dtype, activations)
     nll_ref = nll_q = kl = 0.0
     tokens = 0
     for ids in windows:

@@ -78,14 +78,15 @@ def fake_quantize_kv(x: torch.Tensor, kv_dtype: str, kv_scale: float) -> torch.T
 class GraphRunner:
     """Runs a whole single-rank graph over one sequence (dense causal attention, no cache).
 
-    Logical quantized operands are packed first, so the kernels are the executor's. With a
-    kv_dtype other than f32, K and V are rounded as that cache type would store them.
+    Logical quantized operands are packed first (with the plan's `activations`), so the kernels
+    are the executor's. With a kv_dtype other than f32, K and V are rounded as that cache type
+    would store them.
     """
 
-    def __init__(self, graph: Graph, kv_dtype: str = "f32"):
+    def __init__(self, graph: Graph, kv_dtype: str = "f32", activations: str = "f32"):
         from passes.pack_weights import pack_graph
 
-        runnable = pack_graph(graph)
+        runnable = pack_graph(graph, activations)
         self.kv_dtype = kv_dtype
         self.program = Program(json.loads(runnable.to_json()), runnable.tensors, Hooks(self._attention, lambda x: x))
         self.last_use: dict[str, int] = {}

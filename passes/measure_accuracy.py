@@ -1,8 +1,8 @@
 """Measure accuracy (analysis): perplexity and KL of the quantized whole graph against the float model; the build gate.
 
-Runs when the build loses precision (a requantization method, or a KV cache narrower than f32)
-and records manifest figures in graph.meta["accuracy"]; "source" keeps the file's blocks exactly,
-so it is recorded as exact without an evaluation, and "none" records nothing.
+Runs when the build loses precision (a requantization method, a KV cache narrower than f32, or
+int8 activations) and records manifest figures in graph.meta["accuracy"]; "source" alone keeps the
+file's blocks exactly, so it is recorded as exact without an evaluation, and "none" records nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     errors = out.meta.pop("quant_error", {})
     alphas = out.meta.pop("awq_alpha", {})
     quantized = sum(n.attrs.get("quant", "none") != "none" for n in out.nodes)
-    if quant.method not in REQUANT_METHODS and kv_dtype == "f32":
+    int8_activations = quant.activations == "int8" and quantized > 0
+    if quant.method not in REQUANT_METHODS and kv_dtype == "f32" and not int8_activations:
         if quant.method == "source" and quantized:
             out.meta["accuracy"] = {"method": "source", "evaluated": False, "quantized_nodes": quantized,
                                     "note": "the source's quantized blocks are kept bit for bit: logits equal "
@@ -29,8 +30,9 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
         return out
     if ctx.model is None:
         raise KilnError("measure_accuracy: the evaluation needs the model source")
-    figures = {"method": quant.method, "kv_cache_dtype": kv_dtype, "quantized_nodes": quantized}
-    figures.update(evaluate(reference_graph(ctx.model), out, evaluation_windows(ctx), kv_dtype))
+    figures = {"method": quant.method, "kv_cache_dtype": kv_dtype, "activations": quant.activations,
+               "quantized_nodes": quantized}
+    figures.update(evaluate(reference_graph(ctx.model), out, evaluation_windows(ctx), kv_dtype, quant.activations))
     figures["max_ppl_increase"] = quant.max_ppl_increase
     if errors:
         figures["layer_error_max"] = max(errors.values())
