@@ -7,6 +7,11 @@ ending at T, context_lens >= query length) before touching any data, so check=Fa
 memory-safe; both raise ValueError.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from runtime._native import _attention as _C
@@ -62,6 +67,72 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     return out
 
 
+def qkv_attention(out: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                  positions: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                  scale: float, *, kv_scale: float = 1.0, num_threads: int | None = None,
+                  check: bool = True) -> torch.Tensor:
+    """One attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32 = q | k | v.
+
+    Rotates q and k by position (rope [rows, hd] f32 = cos | sin of the first half of the
+    frequencies, as kernels.RopeTable.packed; positions [T] int64 index its rows), writes k and v
+    to the caches at slot_mapping like kv_write, then runs paged_attention into out [T, nh, hd].
+    """
+    if check:
+        _check_qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions,
+                             rope, slot_mapping, num_heads, kv_scale)
+    _C.qkv_attention(out.numpy(), qkv.numpy(), _buffer(k_cache), _buffer(v_cache), block_tables.numpy(),
+                     context_lens.numpy(), query_start_loc.numpy(), positions.numpy(), rope.numpy(),
+                     slot_mapping.numpy(), num_heads, k_cache.shape[2], k_cache.shape[3], k_cache.shape[1],
+                     float(scale), CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale), _threads(num_threads))
+    return out
+
+
+@dataclass(frozen=True)
+class StepArrays:
+    """A step's metadata as arrays the C kernels read, made once per step for every layer."""
+
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+
+    @staticmethod
+    def of(meta) -> StepArrays:
+        return StepArrays(meta.positions.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy(),
+                          meta.context_lens.numpy(), meta.query_start_loc.numpy())
+
+
+class LayerAttention:
+    """qkv_attention of one layer bound to its caches and rope table: (qkv, StepArrays) -> [T, nh * hd].
+
+    The per-call cost is one C call: the caches' buffers are taken once, the step's arrays once per
+    step, and the argument checks are the C side's (lengths and every index, before any data moves).
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+                 kv_scale: float, rope_table):
+        _check_caches("qkv_attention", k_cache, v_cache, kv_scale)
+        self.k, self.v = _buffer(k_cache), _buffer(v_cache)
+        _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
+        self.num_heads, self.scale, self.kv_scale = num_heads, float(scale), float(kv_scale)
+        self.dtype = CACHE_DTYPE_CODES[k_cache.dtype]
+        self.rope_table = rope_table
+        self.width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def __call__(self, qkv: torch.Tensor, step: StepArrays) -> torch.Tensor:
+        if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != self.width:
+            raise ValueError(f"qkv_attention: qkv must be float32 [T, {self.width}], got {qkv.dtype} {tuple(qkv.shape)}")
+        t = qkv.shape[0]
+        out = torch.empty(t, self.num_heads * self.head_dim)
+        _C.qkv_attention(out.numpy(), qkv.numpy(), self.k, self.v, step.block_tables, step.context_lens,
+                         step.query_start_loc, step.positions, self.rope_table.packed.numpy(), step.slot_mapping,
+                         self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale, self.dtype,
+                         self.kv_scale, torch.get_num_threads())
+        return out
+
+
 # ---------------------------------------------------------------------------------------- checks
 
 def _check_kv_write(key, value, k_cache, v_cache, slot_mapping, kv_scale) -> None:
@@ -87,6 +158,32 @@ def _check_paged_attention(out, query, k_cache, v_cache, block_tables, context_l
         raise ValueError(f"{fn}: query [T, num_heads, head_dim] = {tuple(query.shape)} needs a cache with "
                          f"the same head_dim and num_kv_heads dividing num_heads, "
                          f"got cache {tuple(k_cache.shape)}")
+    _check_sequences(fn, block_tables, context_lens, query_start_loc)
+
+
+def _check_qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, rope,
+                         slot_mapping, num_heads, kv_scale) -> None:
+    fn = "qkv_attention"
+    _check_caches(fn, k_cache, v_cache, kv_scale)
+    nkv, hd = k_cache.shape[2:]
+    if num_heads <= 0 or num_heads % nkv or hd % 2:
+        raise ValueError(f"{fn}: num_heads ({num_heads}) must be a positive multiple of the cache's num_kv_heads "
+                         f"({nkv}) and head_dim ({hd}) even")
+    _expect(fn, "qkv", qkv, torch.float32, 2, "[T, (num_heads + 2 num_kv_heads) head_dim]")
+    t = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * nkv) * hd:
+        raise ValueError(f"{fn}: qkv must be [T, {(num_heads + 2 * nkv) * hd}] for {num_heads} + 2 x {nkv} heads "
+                         f"of {hd}, got {tuple(qkv.shape)}")
+    _expect(fn, "out", out, torch.float32, 3, "[T, num_heads, head_dim]", shape=(t, num_heads, hd))
+    _expect(fn, "positions", positions, torch.int64, 1, "[T]", shape=(t,))
+    _expect(fn, "slot_mapping", slot_mapping, torch.int64, 1, "[T]", shape=(t,))
+    _expect(fn, "rope", rope, torch.float32, 2, "[rows, head_dim]")
+    if rope.shape[1] != hd:
+        raise ValueError(f"{fn}: rope must be [rows, {hd}], got {tuple(rope.shape)}")
+    _check_sequences(fn, block_tables, context_lens, query_start_loc)
+
+
+def _check_sequences(fn: str, block_tables, context_lens, query_start_loc) -> None:
     _expect(fn, "context_lens", context_lens, torch.int32, 1, "[S]")
     num_seqs = context_lens.shape[0]
     _expect(fn, "query_start_loc", query_start_loc, torch.int32, 1, "[S + 1]", shape=(num_seqs + 1,))

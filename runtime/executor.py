@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from runtime import attention
+from runtime import attention, kernels
 from runtime.engine_dir import RankFile
 from runtime.program import Hooks, Program
 from runtime.step import StepMetadata
@@ -48,14 +48,21 @@ class Executor:
     def __init__(self, rank_file: RankFile, num_blocks: int, block_size: int, kv_dtype: str = "f32",
                  collectives: dict | None = None):
         self.meta: StepMetadata | None = None
+        self.arrays: attention.StepArrays | None = None
         self.cache = KVCacheStorage(attention_layers(rank_file.program), num_blocks, block_size, kv_dtype)
-        hooks = Hooks(attention=self._attention, gather_last=self._gather_last, **(collectives or {}))
+        self.rope_tables: dict[tuple, kernels.RopeTable] = {}  # one per distinct rope, shared by its layers
+        hooks = Hooks(attention=self._attention, gather_last=self._gather_last, qkv_attention=self._qkv_attention,
+                      **(collectives or {}))
         self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks)
 
     @torch.inference_mode()
     def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states."""
-        self.meta = meta
+        self.meta, self.arrays = meta, attention.StepArrays.of(meta)
+        if self.rope_tables and meta.positions.numel():
+            rows = int(meta.positions.max()) + 1
+            for table in self.rope_tables.values():
+                table.ensure(rows)
         env = {"tokens": meta.token_ids, "positions": meta.positions}
         if inputs:
             env.update(inputs)
@@ -63,16 +70,30 @@ class Executor:
             outputs = self.program.run(env)
             return outputs[0] if outputs else None  # a pipeline stage before the last sends, returns nothing
         finally:
-            self.meta = None
+            self.meta = self.arrays = None
 
     def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
         return x.index_select(0, self.meta.logits_indices)
 
+    def _kv_scale(self, attrs: dict) -> float:
+        # int8/fp8 caches store k / kv_scale (calibrated per layer at build time); wider ones store k.
+        quantized = self.cache.k[attrs["layer"]].dtype in attention.QUANTIZED_CACHE_DTYPES
+        return attrs.get("kv_scale", 1.0) if quantized else 1.0
+
+    def _qkv_attention(self, rope: dict, attrs: dict):
+        scaling = rope.get("scaling")
+        key = (rope["head_dim"], float(rope["theta"]), tuple(sorted(scaling.items())) if scaling else None)
+        if key not in self.rope_tables:
+            self.rope_tables[key] = kernels.RopeTable(rope["head_dim"], rope["theta"], scaling)
+        layer = attention.LayerAttention(self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]],
+                                         attrs["num_heads"], attrs["scale"], self._kv_scale(attrs),
+                                         self.rope_tables[key])
+        return lambda qkv, positions: layer(qkv, self.arrays)
+
     def _attention(self, attrs: dict):
         k_cache, v_cache = self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]]
         nh, nkv, hd, scale = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
-        # int8/fp8 caches store k / kv_scale (calibrated per layer at build time); wider ones store k.
-        kv_scale = attrs.get("kv_scale", 1.0) if k_cache.dtype in attention.QUANTIZED_CACHE_DTYPES else 1.0
+        kv_scale = self._kv_scale(attrs)
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             meta, t = self.meta, q.shape[0]

@@ -40,20 +40,26 @@ def _inv_freq(head_dim: int, theta: float, scaling_key: tuple | None) -> torch.T
 
 
 class RopeTable:
-    """cos/sin rows by position, grown on demand: [positions, head_dim]."""
+    """cos/sin rows by position, grown on demand: [positions, head_dim]; `packed` is [positions, head_dim]
+    = cos | sin of the first half (the C kernels' layout; the halves of cos and sin repeat)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
         key = tuple(sorted(scaling.items())) if scaling else None
         self.inv_freq = _inv_freq(head_dim, float(theta), key)
-        self.cos = self.sin = torch.empty(0, head_dim)
+        self.cos = self.sin = self.packed = torch.empty(0, head_dim)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0]:
-            size = max(needed, 2 * self.cos.shape[0], 256)
+    def ensure(self, rows: int) -> None:
+        """Cover positions 0 .. rows - 1."""
+        if rows > self.cos.shape[0]:
+            size = max(rows, 2 * self.cos.shape[0], 256)
             freqs = torch.outer(torch.arange(size, dtype=torch.float32), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
+            half = self.cos.shape[1] // 2
+            self.packed = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=1).contiguous()
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ensure(int(positions.max()) + 1 if positions.numel() else 0)
         return self.cos[positions], self.sin[positions]
 
 

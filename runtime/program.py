@@ -3,6 +3,10 @@
 The binding knows every op's kernel except the ones that depend on how the program is run:
 `attention` (paged through the KV cache, or dense for a whole prompt), `gather_last`, and the
 collectives. The runner supplies those through `Hooks`.
+
+A runner that has a fused attention kernel (`Hooks.qkv_attention`) gets each layer's
+`split -> rope -> attention` chain bound as one call over the fused projection and the positions,
+when nothing else reads the chain's intermediate values; the IR itself stays op by op.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import kernels
+from runtime import kernels, native_ops
 
 
 @dataclass
@@ -24,6 +28,8 @@ class Hooks:
     all_gather: Callable[[torch.Tensor, dict], torch.Tensor] | None = None  # (x, attrs) -> concat of the group's pieces
     send: Callable[[torch.Tensor, dict], None] | None = None
     recv: Callable[[dict], torch.Tensor] | None = None
+    # (rope attrs, attention attrs) -> fn(qkv, positions) -> out: split + rope + attention in one
+    qkv_attention: Callable[[dict, dict], Callable] | None = None
 
 
 @dataclass
@@ -39,7 +45,18 @@ class Program:
         self.doc = program
         self.weight_names = {w["name"] for w in program["weights"]}
         self.outputs = program["outputs"]
-        self.calls = [self._bind(node, tensors, hooks) for node in program["nodes"]]
+        nodes = program["nodes"]
+        fused = self._fusible_attention(nodes) if hooks.qkv_attention else {}
+        skipped = {i for chain in fused.values() for i in chain[:2]}
+        self.calls = []
+        for i, node in enumerate(nodes):
+            if i in fused:
+                split, rope, attention = (nodes[j] for j in fused[i])
+                fn = hooks.qkv_attention(rope["attrs"], attention["attrs"])
+                self.calls.append(Call(attention["name"], fn, [split["inputs"][0], rope["inputs"][2]],
+                                       attention["outputs"]))
+            elif i not in skipped:
+                self.calls.append(self._bind(node, tensors, hooks))
 
     @staticmethod
     def from_json(text: str, tensors: dict[str, torch.Tensor], hooks: Hooks) -> Program:
@@ -58,6 +75,38 @@ class Program:
                 env.update(zip(call.outputs, result))
         return [env[o] for o in self.outputs]
 
+    def _fusible_attention(self, nodes: list[dict]) -> dict[int, tuple[int, int, int]]:
+        """attention node index -> (split, rope, attention) indices of the chains qkv_attention can run."""
+        readers: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            for name in node["inputs"]:
+                readers.setdefault(name, []).append(i)
+        outputs = set(self.outputs)
+        chains = {}
+        for i, node in enumerate(nodes):
+            if node["op"] != "split" or len(node["outputs"]) != 3:
+                continue
+            q, k, v = node["outputs"]
+            rope_at = readers.get(q, [])
+            if len(rope_at) != 1 or nodes[rope_at[0]]["op"] != "rope" or readers.get(k) != rope_at:
+                continue
+            rope = nodes[rope_at[0]]
+            attention_at = readers.get(v, [])
+            if (rope["inputs"][:2] != [q, k] or len(attention_at) != 1
+                    or nodes[attention_at[0]]["op"] != "attention"):
+                continue
+            attention = nodes[attention_at[0]]
+            qr, kr = rope["outputs"]
+            a, r = attention["attrs"], rope["attrs"]
+            sizes = [a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"],
+                     a["num_kv_heads"] * a["head_dim"]]
+            if (attention["inputs"] == [qr, kr, v] and readers.get(qr) == attention_at
+                    and readers.get(kr) == attention_at and not {q, k, v, qr, kr} & outputs
+                    and node["attrs"]["sizes"] == sizes and r["head_dim"] == a["head_dim"]
+                    and (r["num_heads"], r["num_kv_heads"]) == (a["num_heads"], a["num_kv_heads"])):
+                chains[attention_at[0]] = (i, rope_at[0], attention_at[0])
+        return chains
+
     def _bind(self, node: dict, tensors: dict, hooks: Hooks) -> Call:
         op, attrs, inputs = node["op"], node["attrs"], node["inputs"]
         acts = [i for i in inputs if i not in self.weight_names]
@@ -68,10 +117,10 @@ class Program:
             fn = kernels.make_embedding(attrs, kernels.operands_of(inputs, attrs, tensors))
         elif op == "rms_norm":
             weight, eps = weights[0], attrs["eps"]
-            fn = lambda x: kernels.rms_norm(x, weight, eps)  # noqa: E731
+            fn = lambda x: native_ops.rms_norm(x, weight, eps)  # noqa: E731
         elif op == "add_rms_norm":
-            weight, eps = weights[0], attrs["eps"]
-            fn = lambda x, r: kernels.add_rms_norm(x, r, weight, eps)  # noqa: E731
+            weight, eps = weights[0].float().contiguous(), attrs["eps"]
+            fn = lambda x, r: native_ops.add_rms_norm(x, r, weight, eps)  # noqa: E731
         elif op == "split":
             sizes = attrs["sizes"]
             fn = lambda x: kernels.split(x, sizes)  # noqa: E731
@@ -80,7 +129,7 @@ class Program:
         elif op == "attention":
             fn = hooks.attention(attrs)
         elif op == "silu_mul":
-            fn = kernels.silu_mul
+            fn = native_ops.silu_mul if len(acts) == 1 else kernels.silu_mul
         elif op == "add":
             fn = torch.add
         elif op == "gather_last":

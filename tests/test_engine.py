@@ -159,3 +159,28 @@ def test_smollm2_greedy_matches_transformers(smollm2_default_engine, smollm2_ggu
             for _ in range(32):
                 expected.append(int(reference(torch.tensor([ids + expected])).logits[0, -1].argmax()))
         assert out.token_ids == expected, prompt
+
+
+def test_executor_fuses_attention_chains_and_matches_the_reference_interpreter(tiny_engine_dir):
+    """The executor binds each layer's split -> rope -> attention as one C call (qkv_attention); its
+    logits over a paged prefill equal the reference interpreter's (op by op, dense attention)."""
+    from builder.interpret import Interpreter
+    from runtime.engine_dir import open_engine
+    from runtime.executor import Executor
+    from runtime.step import StepMetadata
+
+    rank = open_engine(tiny_engine_dir).load_rank(0)
+    executor = Executor(rank, num_blocks=8, block_size=16)
+    nodes = executor.program.doc["nodes"]
+    layers = sum(n["op"] == "attention" for n in nodes)
+    assert layers >= 2 and len(executor.program.calls) == len(nodes) - 2 * layers  # split and rope folded in
+
+    ids = prompts_of_mixed_lengths(1, 100)[0] * 3
+    t = len(ids)
+    meta = StepMetadata(token_ids=torch.tensor(ids), positions=torch.arange(t), slot_mapping=torch.arange(t) + 16,
+                        block_tables=torch.tensor([[1, 2, 3, 4, 5, 6, 7]], dtype=torch.int32)[:, :(t + 15) // 16],
+                        context_lens=torch.tensor([t], dtype=torch.int32),
+                        query_start_loc=torch.tensor([0, t], dtype=torch.int32), logits_indices=torch.arange(t))
+    ours = executor.execute(meta)
+    expected = Interpreter(rank.program, rank.tensors, all_logits=True).logits(ids)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)

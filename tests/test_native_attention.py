@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from runtime.attention import kv_write, paged_attention
+from runtime import kernels
+from runtime.attention import kv_write, paged_attention, qkv_attention
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
 QUANT_SCALE = {torch.int8: 0.03, torch.float8_e4m3fn: 0.01}  # kv_scale per quantized cache dtype
@@ -270,3 +271,73 @@ def test_fast_path_still_checks_metadata_values():
     with pytest.raises(ValueError, match="out of range"):
         paged_attention(**small_attention_args(block_tables=torch.tensor([[0, -1]], dtype=torch.int32)),
                         check=False)
+
+
+# ---------------------------------------------------------------------------------------- fused qkv step
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 5)])
+def test_qkv_attention_equals_rope_kv_write_then_paged_attention(dtype, num_heads, num_kv_heads, head_dim,
+                                                                 block_size):
+    """The fused step (rope + KV write + attention from the qkv projection) against the op-by-op path."""
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables, ctx, qsl, kv_scale = build_step(MIXED_STEP, block_size, num_kv_heads, head_dim,
+                                                              dtype, generator)
+    t = int(qsl[-1])
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    positions = torch.cat([torch.arange(c - (int(qsl[s + 1]) - int(qsl[s])), c) for s, c in enumerate(ctx.tolist())])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(MIXED_STEP)), qsl[1:] - qsl[:-1])
+    slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    table = kernels.RopeTable(head_dim, 10000.0, None)
+    table.ensure(int(ctx.max()) + 1)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    # op by op: split, rope, kv_write, paged_attention on copies of the caches
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    rope = kernels.make_rope({"head_dim": head_dim, "theta": 10000.0, "num_heads": num_heads,
+                              "num_kv_heads": num_kv_heads})
+    q, k = rope(q, k, positions)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kv_write(k.reshape(t, num_kv_heads, head_dim).contiguous(), v.reshape(t, num_kv_heads, head_dim).contiguous(),
+             k_ref, v_ref, slots, kv_scale=kv_scale)
+    expected = paged_attention(torch.empty(t, num_heads, head_dim), q.reshape(t, num_heads, head_dim).contiguous(),
+                               k_ref, v_ref, tables, ctx, qsl, scale, kv_scale=kv_scale)
+
+    out = torch.full((t, num_heads, head_dim), float("nan"))
+    qkv_attention(out, qkv, k_cache, v_cache, tables, ctx, qsl, positions, table.packed, slots, num_heads, scale,
+                  kv_scale=kv_scale, num_threads=2)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))  # bytes: unwritten slots hold NaN
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def small_qkv_args(**overrides):
+    t, nh, nkv, hd = 2, 2, 1, 8
+    args = dict(out=torch.empty(t, nh, hd), qkv=torch.randn(t, (nh + 2 * nkv) * hd),
+                k_cache=torch.zeros(2, 4, nkv, hd), v_cache=torch.zeros(2, 4, nkv, hd),
+                block_tables=torch.tensor([[0, 1]], dtype=torch.int32), context_lens=torch.tensor([2], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 2], dtype=torch.int32), positions=torch.tensor([0, 1]),
+                rope=torch.zeros(4, hd), slot_mapping=torch.tensor([0, 1]), num_heads=nh, scale=0.5)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(positions=torch.tensor([0, 4])), "outside the rope table"),
+    (dict(positions=torch.tensor([0, -1])), "outside the rope table"),
+    (dict(slot_mapping=torch.tensor([0, 8])), "slot_mapping\\[1\\] = 8 is out of range"),
+    (dict(qkv=torch.randn(2, 24)), "qkv must be \\[T, 32\\]"),
+    (dict(rope=torch.zeros(4, 6)), "rope must be \\[rows, 8\\]"),
+    (dict(num_heads=0), "positive multiple of the cache.s num_kv_heads"),
+    (dict(positions=torch.tensor([0, 1], dtype=torch.int32)), "positions must be int64"),
+])
+def test_qkv_attention_rejects_bad_arguments(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        qkv_attention(**small_qkv_args(**overrides))
+
+
+def test_qkv_attention_c_side_checks_indices_without_the_python_checks():
+    with pytest.raises(ValueError, match="outside the rope table"):
+        qkv_attention(**small_qkv_args(positions=torch.tensor([0, 9])), check=False)
+    with pytest.raises(ValueError, match="out of range"):
+        qkv_attention(**small_qkv_args(slot_mapping=torch.tensor([0, -2])), check=False)

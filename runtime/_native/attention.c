@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 /* ----------------------------------------------------------------------------------------
  * Cache element types
  */
@@ -171,13 +173,6 @@ static void encode_row(void *dst, const float *src, int n, int dtype, float kv_s
  * Vector helpers (AVX2 + FMA)
  */
 
-static inline float hsum256(__m256 v) {
-    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-    return _mm_cvtss_f32(sum);
-}
-
 /* a, b: [n] */
 static inline float dot(const float *a, const float *b, int n) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -240,25 +235,6 @@ static float score_keys(const float *q, const float *const *k_rows, int n, int h
         max_score = scores[i] > max_score ? scores[i] : max_score;
     }
     return max_score;
-}
-
-/* exp(x) for x in [-87, 88]: Cody-Waite reduction by ln 2 and the Cephes degree-6 polynomial
- * (relative error ~1e-7, same as expf for softmax purposes). */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 /* p: [n] scores, replaced by exp(p - max_score); returns their sum */
@@ -553,6 +529,73 @@ static int paged_attention_compute(const AttentionArgs *a, int num_threads) {
 }
 
 /* ----------------------------------------------------------------------------------------
+ * Fused step of one attention layer: rotary embedding, KV write and paged attention, reading
+ * q, k and v straight from the fused qkv projection [T, (nh + 2 nkv) * hd].
+ */
+
+typedef struct {
+    const float *qkv;          /* [T, (nh + 2 nkv) * hd] */
+    const int64_t *positions;  /* [T] */
+    const float *rope;         /* [rope_rows, hd]: cos(pos * inv_freq) | sin(pos * inv_freq), hd/2 each */
+    const int64_t *slot_mapping;  /* [T], -1 = skip the write */
+    Py_ssize_t num_tokens;
+    Py_ssize_t rope_rows;
+} RopeKVArgs;
+
+/* out[d] = x[d] cos[d] - x[d + h] sin[d], out[d + h] = x[d + h] cos[d] + x[d] sin[d]: the
+ * rotate-half form of Hugging Face Llama, evaluated in the same order (no contraction in c11). */
+static void rotate_head(float *out, const float *x, const float *cs, int hd) {
+    int half = hd / 2;
+    const float *c = cs, *sn = cs + half;
+    for (int d = 0; d < half; d++) {
+        float x0 = x[d], x1 = x[d + half];
+        out[d] = x0 * c[d] + (-x1) * sn[d];
+        out[d + half] = x1 * c[d] + x0 * sn[d];
+    }
+}
+
+/* Rotates q into query [T, nh, hd], rotates k and writes it and v into their cache slots. */
+static int rope_kv_write_compute(const RopeKVArgs *r, const AttentionArgs *a, float *query, int num_threads) {
+    int nh = a->num_heads, nkv = a->num_kv_heads, hd = a->head_dim, dtype = a->cache_dtype;
+    size_t row = (size_t)(nh + 2 * nkv) * hd, kv_row = (size_t)nkv * hd;
+    size_t row_bytes = kv_row * cache_elem_size[dtype];
+    float *k_rot = malloc(sizeof(float) * kv_row * (size_t)num_threads);
+    if (!k_rot)
+        return -1;
+    int parallel = r->num_tokens * (Py_ssize_t)row >= (1 << 15);
+    uint8_t *k_cache = (uint8_t *)a->k_cache, *v_cache = (uint8_t *)a->v_cache;
+    #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (Py_ssize_t t = 0; t < r->num_tokens; t++) {
+        const float *x = r->qkv + (size_t)t * row;
+        const float *cs = r->rope + (size_t)r->positions[t] * hd;
+        float *k = k_rot + kv_row * (size_t)omp_get_thread_num();
+        for (int h = 0; h < nh; h++)
+            rotate_head(query + ((size_t)t * nh + h) * hd, x + (size_t)h * hd, cs, hd);
+        int64_t slot = r->slot_mapping[t];
+        if (slot < 0)
+            continue;
+        for (int h = 0; h < nkv; h++)
+            rotate_head(k + (size_t)h * hd, x + (size_t)(nh + h) * hd, cs, hd);
+        encode_row(k_cache + slot * row_bytes, k, (int)kv_row, dtype, a->kv_scale);
+        encode_row(v_cache + slot * row_bytes, x + (size_t)(nh + nkv) * hd, (int)kv_row, dtype, a->kv_scale);
+    }
+    free(k_rot);
+    return 0;
+}
+
+static int qkv_attention_compute(const RopeKVArgs *r, AttentionArgs *a, int num_threads) {
+    float *query = malloc(sizeof(float) * (size_t)r->num_tokens * a->num_heads * a->head_dim + 1);
+    if (!query)
+        return -1;
+    a->query = query;
+    int status = rope_kv_write_compute(r, a, query, num_threads);
+    if (status == 0)
+        status = paged_attention_compute(a, num_threads);
+    free(query);
+    return status;
+}
+
+/* ----------------------------------------------------------------------------------------
  * Argument checks (GIL held, before any data is read beyond the metadata)
  */
 
@@ -581,11 +624,11 @@ static int check_common(const char *fn, int num_kv_heads, int head_dim, int cach
     return 0;
 }
 
-static int check_slots(const int64_t *slots, Py_ssize_t n, Py_ssize_t num_slots) {
+static int check_slots(const char *fn, const int64_t *slots, Py_ssize_t n, Py_ssize_t num_slots) {
     for (Py_ssize_t t = 0; t < n; t++)
         if (slots[t] < -1 || slots[t] >= num_slots)
-            return fail("kv_write: slot_mapping[%zd] = %lld is out of range [-1, %zd)",
-                        t, (long long)slots[t], num_slots);
+            return fail("%s: slot_mapping[%zd] = %lld is out of range [-1, %zd)",
+                        fn, t, (long long)slots[t], num_slots);
     return 0;
 }
 
@@ -644,7 +687,7 @@ static int setup_kv_write(KVWriteArgs *a, Py_buffer *b, int nkv, int hd, int dty
         return -1;
     *a = (KVWriteArgs){b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf,
                        num_tokens, num_slots, nkv * hd, dtype, kv_scale};
-    return check_slots(a->slot_mapping, num_tokens, num_slots);
+    return check_slots("kv_write", a->slot_mapping, num_tokens, num_slots);
 }
 
 static PyObject *py_kv_write(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -667,10 +710,10 @@ static PyObject *py_kv_write(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Fills a from b = {out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc}
- * and the sizes in a (num_heads, num_kv_heads, head_dim, block_size, cache_dtype, kv_scale). */
-static int setup_paged_attention(AttentionArgs *a, Py_buffer *b) {
-    const char *fn = "paged_attention";
+/* Fills a from the buffers {out, k_cache, v_cache, block_tables, context_lens, query_start_loc}
+ * (b[0], b[2..6]) and the sizes in a (num_heads, num_kv_heads, head_dim, block_size, cache_dtype,
+ * kv_scale), for num_tokens queries; a->query is left to the caller. */
+static int setup_attention(const char *fn, AttentionArgs *a, Py_buffer *b, Py_ssize_t num_tokens) {
     if (check_common(fn, a->num_kv_heads, a->head_dim, a->cache_dtype, a->kv_scale) < 0)
         return -1;
     if (a->num_heads <= 0 || a->num_heads % a->num_kv_heads != 0 || a->block_size <= 0)
@@ -680,11 +723,10 @@ static int setup_paged_attention(AttentionArgs *a, Py_buffer *b) {
     Py_ssize_t token_bytes = (Py_ssize_t)a->num_heads * a->head_dim * 4;
     Py_ssize_t block_bytes = (Py_ssize_t)a->block_size * a->num_kv_heads * a->head_dim
                              * cache_elem_size[a->cache_dtype];
-    Py_ssize_t num_tokens = b[1].len / token_bytes, num_blocks = b[2].len / block_bytes;
+    Py_ssize_t num_blocks = b[2].len / block_bytes;
     int num_seqs = (int)(b[5].len / 4);
     int max_blocks = num_seqs > 0 ? (int)(b[4].len / 4 / num_seqs) : 0;
-    if (check_buffer_len(fn, "query", &b[1], num_tokens * token_bytes) < 0
-        || check_buffer_len(fn, "out", &b[0], num_tokens * token_bytes) < 0
+    if (check_buffer_len(fn, "out", &b[0], num_tokens * token_bytes) < 0
         || check_buffer_len(fn, "k_cache", &b[2], num_blocks * block_bytes) < 0
         || check_buffer_len(fn, "v_cache", &b[3], num_blocks * block_bytes) < 0
         || check_buffer_len(fn, "context_lens", &b[5], (Py_ssize_t)num_seqs * 4) < 0
@@ -692,7 +734,6 @@ static int setup_paged_attention(AttentionArgs *a, Py_buffer *b) {
         || check_buffer_len(fn, "query_start_loc", &b[6], ((Py_ssize_t)num_seqs + 1) * 4) < 0)
         return -1;
     a->out = b[0].buf;
-    a->query = b[1].buf;
     a->k_cache = b[2].buf;
     a->v_cache = b[3].buf;
     a->block_tables = b[4].buf;
@@ -703,6 +744,19 @@ static int setup_paged_attention(AttentionArgs *a, Py_buffer *b) {
     int ratio = a->num_heads / a->num_kv_heads;
     a->queries_per_tile = ratio >= ROWS_PER_TILE ? 1 : ROWS_PER_TILE / ratio;
     return check_sequences(a, num_tokens, num_blocks);
+}
+
+/* Fills a from b = {out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc}. */
+static int setup_paged_attention(AttentionArgs *a, Py_buffer *b) {
+    if (a->num_heads <= 0 || a->head_dim <= 0)
+        return fail("paged_attention: num_heads and head_dim must be positive, got %d and %d",
+                    a->num_heads, a->head_dim);
+    Py_ssize_t token_bytes = (Py_ssize_t)a->num_heads * a->head_dim * 4;
+    Py_ssize_t num_tokens = b[1].len / token_bytes;
+    if (check_buffer_len("paged_attention", "query", &b[1], num_tokens * token_bytes) < 0)
+        return -1;
+    a->query = b[1].buf;
+    return setup_attention("paged_attention", a, b, num_tokens);
 }
 
 static PyObject *py_paged_attention(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -727,6 +781,55 @@ static PyObject *py_paged_attention(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* b = {out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, rope,
+ * slot_mapping}; fills r and a (whose sizes are set) and checks every index before any data moves. */
+static int setup_qkv_attention(RopeKVArgs *r, AttentionArgs *a, Py_buffer *b) {
+    const char *fn = "qkv_attention";
+    if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->head_dim <= 0 || a->head_dim % 2)
+        return fail("%s: num_heads, num_kv_heads and an even head_dim must be positive, got %d, %d, %d",
+                    fn, a->num_heads, a->num_kv_heads, a->head_dim);
+    Py_ssize_t row_bytes = (Py_ssize_t)(a->num_heads + 2 * a->num_kv_heads) * a->head_dim * 4;
+    Py_ssize_t num_tokens = b[1].len / row_bytes, rope_row = (Py_ssize_t)a->head_dim * 4;
+    Py_ssize_t rope_rows = b[8].len / rope_row;
+    if (check_buffer_len(fn, "qkv", &b[1], num_tokens * row_bytes) < 0
+        || check_buffer_len(fn, "positions", &b[7], num_tokens * 8) < 0
+        || check_buffer_len(fn, "slot_mapping", &b[9], num_tokens * 8) < 0
+        || check_buffer_len(fn, "rope", &b[8], rope_rows * rope_row) < 0
+        || setup_attention(fn, a, b, num_tokens) < 0)
+        return -1;
+    *r = (RopeKVArgs){b[1].buf, b[7].buf, b[8].buf, b[9].buf, num_tokens, rope_rows};
+    for (Py_ssize_t t = 0; t < num_tokens; t++)
+        if (r->positions[t] < 0 || r->positions[t] >= rope_rows)
+            return fail("%s: positions[%zd] = %lld is outside the rope table's %zd rows",
+                        fn, t, (long long)r->positions[t], rope_rows);
+    Py_ssize_t block_bytes = (Py_ssize_t)a->block_size * a->num_kv_heads * a->head_dim
+                             * cache_elem_size[a->cache_dtype];
+    return check_slots(fn, r->slot_mapping, num_tokens, b[2].len / block_bytes * a->block_size);
+}
+
+static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b[10];
+    AttentionArgs a = {0};
+    RopeKVArgs r;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "w*y*w*w*y*y*y*y*y*y*iiiififi:qkv_attention", &b[0], &b[1], &b[2], &b[3],
+                          &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &a.num_heads, &a.num_kv_heads,
+                          &a.head_dim, &a.block_size, &a.scale, &a.cache_dtype, &a.kv_scale, &num_threads))
+        return NULL;
+    int status = setup_qkv_attention(&r, &a, b);
+    if (status == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = qkv_attention_compute(&r, &a, resolve_threads(num_threads));
+        Py_END_ALLOW_THREADS
+        if (status < 0)
+            PyErr_NoMemory();
+    }
+    release_buffers(b, 10);
+    if (status < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ----------------------------------------------------------------------------------------
  * Module
  */
@@ -739,6 +842,11 @@ static PyMethodDef methods[] = {
      "paged_attention(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, "
      "num_heads, num_kv_heads, head_dim, block_size, scale, cache_dtype, kv_scale, num_threads): "
      "causal attention of packed queries [T, nh, hd] f32 over the paged KV cache."},
+    {"qkv_attention", py_qkv_attention, METH_VARARGS,
+     "qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, "
+     "rope, slot_mapping, num_heads, num_kv_heads, head_dim, block_size, scale, cache_dtype, kv_scale, "
+     "num_threads): one attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32: "
+     "rotary embedding (rope [rows, hd] = cos | sin by position), KV write, paged attention into out."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,40 @@
+"""The C row ops (rms_norm, add + rms_norm, silu * up) against the torch kernels they replace."""
+
+import pytest
+import torch
+
+from runtime import kernels, native_ops
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (3, 7), (200, 576), (64, 1000)])  # 200 x 576 runs threaded
+def test_row_ops_match_the_torch_kernels(rows, width):
+    g = torch.Generator().manual_seed(rows * width)
+    x, residual = torch.randn(rows, width, generator=g) * 3, torch.randn(rows, width, generator=g)
+    weight = torch.randn(width, generator=g)
+    torch.testing.assert_close(native_ops.rms_norm(x, weight, 1e-5), kernels.rms_norm(x, weight, 1e-5),
+                               rtol=1e-5, atol=1e-6)
+    normed, total = native_ops.add_rms_norm(x, residual, weight, 1e-6)
+    expected_normed, expected_total = kernels.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, expected_total)
+    torch.testing.assert_close(normed, expected_normed, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(rows, 2 * width, generator=g) * 8  # saturates both ends of the sigmoid
+    torch.testing.assert_close(native_ops.silu_mul(gate_up), kernels.silu_mul(gate_up), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_is_finite_at_extremes():
+    gate_up = torch.tensor([[-1e4, -100.0, 0.0, 100.0, 1e4, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    torch.testing.assert_close(native_ops.silu_mul(gate_up), kernels.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: native_ops.rms_norm(torch.randn(2, 8).double(), torch.randn(8), 1e-5), "x must be a contiguous float32"),
+    (lambda: native_ops.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-5), "x must be a contiguous float32"),
+    (lambda: native_ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5), r"x \(2, 8\) must end in 7"),
+    (lambda: native_ops.add_rms_norm(torch.randn(2, 8), torch.randn(1, 8), torch.randn(8), 1e-5),
+     "residual .* must have the shape of x"),
+    (lambda: native_ops.silu_mul(torch.randn(2, 7)), "must end in an even size"),
+    (lambda: native_ops.rms_norm(torch.randn(2, 0), torch.randn(0), 1e-5), "rows must hold 1"),
+])
+def test_row_ops_reject_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
