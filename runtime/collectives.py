@@ -86,15 +86,20 @@ _FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "context_le
            "logits_indices")
 
 
-def broadcast_step(meta: StepMetadata | None, group) -> None:
-    """Rank 0: one int64 header [command, T, S, max_blocks, N], then every field packed in one int64 tensor."""
+def broadcast_step(meta: StepMetadata | None, group, async_op: bool = False) -> list:
+    """Rank 0: one int64 header [command, T, S, max_blocks, N], then every field packed in one int64 tensor.
+
+    With async_op it returns the broadcasts' works without waiting on them: rank 0 with steps in
+    flight goes on while a rank still busy with an earlier step has yet to take this one.
+    """
     if meta is None:
-        dist.broadcast(torch.tensor([STOP, 0, 0, 0, 0]), 0, group=group)
-        return
-    s, b = meta.block_tables.shape
-    header = torch.tensor([STEP, meta.token_ids.numel(), s, b, meta.logits_indices.numel()])
-    dist.broadcast(header, 0, group=group)
-    dist.broadcast(torch.cat([getattr(meta, f).reshape(-1).to(torch.int64) for f in _FIELDS]), 0, group=group)
+        tensors = [torch.tensor([STOP, 0, 0, 0, 0])]
+    else:
+        s, b = meta.block_tables.shape
+        tensors = [torch.tensor([STEP, meta.token_ids.numel(), s, b, meta.logits_indices.numel()]),
+                   torch.cat([getattr(meta, f).reshape(-1).to(torch.int64) for f in _FIELDS])]
+    works = [dist.broadcast(t, 0, group=group, async_op=async_op) for t in tensors]
+    return works if async_op else []
 
 
 def receive_step(group) -> StepMetadata | None:

@@ -6,6 +6,13 @@ control group (runtime.collectives), runs its own program, and takes the logits 
 all_gather's, or with pp > 1 the ones the last stage's first rank sends it). Every other rank loops:
 receive a step, run it, and send the logits to rank 0 if it is the last stage's first rank.
 
+With pp > 1 rank 0 keeps up to pp steps in flight (`submit` / `collect`, driven by LLMEngine.step):
+it posts the receive of a step's logits, broadcasts the step without waiting, runs stage 0 and
+returns while the later stages compute, so stage 0 runs step k + 1 while stage 1 runs step k. Every
+rank takes the steps in the order rank 0 sent them, so the hidden states between stages and the
+logits to rank 0 pair up in order. A gloo send waits for its receive, hence the receive is posted
+first: the logits rank never waits on rank 0, which by then may be busy with a later step.
+
 Ranks are numbered stage-major, rank = pp_rank * tp + tp_rank (the builder's Mapping). Groups: one
 per pipeline stage (its tp ranks' all_reduce and all_gather), the default group (send/recv between
 stages, the logits to rank 0), and a gloo control group (the step broadcast).
@@ -29,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,6 +55,14 @@ class RankError(EngineError):
     """A rank died, hung or failed, so the engine cannot go on; LLMEngine.step re-raises it."""
 
     fatal = True
+
+
+@dataclass
+class InFlightStep:
+    """A step rank 0 submitted: `logits` holds its logits once the works are done."""
+
+    logits: torch.Tensor  # [N, vocab_size]
+    works: list           # the receive of the logits, the step's broadcasts
 
 
 @dataclass(frozen=True)
@@ -142,14 +158,15 @@ class Rank:
                                  plan["kv_cache"]["dtype"], collectives=self.collectives.hooks())
         self.cache = self.executor.cache
         self.logits_rank = (pp - 1) * tp  # the last stage's first rank holds the gathered logits
+        self.max_in_flight = pp  # steps LLMEngine keeps in flight through submit / collect (one per stage)
         self.vocab_size = self.engine.manifest["model"]["config"]["vocab_size"]
         dist.barrier(group=self.control)
 
     # ------------------------------------------------------------------ rank 0: the executor of LLMEngine
 
     def execute(self, meta: StepMetadata) -> torch.Tensor:
-        if self.watchdog.failure:
-            raise RankError(self._stopped(self.watchdog.failure))
+        """Run one step on every rank and return its logits (with no step in flight)."""
+        self._check_alive()
         try:
             broadcast_step(meta, self.control)
             logits = self._run(meta)
@@ -158,11 +175,40 @@ class Rank:
                 dist.recv(logits, self.logits_rank)
             return logits
         except Exception as exc:  # noqa: BLE001 - any failure mid-step leaves the ranks out of step
-            detail = " ".join(str(exc).split())[:200]
-            if not _is_peer_loss(exc):
-                raise RankError(self._stopped(f"rank 0 failed in a step ({type(exc).__name__}: {detail})")) from exc
-            failure = self.watchdog.wait_failure(grace=self.timeout + 2 * self.watchdog.interval)
-            raise RankError(self._stopped(failure or f"a collective failed ({detail})")) from None
+            self._raise_step_failure(exc)
+
+    def submit(self, meta: StepMetadata) -> InFlightStep:
+        """Start a step (pp > 1) and return once stage 0 has run it; collect() steps in submission order."""
+        self._check_alive()
+        try:
+            logits = torch.empty(meta.logits_indices.numel(), self.vocab_size)
+            received = dist.irecv(logits, self.logits_rank)  # first: see the module docstring
+            broadcasts = broadcast_step(meta, self.control, async_op=True)
+            self._run(meta)  # stage 0 ends by sending its hidden states to stage 1
+            return InFlightStep(logits, [received, *broadcasts])
+        except Exception as exc:  # noqa: BLE001
+            self._raise_step_failure(exc)
+
+    def collect(self, step: InFlightStep) -> torch.Tensor:
+        """The logits of a submitted step, once the last stage has sent them."""
+        try:
+            for work in step.works:
+                work.wait()
+            return step.logits
+        except Exception as exc:  # noqa: BLE001
+            self._raise_step_failure(exc)
+
+    def _check_alive(self) -> None:
+        if self.watchdog.failure:
+            raise RankError(self._stopped(self.watchdog.failure))
+
+    def _raise_step_failure(self, exc: Exception) -> NoReturn:
+        """A failure mid-step as a RankError naming the rank at fault (the watchdog's finding on a peer's loss)."""
+        detail = " ".join(str(exc).split())[:200]
+        if not _is_peer_loss(exc):
+            raise RankError(self._stopped(f"rank 0 failed in a step ({type(exc).__name__}: {detail})")) from exc
+        failure = self.watchdog.wait_failure(grace=self.timeout + 2 * self.watchdog.interval)
+        raise RankError(self._stopped(failure or f"a collective failed ({detail})")) from None
 
     def _run(self, meta: StepMetadata) -> torch.Tensor | None:
         self.collectives.num_tokens, self.collectives.num_logits = meta.token_ids.numel(), meta.logits_indices.numel()

@@ -1,10 +1,17 @@
-"""LLMEngine: requests in, tokens out; one `step()` runs one batch of the in-flight scheduler."""
+"""LLMEngine: requests in, tokens out; one `step()` returns one batch of the in-flight scheduler.
+
+The executor runs a step: `execute(meta) -> logits`. One that can hold several steps at once (a
+multi-rank engine with pp > 1 stages) also has `max_in_flight` > 1 and `submit(meta) -> handle`,
+`collect(handle) -> logits`: then step() keeps up to max_in_flight batches in flight, so every
+stage computes one, and returns them in the order they were submitted.
+"""
 
 from __future__ import annotations
 
 import itertools
 import json
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +23,7 @@ from runtime.engine_dir import EngineDir, EngineError, open_engine
 from runtime.executor import Executor, attention_layers, kv_bytes_per_token
 from runtime.sampler import Sampler
 from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
 from runtime.step import build_step_metadata
 
@@ -68,6 +75,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    batches_in_flight: int = 0       # submitted to a pipelined executor and not yet collected
+    peak_batches_in_flight: int = 0  # the most at once since start (1 when one step runs at a time)
     extra: dict = field(default_factory=dict)
 
 
@@ -89,13 +98,17 @@ class LLMEngine:
             num_blocks = self._num_blocks(attention_layers(rank.program))
             executor = Executor(rank, num_blocks, self.block_size, plan["kv_cache"]["dtype"])
         self.executor = executor
+        self.max_in_flight = getattr(executor, "max_in_flight", 1)
         self.num_blocks = executor.cache.num_blocks
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.limits["max_batch_size"], max_num_tokens=self.limits["max_num_tokens"],
             max_seq_len=self.limits["max_seq_len"], num_blocks=self.num_blocks, block_size=self.block_size,
-            enable_prefix_caching=options.enable_prefix_caching), self.eos_token_ids)
+            enable_prefix_caching=options.enable_prefix_caching, max_batches_in_flight=self.max_in_flight),
+            self.eos_token_ids)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
+        self.in_flight: deque[tuple[ScheduledBatch, object]] = deque()  # submitted batches, oldest first
+        self.peak_in_flight = 0
         self._ids = itertools.count()
         self.prompt_tokens = self.generated_tokens = 0
 
@@ -135,7 +148,8 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
+        """Stop a request now: it gives no more outputs, and its KV blocks are freed at once, or when
+        its batch comes back if one is in flight. False if it is unknown or already finished."""
         self.requests.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
@@ -145,19 +159,39 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        """Run a batch and return its outputs: one step start to finish, or, with a pipelined
+        executor, submit batches until max_in_flight are in flight and collect the oldest."""
+        if self.max_in_flight > 1:
+            return self._step_pipelined()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self.peak_in_flight = max(self.peak_in_flight, 1)
+        return self._complete(batch, lambda: self.executor.execute(build_step_metadata(batch, self.block_size)))
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        while len(self.in_flight) < self.max_in_flight:
+            batch = self.scheduler.schedule()  # from sequences in no batch in flight
+            if batch.is_empty:
+                break
+            try:
+                handle = self.executor.submit(build_step_metadata(batch, self.block_size))
+            except Exception as exc:  # the batch's requests end, as in _complete
+                return self._fail_batch(batch, exc)
+            self.in_flight.append((batch, handle))
+            self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        if not self.in_flight:
+            return []
+        batch, handle = self.in_flight.popleft()
+        return self._complete(batch, lambda: self.executor.collect(handle))
+
+    def _complete(self, batch: ScheduledBatch, run_batch) -> list[RequestOutput]:
+        """Take a batch's logits from run_batch(), sample and record its tokens; its requests' outputs."""
         try:
-            meta = build_step_metadata(batch, self.block_size)
-            logits = self.executor.execute(meta)
+            logits = run_batch()
             tokens, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
-        except Exception as exc:  # a failing step ends its own requests, never the engine...
-            if getattr(exc, "fatal", False):  # ...unless the engine itself is lost (a rank died)
-                raise
-            log.exception("step failed; ending its %d request(s)", len(batch.seqs))
-            return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs
-                    if seq.request_id in self.requests]
+        except Exception as exc:  # a failing step ends its own requests (see _fail_batch)
+            return self._fail_batch(batch, exc)
         self.scheduler.postprocess(batch, tokens, logprobs)
         self.generated_tokens += len(tokens)
         outputs = []
@@ -165,6 +199,21 @@ class LLMEngine:
             request = self.requests.get(seq.request_id)
             if request is not None:
                 outputs.append(self._output(request))
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        """A failing batch ends its own requests, never the engine, unless the engine itself is lost (a rank died)."""
+        if getattr(exc, "fatal", False):
+            raise exc
+        log.error("step failed; ending its %d request(s)", len(batch.seqs), exc_info=exc)
+        outputs = []
+        for seq in batch.seqs:
+            request = self.requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq, "abort")  # also those aborted while in flight
+            if request is not None:
+                outputs.append(RequestOutput(seq.request_id, "", request.detok.text, list(seq.output_token_ids),
+                                             True, "error", seq.num_prompt_tokens, seq.num_cached_tokens,
+                                             error=f"{type(exc).__name__}: {exc}"))
         return outputs
 
     def _output(self, request: _Request) -> RequestOutput:
@@ -180,12 +229,6 @@ class LLMEngine:
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None)
-
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
-        self.scheduler.finish(seq, "abort")
-        request = self.requests.pop(seq.request_id)
-        return RequestOutput(seq.request_id, "", request.detok.text, list(seq.output_token_ids), True,
-                             "error", seq.num_prompt_tokens, seq.num_cached_tokens, error=error)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -212,7 +255,8 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
             prefix_queries=bm.prefix_cache_queries, prefix_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generated_tokens=self.generated_tokens)
+            generated_tokens=self.generated_tokens, batches_in_flight=len(self.in_flight),
+            peak_batches_in_flight=self.peak_in_flight)
 
 
 def _lowered(plan_limits: dict, options: EngineOptions) -> dict:

@@ -3,13 +3,20 @@
 Each schedule() builds one step within max_num_tokens:
 1. every running sequence that decodes gets its one token (all fit: running never exceeds
    max_batch_size, and max_num_tokens >= max_batch_size). One that needs a new block and finds
-   none preempts the newest running sequence (possibly itself) until it fits.
+   none preempts the newest running sequence not in flight (possibly itself) until it fits.
 2. running sequences part-way through their prefill continue, oldest first, in chunks that fill
    the remaining budget;
 3. waiting sequences are admitted in arrival order (strictly FIFO, so none starves) while the
    budget, max_batch_size and the free blocks allow, each reusing its cached prefix and starting
    its first chunk.
 A sequence is admitted with blocks for all its tokens, so only decodes ask for new blocks.
+
+Batches in flight (a pipelined engine, pp > 1, runs up to max_batches_in_flight at once): a
+sequence is in at most one batch between schedule() and that batch's postprocess(), since its
+next token depends on the batch's result; schedule() passes over sequences in flight, and each
+batch takes at most its share (1 / max_batches_in_flight) of the unfinished sequences, so the next
+batch has sequences of its own. A sequence in flight is never preempted, and abort() defers
+finishing it (and freeing its blocks, which its batch still writes) until its batch comes back.
 
 Preemption frees the victim's blocks and puts it at the front of waiting with its outputs kept:
 prompt + outputs become its next prefill (often largely a prefix-cache hit on its own freed
@@ -36,9 +43,11 @@ class SchedulerConfig:
     num_blocks: int        # KV cache blocks in the pool
     block_size: int        # tokens per block
     enable_prefix_caching: bool = True
+    max_batches_in_flight: int = 1  # batches scheduled and not yet postprocessed at once (a pipeline's depth)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "num_blocks", "block_size"):
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "num_blocks", "block_size",
+                     "max_batches_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -74,7 +83,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the BlockManager; one schedule()/postprocess() per step."""
+    """Owns the waiting and running queues and the BlockManager; one schedule()/postprocess() per batch."""
 
     def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()):
         self.config = config
@@ -83,6 +92,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.requests: dict[str, Sequence] = {}  # unfinished sequences by request id
+        self.in_flight: set[Sequence] = set()    # in a batch scheduled and not yet postprocessed
+        self.aborted_in_flight: set[Sequence] = set()  # finished when their batch is back
         self.num_preemptions = 0
 
     @property
@@ -112,13 +123,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts (see the module docstring for the policy)."""
         cfg, bm = self.config, self.block_manager
+        max_seqs = -(-(len(self.running) + len(self.waiting)) // cfg.max_batches_in_flight)  # this batch's share
         seqs: list[Sequence] = []
         counts: list[int] = []
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens != 1:
+            if len(seqs) == max_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq in self.in_flight or seq.num_pending_tokens != 1:
                 continue
             while not bm.can_append(seq):
-                victim = self.running[-1]
+                victim = next(s for s in reversed(self.running) if s not in self.in_flight)  # seq at the latest
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -128,13 +142,13 @@ class Scheduler:
                 counts.append(1)
         budget = cfg.max_num_tokens - len(seqs)
         for seq in self.running:
-            if budget == 0:
+            if budget == 0 or len(seqs) == max_seqs:
                 break
-            if seq.num_pending_tokens > 1:
+            if seq.num_pending_tokens > 1 and seq not in self.in_flight:
                 seqs.append(seq)
                 counts.append(min(seq.num_pending_tokens, budget))
                 budget -= counts[-1]
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_batch_size:
+        while self.waiting and budget > 0 and len(seqs) < max_seqs and len(self.running) < cfg.max_batch_size:
             seq = self.waiting[0]
             if not bm.can_allocate(seq):
                 break
@@ -146,6 +160,7 @@ class Scheduler:
             counts.append(min(seq.num_pending_tokens, budget))
             budget -= counts[-1]
         needs_token = tuple(s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts))
+        self.in_flight.update(seqs)
         return ScheduledBatch(tuple(seqs), tuple(counts), needs_token)
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
@@ -153,13 +168,18 @@ class Scheduler:
         """Record a step's results: advance computed tokens, append sampled tokens, finish on EOS/length.
 
         token_ids (and logprobs) follow batch.sampling_seqs. Sequences aborted or finished since
-        schedule() are skipped. Returns the sequences that finished here.
+        schedule() are skipped (one aborted in flight is finished now). Returns the sequences that
+        finished here.
         """
         sampling_seqs = batch.sampling_seqs
         if len(token_ids) != len(sampling_seqs):
             raise ValueError(f"postprocess: {len(token_ids)} tokens for {len(sampling_seqs)} sampled sequences")
         if logprobs is None:
             logprobs = [None] * len(token_ids)
+        for seq in batch.seqs:
+            self.in_flight.discard(seq)
+            if seq in self.aborted_in_flight:
+                self.finish(seq, "abort")
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
@@ -176,7 +196,12 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence now ("stop" | "length" | "abort"): leave the queues, free its blocks at once."""
+        """End a sequence now ("stop" | "length" | "abort"): leave the queues, free its blocks at once.
+
+        Call it for a sequence in flight only once its batch is over (came back, or failed).
+        """
+        self.in_flight.discard(seq)
+        self.aborted_in_flight.discard(seq)
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -189,9 +214,15 @@ class Scheduler:
         del self.requests[seq.request_id]
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish a request with reason "abort"; returns it, or None if it is unknown or already finished."""
+        """Finish a request with reason "abort"; returns it, or None if it is unknown or already finished.
+
+        A sequence in flight is finished (its blocks freed) when its batch comes back: the batch
+        still writes its K/V. Until then its request id stays in use.
+        """
         seq = self.requests.get(request_id)
-        if seq is not None:
+        if seq in self.in_flight:
+            self.aborted_in_flight.add(seq)
+        elif seq is not None:
             self.finish(seq, "abort")
         return seq
 

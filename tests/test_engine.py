@@ -128,6 +128,44 @@ def test_abort_frees_blocks_at_once(tiny_engine_dir):
     assert llm.scheduler.block_manager.num_free_blocks == free
 
 
+class TwoStages:
+    """A one-rank executor behind the pipelined protocol (as a pp=2 Rank): submit runs a step, collect
+    returns its logits, or fails for a step holding `poison` among its tokens."""
+
+    max_in_flight = 2
+
+    def __init__(self, executor, poison: int):
+        self.executor, self.cache, self.poison = executor, executor.cache, poison
+
+    def submit(self, meta):
+        return self.executor.execute(meta), self.poison in meta.token_ids.tolist()
+
+    def collect(self, handle):
+        logits, failed = handle
+        if failed:
+            raise RuntimeError("stage 1 failed")
+        return logits
+
+
+def test_a_pipelined_executor_keeps_two_batches_in_flight_and_a_failed_batch_ends_only_its_requests(
+        tiny_engine_dir):
+    prompts = prompts_of_mixed_lengths(8, 250)
+    one_at_a_time = run_staggered(engine(tiny_engine_dir, max_num_tokens=64), prompts)
+    base = engine(tiny_engine_dir, max_num_tokens=64)
+    llm = LLMEngine(base.engine, base.options, executor=TwoStages(base.executor, poison=251))
+    outputs = {}
+    for i, p in enumerate(prompts + [[251, 252]]):
+        llm.add_request(p, GREEDY, request_id=str(i))
+        for out in llm.step():
+            outputs[out.request_id] = out
+    while llm.has_unfinished():
+        outputs.update((out.request_id, out) for out in llm.step())
+    failed = {rid for rid, out in outputs.items() if out.finish_reason == "error"}
+    assert "8" in failed and len(failed) < len(outputs)
+    assert all(out.token_ids == one_at_a_time[rid] for rid, out in outputs.items() if rid not in failed)
+    assert llm.stats().peak_batches_in_flight == 2 and llm.scheduler.block_manager.usage == 0
+
+
 def test_limits_can_be_lowered_not_raised(tiny_engine_dir):
     from runtime.engine_dir import EngineError
 

@@ -1,5 +1,7 @@
-"""Multi-rank engines in real processes (gloo on CPU): parity with one rank, torchrun, a lost rank, bad input."""
+"""Multi-rank engines in real processes (gloo on CPU): parity with one rank, batches in flight with pp > 1,
+torchrun, a lost rank, bad input."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,6 +13,7 @@ import torch
 
 from builder.build import build_engine
 from builder.plan import load_plan
+from runtime.distributed import RankError
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.launcher import open_llm_engine
 from runtime.sampling import SamplingParams
@@ -66,6 +69,57 @@ def test_ranks_give_the_tokens_and_logits_of_one_rank(fixture, tp, pp, engine):
     assert tokens == expected_tokens
 
 
+def test_pp_keeps_two_batches_in_flight_and_gives_the_tokens_of_one_rank(engine):
+    # More requests than max_batch_size, prompts longer than a step's tokens (chunked), a shared prefix.
+    options = dataclasses.replace(OPTIONS, max_batch_size=8, max_num_tokens=32)
+    prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(1 + 11 * i % 45)] for i in range(14)]
+    prompts += [prompts[4][:20] + [5, 6], prompts[4][:20] + [9]]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 5 * i % 13, ignore_eos=True) for i in range(16)]
+    one_rank = LLMEngine.from_dir(engine("tiny_llama_dir"), options)
+    expected = [out.token_ids for out in one_rank.generate(prompts, params)]
+    with open_llm_engine(engine("tiny_llama_dir", 1, 2), options) as llm:
+        tokens = [out.token_ids for out in llm.generate(prompts, params)]
+        stats = llm.stats()
+    assert tokens == expected
+    assert stats.peak_batches_in_flight == 2 and stats.batches_in_flight == 0 and stats.kv_usage == 0.0
+
+
+def test_pp_abort_of_a_request_in_flight_frees_its_blocks_when_its_batch_returns(engine):
+    with open_llm_engine(engine("tiny_llama_dir", 1, 2), OPTIONS) as llm:
+        for prompt in PROMPTS + [[7, 8, 9, 10]]:
+            llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        llm.step()  # submits two batches of two requests, returns the first
+        (batch, _), = llm.in_flight
+        seq = batch.seqs[0]
+        blocks = list(seq.block_table)
+        assert llm.abort(seq.request_id)
+        assert not seq.is_finished and seq.block_table == blocks  # its batch still writes their K/V
+        outputs = llm.step()  # submits the next batch, returns the one holding seq
+        assert seq.request_id not in [out.request_id for out in outputs]
+        assert seq.finish_reason == "abort" and seq.block_table == []
+        assert all(llm.scheduler.block_manager.blocks[b].ref_count == 0 for b in blocks)
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.stats().kv_usage == 0.0
+
+
+def test_pp_rank_lost_with_batches_in_flight_is_named_and_reaped(engine):
+    options = dataclasses.replace(OPTIONS, rank_timeout=5)
+    with pytest.raises(RankError, match=r"^rank 1 died \(killed by SIGKILL\)"):
+        with open_llm_engine(engine("tiny_llama_dir", 1, 2), options) as llm:
+            rank1 = llm.executor.children[1]
+            for prompt in PROMPTS + [[7, 8, 9, 10]]:
+                llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+            llm.step()
+            assert llm.stats().batches_in_flight == 1
+            rank1.kill()
+            start = time.monotonic()
+            while True:
+                llm.step()
+    assert time.monotonic() - start < options.rank_timeout + 3
+    assert rank1.poll() is not None
+
+
 def engine_run(*args, env=None, **popen):
     return subprocess.Popen([sys.executable, "-m", "runtime.cli", "generate", *map(str, args)], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen)
@@ -104,10 +158,11 @@ def is_running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_lost_rank_stops_every_rank_within_the_timeout(sig, engine):
+@pytest.mark.parametrize("tp,pp,sig", [(2, 1, signal.SIGKILL), (2, 1, signal.SIGSTOP), (1, 2, signal.SIGKILL)],
+                         ids=["killed", "hung", "killed-pp2"])
+def test_a_lost_rank_stops_every_rank_within_the_timeout(tp, pp, sig, engine):
     timeout = 5
-    proc = engine_run(engine("tiny_llama_dir", 2), "-p", "Hello world", "--max-tokens", "1500",
+    proc = engine_run(engine("tiny_llama_dir", tp, pp), "-p", "Hello world", "--max-tokens", "1500",
                       "--kv-cache-gib", "0.01", "--rank-timeout", timeout)
     assert proc.stdout.read(8)  # generating: streamed text arrives
     ranks = children_of(proc.pid)

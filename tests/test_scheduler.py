@@ -1,5 +1,7 @@
 """Scheduler + BlockManager + step metadata, driven by a fake model that reads its context back from the cache."""
 
+from collections import deque
+
 import pytest
 import torch
 
@@ -58,9 +60,9 @@ class FakeModel:
 
 
 def make_scheduler(max_batch_size=4, max_num_tokens=8, max_seq_len=64, num_blocks=16, block_size=4, eos=(),
-                   spread=False):
+                   spread=False, max_batches_in_flight=1):
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                             num_blocks=num_blocks, block_size=block_size)
+                             num_blocks=num_blocks, block_size=block_size, max_batches_in_flight=max_batches_in_flight)
     return Scheduler(config, eos_token_ids=eos), FakeModel(num_blocks, block_size, spread)
 
 
@@ -84,6 +86,27 @@ def run_all(scheduler, model, max_steps=500):
         entries, _ = step(scheduler, model)
         assert entries, "a step with unfinished requests scheduled nothing"
         trace.append(entries)
+        assert len(trace) < max_steps
+    return trace
+
+
+def run_pipelined(scheduler, model, max_steps=500):
+    """LLMEngine.step with batches in flight: schedule until the most are in flight, then postprocess the
+    oldest. The model runs a batch when it is scheduled, as a pipeline's stages do, in that order.
+    Returns the request ids of the batches in flight at each step."""
+    in_flight, trace = deque(), []
+    while scheduler.has_unfinished:
+        while len(in_flight) < scheduler.config.max_batches_in_flight:
+            batch = scheduler.schedule()
+            if batch.is_empty:
+                break
+            assert not {s.request_id for s in batch.seqs} & {s.request_id for b, _ in in_flight for s in b.seqs}
+            in_flight.append((batch, model.execute(build_step_metadata(batch, scheduler.config.block_size))))
+        assert in_flight, "nothing in flight and nothing scheduled with unfinished requests"
+        trace.append([[s.request_id for s in batch.seqs] for batch, _ in in_flight])
+        batch, logits = in_flight.popleft()
+        tokens, logprobs = Sampler().sample(logits, batch.sampling_seqs)
+        scheduler.postprocess(batch, tokens, logprobs)
         assert len(trace) < max_steps
     return trace
 
@@ -305,3 +328,70 @@ def test_invalid_config_is_rejected_by_name(field, value):
 def test_token_budget_must_cover_a_decode_of_every_running_sequence():
     with pytest.raises(ValueError, match=r"max_num_tokens \(4\) must be >= max_batch_size \(8\)"):
         SchedulerConfig(max_batch_size=8, max_num_tokens=4, max_seq_len=64, num_blocks=16, block_size=4)
+
+
+# ---------------------------------------------------------------------------- batches in flight (pp > 1)
+
+def test_each_batch_in_flight_takes_its_share_and_no_sequence_is_in_two():
+    scheduler, model = make_scheduler(max_num_tokens=16, max_batches_in_flight=2)
+    for rid in "abcde":
+        scheduler.add(Sequence(rid, [ord(rid), 2, 3], greedy(max_tokens=3)))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert [s.request_id for s in first.seqs] == ["a", "b", "c"]  # ceil(5 / 2) of the 5 unfinished
+    assert [s.request_id for s in second.seqs] == ["d"]  # max_batch_size 4: e waits
+    assert scheduler.schedule().is_empty  # every running sequence is in flight
+    scheduler.postprocess(first, [7, 7, 7])
+    third = scheduler.schedule()
+    assert [(s.request_id, n) for s, n in zip(third.seqs, third.num_new_tokens)] == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_abort_in_flight_frees_the_blocks_when_the_batch_is_back():
+    scheduler, model = make_scheduler(max_num_tokens=16, num_blocks=8, max_batches_in_flight=2)
+    a, b = Sequence("a", range(1, 10), greedy(max_tokens=4)), Sequence("b", [5, 6], greedy(max_tokens=4))
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = scheduler.schedule()
+    assert batch.seqs == (a,) and a.block_table == [0, 1, 2]
+    assert scheduler.abort("a") is a
+    assert not a.is_finished and a.block_table == [0, 1, 2] and scheduler.block_manager.num_free_blocks == 5
+    with pytest.raises(ValueError, match="already in use"):  # until its batch is back
+        scheduler.add(Sequence("a", [1], greedy()))
+    scheduler.postprocess(batch, [7])
+    assert a.finish_reason == "abort" and a.output_token_ids == [] and a.block_table == []
+    assert scheduler.block_manager.num_free_blocks == 8 and list(scheduler.running) == []
+    run_pipelined(scheduler, model)
+    assert b.output_token_ids == reference_output([5, 6], 4)
+
+
+def test_preemption_never_takes_a_sequence_in_flight():
+    scheduler, model = make_scheduler(max_num_tokens=8, num_blocks=2, block_size=4, max_batches_in_flight=2)
+    a, b = Sequence("a", [1, 2, 3, 4], greedy(max_tokens=2)), Sequence("b", [5, 6, 7, 8], greedy(max_tokens=2))
+    scheduler.add(a)
+    scheduler.add(b)
+    first, second = [(batch, model.execute(build_step_metadata(batch, 4)))
+                     for batch in (scheduler.schedule(), scheduler.schedule())]
+    assert (first[0].seqs, second[0].seqs) == ((a,), (b,))
+    scheduler.postprocess(first[0], Sampler().sample(first[1], [a])[0])
+    # a's decode needs a second block and none is free; b, newer but in flight, keeps its block.
+    assert scheduler.schedule().is_empty
+    assert scheduler.num_preemptions == 1 and list(scheduler.waiting) == [a] and b.block_table == [1]
+    scheduler.postprocess(second[0], Sampler().sample(second[1], [b])[0])
+    run_pipelined(scheduler, model)
+    assert a.output_token_ids == reference_output([1, 2, 3, 4], 2)
+    assert b.output_token_ids == reference_output([5, 6, 7, 8], 2)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_batches_in_flight_under_memory_pressure_match_the_reference(depth):
+    scheduler, model = make_scheduler(max_batch_size=6, max_num_tokens=10, num_blocks=24, block_size=2,
+                                      max_seq_len=40, max_batches_in_flight=depth)
+    prompts = {f"r{i}": [3, 1, 4, 1, 5, 9][: 2 + i % 5] + list(range(i, i + 3 + i % 4)) for i in range(12)}
+    for rid, prompt in prompts.items():
+        scheduler.add(Sequence(rid, prompt, greedy(max_tokens=6 + int(rid[1:]) % 5)))
+    seqs = dict(scheduler.requests)
+    trace = run_pipelined(scheduler, model)
+    assert max(len(batches) for batches in trace) == depth
+    assert scheduler.num_preemptions > 0 and scheduler.block_manager.prefix_cache_hits > 0
+    for rid, seq in seqs.items():
+        assert seq.output_token_ids == reference_output(prompts[rid], seq.params.max_tokens), rid
+    assert scheduler.block_manager.num_free_blocks == 24 and not scheduler.in_flight
