@@ -1,7 +1,7 @@
 """Decode and prefill tokens/s of Kiln's float32, INT8, INT4 and FP8 engines beside llama.cpp Q4_0 / Q8_0, in one run.
 
     python benchmarks/bench_quant.py [--model smollm2-135m] [--threads 2] [--decode 64] [--prefill 256]
-                                     [--rounds 3] [--engines DIR] [--methods none,int8,int4,fp8,int4:int8]
+                                     [--rounds 3] [--engines DIR] [--methods none,int8,int4,fp8,int4:f32]
 
 Kiln engines of the model are built with `builder.build.build_engine` into --engines (default: a
 temporary directory; an existing directory is reused when its engines are up to date) and run by
@@ -144,7 +144,7 @@ class LlamaCppRunner:
 # ------------------------------------------------------------------------------------------ the run
 
 def build_kiln(model: str, method: str, engines: Path):
-    """`method` is a [quant] method, optionally with ":int8" for int8 activations (e.g. int4:int8)."""
+    """`method` is a [quant] method, optionally with ":f32" or ":int8" for the activations (default: the plan's)."""
     from builder.build import build_engine
     from builder.plan import load_plan
 
@@ -166,8 +166,9 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", type=Path, default=None, help="directory for the engines (reused if current)")
-    parser.add_argument("--methods", default="none,int8,int4,fp8,int4:int8",
-                        help="Kiln [quant] methods to build and run; METHOD:int8 also quantizes activations")
+    parser.add_argument("--methods", default="none,int8,int4,fp8,int4:f32",
+                        help="Kiln [quant] methods to build and run; METHOD:f32 or METHOD:int8 sets the "
+                             "activations (default: the plan's, int8)")
     args = parser.parse_args()
 
     from builder.model import load_model

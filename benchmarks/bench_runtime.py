@@ -1,7 +1,7 @@
 """Offline throughput of a Kiln engine beside Hugging Face transformers, same model, same run.
 
     python benchmarks/bench_runtime.py [--engine engines/smollm2-135m] [--requests 32]
-        [--prompt-len 128] [--output-len 128] [--no-transformers]
+        [--prompt-len 128] [--output-len 128] [--max-num-tokens N] [--no-transformers]
 
 Reports prefill and decode tokens/s, time to first token and inter-token latency percentiles,
 for one sequence and for N concurrent requests; transformers runs `generate` on the model the
@@ -98,10 +98,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-tokens", type=int, default=None,
+                        help="lower the engine's tokens per step (default: the plan's)")
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
-    llm = LLMEngine.from_dir(args.engine, EngineOptions(kv_cache_gib=1.0))
+    llm = LLMEngine.from_dir(args.engine, EngineOptions(kv_cache_gib=1.0, max_num_tokens=args.max_num_tokens))
     vocab = llm.engine.manifest["model"]["config"]["vocab_size"]
     single = synthetic_prompts(1, 32, vocab)
     batch = synthetic_prompts(args.requests, args.prompt_len, vocab, seed=1)
@@ -117,7 +119,7 @@ def main() -> None:
 
     keys = ["output_tok_s", "prefill_tok_s", "decode_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
     print(f"engine {args.engine}  threads {torch.get_num_threads()}  prompt {args.prompt_len}  "
-          f"output {args.output_len}  requests {args.requests}")
+          f"output {args.output_len}  requests {args.requests}  max_num_tokens {llm.limits['max_num_tokens']}")
     print(f"{'':24}" + "".join(f"{k:>15}" for k in keys))
     for name, row in rows.items():
         print(f"{name:24}" + "".join(f"{row[k]:15.1f}" for k in keys))

@@ -53,6 +53,6 @@ def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, 
 
 
 def _runs_int8_activations(node, activations: str) -> bool:
-    """The VNNI path takes int4/int8 linears whose input width is a multiple of 32."""
-    return (activations == "int8" and node.op == "linear" and node.attrs["quant"] in ("int4", "int8")
+    """The VNNI path takes int4/int8 linears (and logits) whose input width is a multiple of 32."""
+    return (activations == "int8" and node.op in ("linear", "logits") and node.attrs["quant"] in ("int4", "int8")
             and node.attrs["in_features"] % 32 == 0)

@@ -114,14 +114,22 @@ def smollm2_gguf() -> Path:
 
 # ---------------------------------------------------------------------------- engines built once per session
 
-@pytest.fixture(scope="session")
-def build_tiny_engine(tmp_path_factory):
-    """build(model_dir, name, **quant) -> engine directory (default plan, quant overrides)."""
-    from builder.build import build_engine
+def exact_plan(**quant):
+    """The default plan computing in float32 end to end (activations and KV cache), with quant overrides:
+    the plan of every test that compares logits with a float reference."""
     from builder.plan import load_plan
 
+    plan = load_plan().with_overrides("kv_cache", dtype="f32")
+    return plan.with_overrides("quant", **{"activations": "f32", **quant})
+
+
+@pytest.fixture(scope="session")
+def build_tiny_engine(tmp_path_factory):
+    """build(model_dir, name, **quant) -> engine directory (exact_plan, quant overrides)."""
+    from builder.build import build_engine
+
     def build(model_dir, name, **quant):
-        plan = load_plan().with_overrides("quant", **quant) if quant else load_plan()
+        plan = exact_plan(**quant)
         out = tmp_path_factory.mktemp("engines") / name
         build_engine(str(model_dir), plan, out, show_progress=False)
         return out
@@ -137,4 +145,14 @@ def smollm2_default_engine(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("engines") / "smollm2-135m"
     build_engine("smollm2-135m", load_plan(), out, show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_exact_engine(tmp_path_factory):
+    """The embedded model's Q4_1/Q8_0 blocks kept as they are, computed in float32 (exact_plan)."""
+    from builder.build import build_engine
+
+    out = tmp_path_factory.mktemp("engines") / "smollm2-135m-exact"
+    build_engine("smollm2-135m", exact_plan(), out, show_progress=False)
     return out

@@ -20,3 +20,14 @@ def test_int8_activations_are_recorded_and_stay_close(tiny_llama_dir, build_tiny
     assert not torch.equal(ours, reference)  # a different kernel really ran
     assert (ours - reference).abs().max() < 0.05 * reference.abs().max()
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
+
+
+def test_default_plan_on_the_embedded_model_is_measured_within_one_percent(smollm2_default_engine):
+    """The default engine (int8 activations, f16 KV cache) is evaluated at build time against float32."""
+    manifest = json.loads((smollm2_default_engine / "manifest.json").read_text())
+    accuracy = manifest["accuracy"]
+    assert (accuracy["activations"], accuracy["kv_cache_dtype"]) == ("int8", "f16")
+    assert 0 < accuracy["ppl_increase_pct"] < 1.0 and 0 < accuracy["kl_mean"] < 0.01
+    program, _ = read_rank_program(smollm2_default_engine / "rank0.engine")
+    nodes = json.loads(program)["nodes"]
+    assert {n["attrs"].get("act") for n in nodes if n["op"] in ("linear", "logits")} == {"int8"}

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from builder.build import build_engine
 from builder.emit import read_rank_program
 from builder.interpret import Interpreter
-from builder.plan import load_plan
 from builder.verify import load_transformers_model
+from conftest import exact_plan
 
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 40))]
 
@@ -24,7 +24,7 @@ def engine_logits(engine: Path, ids: list[int]) -> torch.Tensor:
 
 
 def build(model_dir, out, **plan_changes):
-    plan = load_plan().with_overrides("quant", **plan_changes) if plan_changes else load_plan()
+    plan = exact_plan(**plan_changes)
     return build_engine(str(model_dir), plan, out, show_progress=False)
 
 
@@ -201,5 +201,5 @@ def test_output_dir_holding_something_else_needs_force(tiny_llama_dir, tmp_path)
 @pytest.fixture(scope="session")
 def smollm2_f32_engine(tmp_path_factory):
     out = tmp_path_factory.mktemp("engines") / "smollm2-f32"
-    build_engine("smollm2-135m", load_plan().with_overrides("quant", method="none"), out, show_progress=False)
+    build_engine("smollm2-135m", exact_plan(method="none"), out, show_progress=False)
     return out

@@ -183,11 +183,11 @@ GOLDEN_PROMPTS = [
 ]
 
 
-def test_smollm2_greedy_matches_transformers(smollm2_default_engine, smollm2_gguf):
+def test_smollm2_greedy_matches_transformers(smollm2_exact_engine, smollm2_gguf):
     from builder.verify import load_transformers_model
 
     reference = load_transformers_model(str(smollm2_gguf))
-    llm = LLMEngine.from_dir(smollm2_default_engine, EngineOptions(kv_cache_gib=0.25))
+    llm = LLMEngine.from_dir(smollm2_exact_engine, EngineOptions(kv_cache_gib=0.25))
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = llm.generate(GOLDEN_PROMPTS, params)
     for prompt, out in zip(GOLDEN_PROMPTS, ours):

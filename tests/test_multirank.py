@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from builder.build import build_engine
-from builder.plan import load_plan
+from conftest import exact_plan
 from runtime.distributed import RankError
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.launcher import open_llm_engine
@@ -31,7 +31,7 @@ def engine(tmp_path_factory, request):
 
     def get(fixture: str, tp: int = 1, pp: int = 1):
         if (fixture, tp, pp) not in built:
-            plan = load_plan().with_overrides(tp=tp, pp=pp).with_overrides("quant", method="none")
+            plan = exact_plan(method="none").with_overrides(tp=tp, pp=pp)
             out = root / f"{fixture}-tp{tp}pp{pp}"
             build_engine(str(request.getfixturevalue(fixture)), plan, out, show_progress=False)
             built[fixture, tp, pp] = out

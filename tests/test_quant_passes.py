@@ -16,10 +16,10 @@ from builder.errors import KilnError
 from builder.interpret import Interpreter
 from builder.ir import verify
 from builder.model import load_model
-from builder.plan import PlanError, load_plan, plan_from_dict
+from builder.plan import PlanError, plan_from_dict
 from builder.quant import dequantize_int8, quantize_int8
 from builder.trace import trace
-from conftest import make_tiny_llama
+from conftest import exact_plan, make_tiny_llama
 from passes.context import PassContext
 from passes.fold_awq_scales import fold_awq_scales
 from passes.pack_weights import pack_graph
@@ -28,7 +28,7 @@ from passes.quantize_int8 import quantize_int8 as quantize_int8_pass
 
 
 def plan_for(method: str, **quant):
-    return load_plan().with_overrides("quant", method=method, **quant)
+    return exact_plan(method=method, **quant)
 
 
 def float_graph(model_dir):
@@ -166,7 +166,7 @@ def engine_build(*args):
 
 def test_accuracy_gate_and_unknown_method_fail_with_one_line(tiny_llama_dir, tmp_path):
     proc = engine_build("--model", tiny_llama_dir, "--out", tmp_path / "gated", "--no-progress", "--quant", "int8",
-                        "--max-ppl-increase", "0.001")
+                        "--activations", "f32", "--kv-dtype", "f32", "--max-ppl-increase", "0.001")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("engine-build: error: accuracy gate: int8 raised perplexity by ")
@@ -228,13 +228,13 @@ def test_quantized_kv_cache_uses_the_calibrated_scales(tiny_llama_dir, tmp_path,
 
 # ------------------------------------------------------------------ the embedded GGUF: method "source"
 
-def test_source_method_keeps_the_gguf_blocks_and_matches_transformers(smollm2_default_engine, smollm2_gguf):
+def test_source_method_keeps_the_gguf_blocks_and_matches_transformers(smollm2_exact_engine, smollm2_gguf):
     from builder.verify import load_transformers_model
 
-    manifest = json.loads((smollm2_default_engine / "manifest.json").read_text())
+    manifest = json.loads((smollm2_exact_engine / "manifest.json").read_text())
     assert manifest["quantization"]["nodes"] == {"int4 g32": 120, "int8 g32": 2}  # fused q/k/v and gate/up
     assert manifest["accuracy"]["method"] == "source" and manifest["accuracy"]["evaluated"] is False
-    program, tensors = read_rank_program(smollm2_default_engine / "rank0.engine")
+    program, tensors = read_rank_program(smollm2_exact_engine / "rank0.engine")
     nodes = json.loads(program)["nodes"]
     embedding, logits = (next(n for n in nodes if n["op"] == op) for op in ("embedding", "logits"))
     assert embedding["inputs"][1:] == logits["inputs"][1:] and logits["attrs"]["quant"] == "int8"

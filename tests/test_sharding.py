@@ -16,8 +16,9 @@ from builder.lazy_tensors import LazyTensors
 from builder.mapping import Mapping, Span, balanced_stages
 from builder.model import load_model
 from builder.pipeline import run_pipeline
-from builder.plan import Plan, load_plan
+from builder.plan import Plan
 from builder.trace import trace
+from conftest import exact_plan
 from passes.canonicalize import canonicalize
 from passes.context import PassContext
 from passes.fuse_gate_up import fuse_gate_up
@@ -39,7 +40,7 @@ def traced(model_dir):
 
 
 def plan(tp=1, pp=1, **quant):
-    return load_plan().with_overrides(tp=tp, pp=pp).with_overrides("quant", **{"method": "none", **quant})
+    return exact_plan(**{"method": "none", **quant}).with_overrides(tp=tp, pp=pp)
 
 
 def rank_graphs(model_dir, tp=1, pp=1, **quant):

@@ -720,12 +720,7 @@ static void avx512_prepare(Job *job, int tid, int nt)
         thread_range(job->t, tid, nt, &lo, &hi);
         for (int64_t t = lo; t < hi; t++)
             avx512_quantize_token(job, t);
-        /* padding tokens of the last tile stay zero */
-        if (tid == nt - 1)
-            for (int64_t t = job->t; t < ceil_div(job->t, MRQ) * MRQ; t++)
-                for (int64_t k = 0; k < K; k += 4)
-                    memset(job->ws.xq + xq_index(t, k, K), 0, 4);
-        return;
+        return;  /* a last tile of mr < MRQ tokens reads only its mr tokens: padding needs no zeros */
     }
     if (job->w.fmt == FMT_Q4) {
         thread_range(job->t, tid, nt, &lo, &hi);
