@@ -20,32 +20,15 @@ def _f32(fn: str, name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _last_dim(fn: str, name: str, t: torch.Tensor, size: int) -> None:
-    if t.dim() == 0 or t.shape[-1] != size:
-        raise ValueError(f"{fn}: {name} {tuple(t.shape)} must end in {size}")
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2, -1) + eps)."""
-    _f32("rms_norm", "x", x), _f32("rms_norm", "weight", weight)
-    _last_dim("rms_norm", "x", x, weight.numel())
-    out = torch.empty_like(x)
-    _C.rms_norm(out.numpy(), x.numpy(), weight.numpy(), eps, torch.get_num_threads())
-    return out
+    return bind_rms_norm(weight, eps)(x)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual)."""
-    fn = "add_rms_norm"
-    _f32(fn, "x", x), _f32(fn, "residual", residual), _f32(fn, "weight", weight)
-    _last_dim(fn, "x", x, weight.numel())
-    if residual.shape != x.shape:
-        raise ValueError(f"{fn}: residual {tuple(residual.shape)} must have the shape of x {tuple(x.shape)}")
-    out, total = torch.empty_like(x), torch.empty_like(x)
-    _C.add_rms_norm(out.numpy(), total.numpy(), x.numpy(), residual.numpy(), weight.numpy(), eps,
-                    torch.get_num_threads())
-    return out, total
+    return bind_add_rms_norm(weight, eps)(x, residual)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -57,3 +40,44 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[:-1] + (n,))
     _C.silu_mul(out.numpy(), gate_up.numpy(), n, torch.get_num_threads())
     return out
+
+
+# The executor's per-step calls: the weight is checked and taken once; a call checks what the C side
+# cannot see (dtype, the last dimension) and leaves contiguity and sizes to the buffer protocol and
+# the C length checks, which raise before any data is read.
+
+def bind_rms_norm(weight: torch.Tensor, eps: float):
+    w, n = _weight("rms_norm", weight), weight.numel()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        _rows("rms_norm", "x", x, n)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        _C.rms_norm(out.numpy(), x.numpy(), w, eps, torch.get_num_threads())
+        return out
+
+    return run
+
+
+def bind_add_rms_norm(weight: torch.Tensor, eps: float):
+    w, n = _weight("add_rms_norm", weight), weight.numel()
+
+    def run(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _rows("add_rms_norm", "x", x, n)
+        if residual.shape != x.shape or residual.dtype != torch.float32:
+            raise ValueError(f"add_rms_norm: residual {residual.dtype} {tuple(residual.shape)} must be float32 "
+                             f"of the shape of x {tuple(x.shape)}")
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        total = torch.empty_like(x, memory_format=torch.contiguous_format)
+        _C.add_rms_norm(out.numpy(), total.numpy(), x.numpy(), residual.numpy(), w, eps, torch.get_num_threads())
+        return out, total
+
+    return run
+
+
+def _weight(fn: str, weight: torch.Tensor):
+    return _f32(fn, "weight", weight).numpy()
+
+
+def _rows(fn: str, name: str, x: torch.Tensor, n: int) -> None:
+    if x.dtype != torch.float32 or x.dim() == 0 or x.shape[-1] != n:
+        raise ValueError(f"{fn}: {name} must be float32 [..., {n}], got {x.dtype} {tuple(x.shape)}")

@@ -116,11 +116,9 @@ class Program:
         elif op == "embedding":
             fn = kernels.make_embedding(attrs, kernels.operands_of(inputs, attrs, tensors))
         elif op == "rms_norm":
-            weight, eps = weights[0], attrs["eps"]
-            fn = lambda x: native_ops.rms_norm(x, weight, eps)  # noqa: E731
+            fn = native_ops.bind_rms_norm(weights[0].float().contiguous(), attrs["eps"])
         elif op == "add_rms_norm":
-            weight, eps = weights[0].float().contiguous(), attrs["eps"]
-            fn = lambda x, r: native_ops.add_rms_norm(x, r, weight, eps)  # noqa: E731
+            fn = native_ops.bind_add_rms_norm(weights[0].float().contiguous(), attrs["eps"])
         elif op == "split":
             sizes = attrs["sizes"]
             fn = lambda x: kernels.split(x, sizes)  # noqa: E731

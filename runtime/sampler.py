@@ -30,7 +30,9 @@ class Sampler:
         tokens = torch.empty(len(seqs), dtype=torch.int64)
         greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
         random = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
-        if greedy:
+        if len(greedy) == len(seqs):  # all greedy: no copy of the rows
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if random:
             tokens[random] = self._sample_random(logits[random], [seqs[i] for i in random])
