@@ -260,8 +260,35 @@ static void scale_row(float *acc, float factor, int hd) {
         acc[d] *= factor;
 }
 
+/* acc: [64] += sum_i p[i] * v_rows[i][:64]: eight independent accumulators, so the FMAs of one
+ * value row do not wait on each other (head_dim 64 is the common case). */
+static void accumulate_values_64(float *acc, const float *p, const float *const *v_rows, int n) {
+    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16);
+    __m256 a3 = _mm256_loadu_ps(acc + 24), a4 = _mm256_loadu_ps(acc + 32), a5 = _mm256_loadu_ps(acc + 40);
+    __m256 a6 = _mm256_loadu_ps(acc + 48), a7 = _mm256_loadu_ps(acc + 56);
+    for (int i = 0; i < n; i++) {
+        __m256 w = _mm256_set1_ps(p[i]);
+        const float *v = v_rows[i];
+        a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+        a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), a4);
+        a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), a5);
+        a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), a6);
+        a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), a7);
+    }
+    _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3), _mm256_storeu_ps(acc + 32, a4), _mm256_storeu_ps(acc + 40, a5);
+    _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
+}
+
 /* acc: [hd] += sum_i p[i] * v_rows[i][:hd]; four accumulators in registers per pass. */
 static void accumulate_values(float *acc, const float *p, const float *const *v_rows, int n, int hd) {
+    if (hd == 64) {
+        accumulate_values_64(acc, p, v_rows, n);
+        return;
+    }
     int d = 0;
     for (; d + 32 <= hd; d += 32) {
         __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
