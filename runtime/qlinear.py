@@ -387,35 +387,22 @@ def make_linear(attrs: dict, operands: dict[str, torch.Tensor]):
     return lambda x: bound(x.contiguous())
 
 
-def dequantize_rows(quant: str, packed: dict, rows: torch.Tensor, in_features: int,
-                    group_size: int | None) -> torch.Tensor:
-    """f32 [R, K] dequantized weight rows `rows` (i64 [R]): embedding lookups of a packed table."""
-    p, r, k = rows // PANEL, rows % PANEL, in_features
-    codes = packed["qweight"]
-    if quant == "int4":
-        c = codes.reshape(codes.shape[0], k // 8, PANEL, 4)[p, :, r, :]  # [R, K/8, 4]
-        q = torch.stack([c & 15, c >> 4], dim=1).transpose(1, 2).reshape(-1, k).double() - 8
-        s, z = packed["scales"][p, :, r].double(), packed.get("zeros", packed.get("mins"))[p, :, r].double()
-        if "mins" in packed:
-            z = (z + 8 * s).float().double()
-        return (q * s.repeat_interleave(group_size, 1) + z.repeat_interleave(group_size, 1)).float()
-    if quant == "int8":
-        q = codes.reshape(codes.shape[0], k // 4, PANEL, 4)[p, :, r, :].reshape(-1, k).double()
-        s = packed["scales"][p, :, r].double()
-        return (q * s.repeat_interleave(k // s.shape[1], 1)).float()
-    if quant == "fp8":
-        q = codes[p, :, r].contiguous().view(torch.float8_e4m3fn).double()
-        return (q * packed["scales"][p, :, r].double()).float()
-    return codes[p, :, r].float()
-
-
 def make_embedding_rows(attrs: dict, operands: dict[str, torch.Tensor]):
-    """A callable tokens i64 [T] -> f32 [T, H] over a packed table [V, H] (attrs: vocab_size, hidden_size)."""
+    """A callable tokens i64 [T] -> f32 [T, H] over a packed table [V, H] (attrs: vocab_size, hidden_size).
+
+    Rows are dequantized in C with one rounding per element; ids outside the table are a
+    ValueError before any row is read."""
     quant = _check_layout(attrs)
     v, h, g = attrs["vocab_size"], attrs.get("hidden_size", attrs.get("in_features")), attrs.get("group_size")
-    check = {"int4": lambda: _check_int4("embedding", operands, v, h, g),
-             "int8": lambda: _check_int8("embedding", operands, v, h, g),
-             "fp8": lambda: _check_fp8("embedding", operands, v, h),
-             "bf16": lambda: _check_bf16("embedding", operands, v, h)}[quant]
-    check()
-    return lambda tokens: dequantize_rows(quant, operands, tokens, h, g)
+    bind = {"int4": lambda: bind_int4(operands, v, h, g), "int8": lambda: bind_int8(operands, v, h, g),
+            "fp8": lambda: bind_fp8(operands, v, h), "bf16": lambda: bind_bf16(operands, v, h)}[quant]
+    handle = bind().handle
+
+    def rows(tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous():
+            _fail("embedding", f"tokens must be a contiguous int64 [T], got {_describe(tokens)}")
+        out = torch.empty((tokens.shape[0], h), dtype=torch.float32)
+        _C.rows(handle, out.data_ptr(), tokens.data_ptr(), tokens.shape[0], torch.get_num_threads())
+        return out
+
+    return rows

@@ -267,6 +267,12 @@ def test_make_linear_and_embedding_rows():
     rows4 = ql.make_embedding_rows({"quant": "int4", "layout": ql.LAYOUT_INT4, "vocab_size": n, "hidden_size": k,
                                     "group_size": g}, q4)
     assert torch.equal(rows4(ids), ql.dequantize_int4(q4, n, k, g)[ids])
+    many = torch.randint(0, n, (1000,), generator=gen(3))  # enough rows to run threaded
+    assert torch.equal(rows4(many), ql.dequantize_int4(q4, n, k, g)[many])
+    with pytest.raises(ValueError, match="id 40 at 1 is outside 0..39"):
+        rows(torch.tensor([3, 40]))
+    with pytest.raises(ValueError, match="tokens must be a contiguous int64"):
+        rows(torch.tensor([3, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="layout"):
         ql.make_linear(dict(attrs, layout="q8.other"), packed)
 

@@ -1257,9 +1257,46 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg)
     return PyUnicode_FromString(active_kernels->name);
 }
 
+/* rows(handle, out_address, ids_address, R, threads): out[R, K] f32 = dequantized weight rows ids[R]
+ * (int64, each checked against N): embedding lookups of a packed table, through the exact
+ * portable dequantization (one rounding per element). */
+static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5)
+        return PyErr_Format(PyExc_TypeError, "rows() takes 5 arguments (%zd given)", nargs);
+    const Bound *b = PyCapsule_GetPointer(args[0], "qlinear.Bound");
+    if (!b)
+        return NULL;
+    float *out = PyLong_AsVoidPtr(args[1]);
+    const int64_t *ids = PyLong_AsVoidPtr(args[2]);
+    const long long R = PyLong_AsLongLong(args[3]);
+    const long threads = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (R == 0)
+        Py_RETURN_NONE;
+    if (!out || !ids || R < 0)
+        return PyErr_Format(PyExc_ValueError, "qlinear.rows: null out/ids or negative R");
+    for (long long r = 0; r < R; r++)
+        if (ids[r] < 0 || ids[r] >= b->w.n)
+            return PyErr_Format(PyExc_ValueError, "qlinear.rows: id %lld at %lld is outside 0..%lld",
+                                (long long)ids[r], r, (long long)b->w.n - 1);
+    const Weight *w = &b->w;
+    const int64_t K = w->k;
+    Py_BEGIN_ALLOW_THREADS
+    #pragma omp parallel for num_threads(threads > 0 ? (int)threads : 1) if (R * K >= (1 << 16)) schedule(static)
+    for (long long r = 0; r < R; r++)
+        for (int64_t k = 0; k < K; k++)
+            out[r * K + k] = portable_weight(w, ids[r], k);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"bind", py_bind, METH_VARARGS, "bind(fmt, act, codes, scales, zeros, bias, N, K, group, scales_f16) -> handle"},
     {"run", (PyCFunction)(void (*)(void))py_run, METH_FASTCALL, "run(handle, y_address, x_address, T, threads)"},
+    {"rows", (PyCFunction)(void (*)(void))py_rows, METH_FASTCALL,
+     "rows(handle, out_address, ids_address, R, threads): dequantized weight rows"},
     {"isa", py_isa, METH_NOARGS, "Name of the kernels in use: 'avx512', 'avx2' or 'portable'."},
     {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'avx512' | 'avx2' | 'portable') -> name in use."},
     {NULL, NULL, 0, NULL},
