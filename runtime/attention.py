@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from runtime._native import _attention as _C
+from runtime.native_ops import Outputs
 
 # torch dtype of a KV cache -> the C kernel's element code
 CACHE_DTYPE_CODES = {
@@ -112,7 +113,7 @@ class LayerAttention:
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                 kv_scale: float, rope_table):
+                 kv_scale: float, rope_table, reuse_outputs: bool = False):
         _check_caches("qkv_attention", k_cache, v_cache, kv_scale)
         self.k, self.v = _buffer(k_cache), _buffer(v_cache)
         _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
@@ -120,13 +121,13 @@ class LayerAttention:
         self.dtype = CACHE_DTYPE_CODES[k_cache.dtype]
         self.rope_table = rope_table
         self.width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.outputs = Outputs((num_heads * self.head_dim,), reuse_outputs)
 
     def __call__(self, qkv: torch.Tensor, step: StepArrays) -> torch.Tensor:
         if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != self.width:
             raise ValueError(f"qkv_attention: qkv must be float32 [T, {self.width}], got {qkv.dtype} {tuple(qkv.shape)}")
-        t = qkv.shape[0]
-        out = torch.empty(t, self.num_heads * self.head_dim)
-        _C.qkv_attention(out.numpy(), qkv.numpy(), self.k, self.v, step.block_tables, step.context_lens,
+        (out, out_np), = self.outputs.get(qkv)
+        _C.qkv_attention(out_np, qkv.numpy(), self.k, self.v, step.block_tables, step.context_lens,
                          step.query_start_loc, step.positions, self.rope_table.packed.numpy(), step.slot_mapping,
                          self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale, self.dtype,
                          self.kv_scale, torch.get_num_threads())

@@ -75,7 +75,7 @@ class Executor:
         self.rope_tables: dict[tuple, kernels.RopeTable] = {}  # one per distinct rope, shared by its layers
         hooks = Hooks(attention=self._attention, gather_last=self._gather_last, qkv_attention=self._qkv_attention,
                       **(collectives or {}))
-        self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks)
+        self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks, reuse_outputs=True)
 
     @torch.inference_mode()
     def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -109,7 +109,7 @@ class Executor:
             self.rope_tables[key] = kernels.RopeTable(rope["head_dim"], rope["theta"], scaling)
         layer = attention.LayerAttention(self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]],
                                          attrs["num_heads"], attrs["scale"], self._kv_scale(attrs),
-                                         self.rope_tables[key])
+                                         self.rope_tables[key], reuse_outputs=True)
         return lambda qkv, positions: layer(qkv, self.arrays)
 
     def _attention(self, attrs: dict):

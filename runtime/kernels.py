@@ -82,8 +82,9 @@ def make_rope(attrs: dict):
     return rope
 
 
-def make_linear(attrs: dict, operands: dict[str, torch.Tensor]):
-    """A float or quantized linear; `operands` maps roles (weight, bias, scales, ...) to tensors."""
+def make_linear(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool = False):
+    """A float or quantized linear; `operands` maps roles (weight, bias, scales, ...) to tensors;
+    reuse keeps a quantized linear's output buffer from call to call (native_ops.Outputs)."""
     quant = attrs.get("quant", "none")
     bias = operands.get("bias")
     if quant == "none":
@@ -93,7 +94,7 @@ def make_linear(attrs: dict, operands: dict[str, torch.Tensor]):
         return lambda x: F.linear(x, weight, bias)
     from runtime import qlinear  # the quantized kernels, imported only when a program needs them
 
-    return qlinear.make_linear(attrs, operands)
+    return qlinear.make_linear(attrs, operands, reuse)
 
 
 def make_embedding(attrs: dict, operands: dict[str, torch.Tensor]):

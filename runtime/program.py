@@ -41,8 +41,12 @@ class Call:
 
 
 class Program:
-    def __init__(self, program: dict, tensors: dict[str, torch.Tensor], hooks: Hooks):
+    def __init__(self, program: dict, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False):
+        """reuse_outputs: nodes keep their output buffers from step to step (native_ops.Outputs), so a
+        value is valid until its node runs again; for runners that consume each step's values within
+        the step (the executor), never for callers that keep them (calibration)."""
         self.doc = program
+        self.reuse_outputs = reuse_outputs
         self.weight_names = {w["name"] for w in program["weights"]}
         self.outputs = program["outputs"]
         nodes = program["nodes"]
@@ -59,8 +63,8 @@ class Program:
                 self.calls.append(self._bind(node, tensors, hooks))
 
     @staticmethod
-    def from_json(text: str, tensors: dict[str, torch.Tensor], hooks: Hooks) -> Program:
-        return Program(json.loads(text), tensors, hooks)
+    def from_json(text: str, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False) -> Program:
+        return Program(json.loads(text), tensors, hooks, reuse_outputs)
 
     @property
     def attention_layers(self) -> list[dict]:
@@ -109,16 +113,17 @@ class Program:
 
     def _bind(self, node: dict, tensors: dict, hooks: Hooks) -> Call:
         op, attrs, inputs = node["op"], node["attrs"], node["inputs"]
+        reuse = self.reuse_outputs and not set(node["outputs"]) & set(self.outputs)
         acts = [i for i in inputs if i not in self.weight_names]
         weights = [tensors[i] for i in inputs if i in self.weight_names]
         if op in ("linear", "logits"):
-            fn = kernels.make_linear(attrs, kernels.operands_of(inputs, attrs, tensors))
+            fn = kernels.make_linear(attrs, kernels.operands_of(inputs, attrs, tensors), reuse)
         elif op == "embedding":
             fn = kernels.make_embedding(attrs, kernels.operands_of(inputs, attrs, tensors))
         elif op == "rms_norm":
-            fn = native_ops.bind_rms_norm(weights[0].float().contiguous(), attrs["eps"])
+            fn = native_ops.bind_rms_norm(weights[0].float().contiguous(), attrs["eps"], reuse)
         elif op == "add_rms_norm":
-            fn = native_ops.bind_add_rms_norm(weights[0].float().contiguous(), attrs["eps"])
+            fn = native_ops.bind_add_rms_norm(weights[0].float().contiguous(), attrs["eps"], reuse)
         elif op == "split":
             sizes = attrs["sizes"]
             fn = lambda x: kernels.split(x, sizes)  # noqa: E731
@@ -127,7 +132,8 @@ class Program:
         elif op == "attention":
             fn = hooks.attention(attrs)
         elif op == "silu_mul":
-            fn = native_ops.silu_mul if len(acts) == 1 else kernels.silu_mul
+            width = node["types"][0]["shape"][-1]
+            fn = native_ops.bind_silu_mul(width, reuse) if len(acts) == 1 else kernels.silu_mul
         elif op == "add":
             fn = torch.add
         elif op == "gather_last":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from runtime._native import _qlinear as _C
+from runtime.native_ops import Outputs
 
 LAYOUT_INT4 = "q4g.p16k8"     # codes uint8 [P, K/8, 64]
 LAYOUT_INT8 = "q8.p16k4"      # codes int8 [P, K/4, 64]
@@ -371,8 +372,9 @@ def _check_layout(attrs: dict) -> str:
     return quant
 
 
-def make_linear(attrs: dict, operands: dict[str, torch.Tensor]):
-    """A callable x f32 [T, K] -> [T, N] for a linear/logits node; operands are the packed tensors (+ "bias")."""
+def make_linear(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool = False):
+    """A callable x f32 [T, K] -> [T, N] for a linear/logits node; operands are the packed tensors (+ "bias").
+    reuse keeps the output buffer while T stays the same (native_ops.Outputs)."""
     quant = _check_layout(attrs)
     n, k, g = attrs["out_features"], attrs["in_features"], attrs.get("group_size")
     bias, act = operands.get("bias"), attrs.get("act", "f32")
@@ -384,7 +386,10 @@ def make_linear(attrs: dict, operands: dict[str, torch.Tensor]):
         bound = bind_fp8(operands, n, k, bias)
     else:
         bound = bind_bf16(operands, n, k, bias)
-    return lambda x: bound(x.contiguous())
+    if not reuse:
+        return lambda x: bound(x.contiguous())
+    outputs = Outputs((n,), reuse=True)
+    return lambda x: bound(x.contiguous(), outputs.get(x)[0][0])
 
 
 def make_embedding_rows(attrs: dict, operands: dict[str, torch.Tensor]):

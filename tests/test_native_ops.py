@@ -46,3 +46,20 @@ def test_strided_inputs_are_refused_before_any_read():
         native_ops.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-5)
     with pytest.raises((ValueError, BufferError)):
         native_ops.add_rms_norm(torch.randn(2, 8), torch.randn(2, 16)[:, ::2], torch.randn(8), 1e-5)
+
+
+def test_reused_outputs_are_kept_per_row_count_and_only_when_asked():
+    w = torch.randn(8)
+    x1, x1b, x3 = torch.randn(1, 8), torch.randn(1, 8), torch.randn(3, 8)
+    kept = native_ops.bind_rms_norm(w, 1e-5, reuse=True)
+    first = kept(x1)
+    second = kept(x1b)
+    assert second.data_ptr() == first.data_ptr()  # same rows: the node's buffer again, overwritten
+    torch.testing.assert_close(second, kernels.rms_norm(x1b, w, 1e-5), rtol=1e-5, atol=1e-6)
+    assert kept(x3).data_ptr() != first.data_ptr()
+    big = torch.randn(native_ops.REUSE_ROWS + 1, 8)
+    assert kept(big).data_ptr() != kept(big).data_ptr()  # large steps are not kept
+    fresh = native_ops.bind_rms_norm(w, 1e-5)
+    a = fresh(x1)
+    b = fresh(x1b)
+    assert a.data_ptr() != b.data_ptr()  # both alive: never the same buffer without reuse
