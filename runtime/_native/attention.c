@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd.h"
+#include "common.h"
 
 /* ----------------------------------------------------------------------------------------
  * Cache element types
@@ -689,15 +689,6 @@ static int check_sequences(const AttentionArgs *a, Py_ssize_t num_tokens, Py_ssi
 /* ----------------------------------------------------------------------------------------
  * Python bindings
  */
-
-static int resolve_threads(int num_threads) {
-    return num_threads > 0 ? num_threads : omp_get_max_threads();
-}
-
-static void release_buffers(Py_buffer *buffers, int n) {
-    for (int i = 0; i < n; i++)
-        PyBuffer_Release(&buffers[i]);
-}
 
 /* Fills a from the buffers b = {key, value, k_cache, v_cache, slot_mapping} and checks them. */
 static int setup_kv_write(KVWriteArgs *a, Py_buffer *b, int nkv, int hd, int dtype, float kv_scale) {

@@ -12,7 +12,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "simd.h"
+#include "common.h"
 
 #define PARALLEL_ELEMENTS (1 << 15)  /* fewer elements than this run on the calling thread */
 
@@ -65,15 +65,6 @@ static void silu_mul_row(float *out, const float *gate, const float *up, int n) 
 /* ----------------------------------------------------------------------------------------
  * Python bindings
  */
-
-static int resolve_threads(int num_threads) {
-    return num_threads > 0 ? num_threads : omp_get_max_threads();
-}
-
-static void release_buffers(Py_buffer *buffers, int n) {
-    for (int i = 0; i < n; i++)
-        PyBuffer_Release(&buffers[i]);
-}
 
 static int check_width(const char *fn, Py_ssize_t n) {
     if (n > 0 && n <= INT32_MAX)

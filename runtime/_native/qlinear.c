@@ -1199,24 +1199,40 @@ static PyObject *py_bind(PyObject *self, PyObject *args)
     return capsule;
 }
 
+/* The arguments of run() and rows(): (handle, out_address, in_address, count, threads). Returns 1
+ * with them set, 0 when count is 0 (nothing to do), -1 with an exception set. */
+static int parse_call(const char *fn, PyObject *const *args, Py_ssize_t nargs, const Bound **b, void **out,
+                      const void **in, long long *count, long *threads)
+{
+    if (nargs != 5)
+        return PyErr_Format(PyExc_TypeError, "%s() takes 5 arguments (%zd given)", fn, nargs), -1;
+    *b = PyCapsule_GetPointer(args[0], "qlinear.Bound");
+    if (!*b)
+        return -1;
+    *out = PyLong_AsVoidPtr(args[1]);
+    *in = PyLong_AsVoidPtr(args[2]);
+    *count = PyLong_AsLongLong(args[3]);
+    *threads = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return -1;
+    if (*count == 0)
+        return 0;
+    if (!*out || !*in || *count < 0)
+        return PyErr_Format(PyExc_ValueError, "qlinear.%s: null address or negative count", fn), -1;
+    return 1;
+}
+
 /* run(handle, y_address, x_address, T, threads): y[T, N] = x[T, K] @ W^T (+ bias) */
 static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5)
-        return PyErr_Format(PyExc_TypeError, "run() takes 5 arguments (%zd given)", nargs);
-    const Bound *b = PyCapsule_GetPointer(args[0], "qlinear.Bound");
-    if (!b)
-        return NULL;
-    float *y = PyLong_AsVoidPtr(args[1]);
-    const float *x = PyLong_AsVoidPtr(args[2]);
-    const long long T = PyLong_AsLongLong(args[3]);
-    const long threads = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (T == 0)
-        Py_RETURN_NONE;
-    if (!x || !y || T < 0)
-        return PyErr_Format(PyExc_ValueError, "qlinear.run: null x/y or negative T");
+    const Bound *b;
+    float *y;
+    const float *x;
+    long long T;
+    long threads;
+    const int status = parse_call("run", args, nargs, &b, (void **)&y, (const void **)&x, &T, &threads);
+    if (status <= 0)
+        return status < 0 ? NULL : Py_NewRef(Py_None);
     const Kernels *kern = active_kernels;
     Job job = {.w = b->w, .act = b->act, .t = T, .blk = b->blk, .direct_t = kern->direct_t, .x = x, .bias = b->bias,
                .y = y};
@@ -1262,21 +1278,14 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg)
  * portable dequantization (one rounding per element). */
 static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5)
-        return PyErr_Format(PyExc_TypeError, "rows() takes 5 arguments (%zd given)", nargs);
-    const Bound *b = PyCapsule_GetPointer(args[0], "qlinear.Bound");
-    if (!b)
-        return NULL;
-    float *out = PyLong_AsVoidPtr(args[1]);
-    const int64_t *ids = PyLong_AsVoidPtr(args[2]);
-    const long long R = PyLong_AsLongLong(args[3]);
-    const long threads = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (R == 0)
-        Py_RETURN_NONE;
-    if (!out || !ids || R < 0)
-        return PyErr_Format(PyExc_ValueError, "qlinear.rows: null out/ids or negative R");
+    const Bound *b;
+    float *out;
+    const int64_t *ids;
+    long long R;
+    long threads;
+    const int status = parse_call("rows", args, nargs, &b, (void **)&out, (const void **)&ids, &R, &threads);
+    if (status <= 0)
+        return status < 0 ? NULL : Py_NewRef(Py_None);
     for (long long r = 0; r < R; r++)
         if (ids[r] < 0 || ids[r] >= b->w.n)
             return PyErr_Format(PyExc_ValueError, "qlinear.rows: id %lld at %lld is outside 0..%lld",

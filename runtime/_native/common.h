@@ -1,8 +1,21 @@
-/* AVX2 + FMA helpers shared by the runtime's C kernels (static inline: each module gets its own copy). */
-#ifndef KILN_SIMD_H
-#define KILN_SIMD_H
+/* Helpers shared by the runtime's C modules (static inline: each module gets its own copy):
+ * AVX2 + FMA vector math, and the bits of the Python bindings every module needs. */
+#ifndef KILN_COMMON_H
+#define KILN_COMMON_H
 
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 #include <immintrin.h>
+#include <omp.h>
+
+static inline int resolve_threads(int num_threads) {
+    return num_threads > 0 ? num_threads : omp_get_max_threads();
+}
+
+static inline void release_buffers(Py_buffer *buffers, int n) {
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(&buffers[i]);
+}
 
 static inline float hsum256(__m256 v) {
     __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
