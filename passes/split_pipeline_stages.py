@@ -71,8 +71,10 @@ def _segments(graph: Graph, num_layers: int) -> dict[str, int]:
 
 
 def _segment_costs(graph: Graph, segment: dict[str, int], num_layers: int) -> list[float]:
-    """Cost of each layer, then after-the-layers, then before-the-layers: the mean of the segment's
-    share of weight bytes (memory) and of matmul weight bytes (work per token)."""
+    """Cost of each layer, then after-the-layers, then before-the-layers: the bytes of matmul
+    weights each token reads there (the work per token that sets a stage's step time; an embedding
+    lookup reads a few rows, the logits the whole table). Memory per rank is plan_memory's check.
+    A graph without matmuls falls back to the bytes of weights stored."""
     stored = [0.0] * (num_layers + 2)
     computed = [0.0] * (num_layers + 2)
     seen: set[str] = set()
@@ -87,8 +89,7 @@ def _segment_costs(graph: Graph, segment: dict[str, int], num_layers: int) -> li
                 seen.add(name)
             if node.op in MATMUL_OPS:
                 computed[segment[node.name]] += size
-    total_stored, total_computed = sum(stored) or 1.0, sum(computed) or 1.0
-    return [s / total_stored + c / total_computed for s, c in zip(stored, computed)]
+    return computed if sum(computed) else stored
 
 
 def _crossing(graph: Graph, segment: dict[str, int], cut: int) -> list[str]:
