@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,9 @@ DEFAULT_PROMPTS = (
 @dataclass
 class VerifyReport:
     max_abs_diff: float = 0.0
+    max_reference: float = 0.0      # largest |logit| of the reference
+    top1_same: bool = True          # on every prompt
+    int8_activations: bool = False  # the engine computes some layers on int8 activations (approximate)
     lines: list[str] = field(default_factory=list)
 
 
@@ -50,9 +54,9 @@ def verify_engine(engine: Path, manifest: dict, model_source: str | None,
                         f"{manifest['world_size']} ranks (run `engine-run generate` to check it)")
     program, tensors = read_rank_program(engine / manifest["ranks"][0]["file"])
     interpreter = Interpreter(program, tensors)
+    report = VerifyReport(int8_activations=any(n["attrs"].get("act") == "int8" for n in json.loads(program)["nodes"]))
     reference = load_transformers_model(model_source or manifest["model"]["source"])
     tokenizer = load_tokenizer(engine)
-    report = VerifyReport()
     for text in prompts or DEFAULT_PROMPTS:
         ids = tokenizer.encode(text).ids
         ours = interpreter.logits(ids)[-1]
@@ -60,5 +64,7 @@ def verify_engine(engine: Path, manifest: dict, model_source: str | None,
         diff = (ours - theirs).abs().max().item()
         same_top = int(ours.argmax()) == int(theirs.argmax())
         report.max_abs_diff = max(report.max_abs_diff, diff)
+        report.max_reference = max(report.max_reference, theirs.abs().max().item())
+        report.top1_same &= same_top
         report.lines.append(f"{len(ids):4d} tokens  max|Δ| {diff:.3g}  top-1 {'same' if same_top else 'DIFFERS'}  {text!r}")
     return report

@@ -122,6 +122,18 @@ def test_cli_build_inspect_verify(tiny_llama_dir, tmp_path):
     assert "ok: max |logit difference|" in proc.stdout
 
 
+def test_verify_judges_int8_activation_engines_by_top1_and_relative_error(tiny_llama_dir, tmp_path):
+    out = tmp_path / "engine"
+    proc = engine_build("build", "--model", tiny_llama_dir, "--out", out, "--no-progress", "--quant", "int8",
+                        "--activations", "int8")
+    assert proc.returncode == 0, proc.stderr
+    proc = engine_build("verify", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "ok (int8 activations): top-1 the same on every prompt" in proc.stdout
+    proc = engine_build("verify", out, "--tolerance", "1e-6")  # an absolute limit the rounding exceeds
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("exceeds --tolerance 1e-06"), proc.stderr
+
+
 def test_print_after_and_dump_ir(tiny_llama_dir, tmp_path):
     proc = engine_build("build", "--model", tiny_llama_dir, "--out", tmp_path / "e", "--no-progress",
                         "--print-after", "canonicalize", "--dump-ir", tmp_path / "ir")
