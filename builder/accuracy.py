@@ -46,11 +46,13 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
              activations: str = "f32") -> dict:
     """Perplexity of both graphs and the mean KL over `windows`; the quantized one as the engine runs it
     (its KV cache rounding, and int8 activations if the plan asks for them)."""
-    ref_runner, q_runner = GraphRunner(reference), GraphRunner(quantized, kv_dtype, activations)
+    q_runner = GraphRunner(quantized, kv_dtype, activations)
+    ref_runner = GraphRunner(reference) if reference is not quantized else None  # else: q_runner, run exactly
     nll_ref = nll_q = kl = 0.0
     tokens = 0
     for ids in windows:
-        r, q, k = window_figures(ref_runner.run(ids), q_runner.run(ids), ids)
+        ref = ref_runner.run(ids) if ref_runner else q_runner.run(ids, exact=True)
+        r, q, k = window_figures(ref, q_runner.run(ids), ids)
         nll_ref, nll_q, kl, tokens = nll_ref + r, nll_q + q, kl + k, tokens + len(ids) - 1
     ppl_ref, ppl_q = math.exp(nll_ref / tokens), math.exp(nll_q / tokens)
     return {

@@ -78,38 +78,49 @@ def fake_quantize_kv(x: torch.Tensor, kv_dtype: str, kv_scale: float) -> torch.T
 class GraphRunner:
     """Runs a whole single-rank graph over one sequence (dense causal attention, no cache).
 
-    Logical quantized operands are packed first (with the plan's `activations`), so the kernels
-    are the executor's. With a kv_dtype other than f32, K and V are rounded as that cache type
-    would store them.
+    Logical quantized operands are packed first, so the kernels are the executor's; with the plan's
+    `activations` int8, eligible layers run the int8-activation path. With a kv_dtype other than
+    f32, K and V are rounded as that cache type would store them. run(ids, exact=True) runs the same
+    packed weights in float32 (f32 activations and KV): the reference of a graph that is not
+    requantized, without a second copy of the model.
     """
 
     def __init__(self, graph: Graph, kv_dtype: str = "f32", activations: str = "f32"):
-        from passes.pack_weights import pack_graph
+        from passes.pack_weights import pack_graph, runs_int8_activations
 
-        runnable = pack_graph(graph, activations)
-        self.kv_dtype = kv_dtype
-        self.program = Program(json.loads(runnable.to_json()), runnable.tensors, Hooks(self._attention, lambda x: x))
+        runnable = pack_graph(graph, "f32")
+        doc = json.loads(runnable.to_json())
+        hooks = Hooks(self._attention, lambda x: x)
+        self.kv_dtype = self._kv_now = kv_dtype
+        self.exact_program = Program(doc, runnable.tensors, hooks)
+        self.program = self.exact_program
+        if any(runs_int8_activations(n["op"], n["attrs"], activations) for n in doc["nodes"]):
+            nodes = [dict(n, attrs=dict(n["attrs"], act="int8"))
+                     if runs_int8_activations(n["op"], n["attrs"], activations) else n for n in doc["nodes"]]
+            self.program = Program(dict(doc, nodes=nodes), runnable.tensors, hooks)
         self.last_use: dict[str, int] = {}
         for index, call in enumerate(self.program.calls):
             for name in call.inputs:
                 self.last_use[name] = index
 
     def _attention(self, attrs: dict):
-        kv_dtype, scale = self.kv_dtype, attrs.get("kv_scale", 1.0)
+        scale = attrs.get("kv_scale", 1.0)
 
         def run(q, k, v):
-            k, v = fake_quantize_kv(k, kv_dtype, scale), fake_quantize_kv(v, kv_dtype, scale)
+            k, v = fake_quantize_kv(k, self._kv_now, scale), fake_quantize_kv(v, self._kv_now, scale)
             return kernels.dense_causal_attention(q, k, v, attrs)
 
         return run
 
     @torch.inference_mode()
     def run(self, ids: list[int], capture: Callable[[str, torch.Tensor], None] | None = None,
-            wanted: set[str] | None = None) -> torch.Tensor | None:
+            wanted: set[str] | None = None, exact: bool = False) -> torch.Tensor | None:
         """[T, vocab] logits; or, with `wanted`, call capture(name, value) for each and stop after the last."""
         env = {"tokens": torch.tensor(ids, dtype=torch.int64), "positions": torch.arange(len(ids))}
         remaining = set(wanted or ())
-        for index, call in enumerate(self.program.calls):
+        program = self.exact_program if exact else self.program
+        self._kv_now = "f32" if exact else self.kv_dtype
+        for index, call in enumerate(program.calls):
             result = call.fn(*[env[i] for i in call.inputs])
             env.update(zip(call.outputs, result) if len(call.outputs) > 1 else [(call.outputs[0], result)])
             for name in call.outputs:
@@ -121,7 +132,7 @@ class GraphRunner:
             for name in call.inputs:  # free activations no later call reads
                 if self.last_use.get(name) == index:
                     env.pop(name, None)
-        return None if wanted is not None else env[self.program.outputs[0]]
+        return None if wanted is not None else env[program.outputs[0]]
 
 
 def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
         names, roles = packed[logical]
         node.inputs = [node.inputs[0], *names, *node.inputs[1 + count:]]
         node.attrs = dict(attrs, layout=LAYOUTS[attrs["quant"]], operands=[*roles, *attrs["operands"][count:]])
-        if _runs_int8_activations(node, activations):
+        if runs_int8_activations(node.op, node.attrs, activations):
             node.attrs["act"] = "int8"
     out.drop_unused_weights()
     return out
@@ -52,7 +52,7 @@ def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, 
     return [f"{base}.{role}" for role in parts], list(parts)
 
 
-def _runs_int8_activations(node, activations: str) -> bool:
+def runs_int8_activations(op: str, attrs: dict, activations: str) -> bool:
     """The VNNI path takes int4/int8 linears (and logits) whose input width is a multiple of 32."""
-    return (activations == "int8" and node.op in ("linear", "logits") and node.attrs["quant"] in ("int4", "int8")
-            and node.attrs["in_features"] % 32 == 0)
+    return (activations == "int8" and op in ("linear", "logits") and attrs.get("quant") in ("int4", "int8")
+            and attrs["in_features"] % 32 == 0)
