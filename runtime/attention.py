@@ -1,8 +1,10 @@
 """Paged attention and KV-cache writes: checks torch tensors, then calls the C kernels in _native._attention.
 
-The wrapper checks dtypes, dimensions, matching sizes, devices and contiguity (skipped with
-check=False, for callers that validated the step once). The C side always checks buffer lengths
-and the metadata values (slot range, block ids of used blocks, query_start_loc monotonic and
+kv_write, paged_attention and the fused qkv_attention (rope + KV write + attention from the qkv
+projection; LayerAttention binds it to one layer for the executor). The wrappers check dtypes,
+dimensions, matching sizes, devices and contiguity (skipped with check=False, for callers that
+validated the step once). The C side always checks buffer lengths and the metadata values (slot
+range, positions within the rope table, block ids of used blocks, query_start_loc monotonic and
 ending at T, context_lens >= query length) before touching any data, so check=False stays
 memory-safe; both raise ValueError.
 """

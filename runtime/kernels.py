@@ -1,5 +1,8 @@
 """Torch CPU kernels for the IR's dense ops, shared by the executor and the builder's interpreter.
 
+rms_norm, add_rms_norm and silu_mul here are the torch references (the tracer's leaf functions and
+the tests use them); programs bind the C versions in runtime.native_ops.
+
 Each `make_<op>(attrs, weights)` binds a node's attributes and weight tensors once and returns a
 callable over the node's activation inputs, so the per-step cost is one Python call per node.
 """

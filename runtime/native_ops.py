@@ -2,8 +2,9 @@
 
 Same math as the torch versions in runtime.kernels (the reference the tests compare against),
 in one call instead of 3-6 dispatched torch ops: for the few rows of a decode step the dispatch
-is most of the cost. Inputs must be float32, contiguous and on the CPU; anything else is a
-ValueError naming the argument.
+is most of the cost. Inputs must be float32 CPU tensors of the right width (a ValueError naming
+the argument otherwise) and contiguous (a strided one cannot be exported as a buffer: ValueError
+before anything runs).
 """
 
 from __future__ import annotations
