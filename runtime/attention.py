@@ -122,6 +122,7 @@ class LayerAttention:
         self.num_heads, self.scale, self.kv_scale = num_heads, float(scale), float(kv_scale)
         self.dtype = CACHE_DTYPE_CODES[k_cache.dtype]
         self.rope_table = rope_table
+        self._rope = (None, None)  # (rope_table.packed, its numpy view): taken again only when the table grows
         self.width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.outputs = Outputs((num_heads * self.head_dim,), reuse_outputs)
 
@@ -129,8 +130,10 @@ class LayerAttention:
         if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != self.width:
             raise ValueError(f"qkv_attention: qkv must be float32 [T, {self.width}], got {qkv.dtype} {tuple(qkv.shape)}")
         (out, out_np), = self.outputs.get(qkv)
+        if self._rope[0] is not self.rope_table.packed:
+            self._rope = (self.rope_table.packed, self.rope_table.packed.numpy())
         _C.qkv_attention(out_np, qkv.numpy(), self.k, self.v, step.block_tables, step.context_lens,
-                         step.query_start_loc, step.positions, self.rope_table.packed.numpy(), step.slot_mapping,
+                         step.query_start_loc, step.positions, self._rope[1], step.slot_mapping,
                          self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale, self.dtype,
                          self.kv_scale, torch.get_num_threads())
         return out
