@@ -88,6 +88,10 @@ def _pass_params(name: str, plan: Plan, texts: dict[str, str]) -> dict:
     """What each pass depends on besides the graph (in the build id: a change rebuilds)."""
     digest = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in texts.items()}
     quant = plan.quant
+    if name == "quantize_int4_gptq":
+        return {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude),
+                "rounding": quant.rounding, "calibration_sha256": digest["calibration"]} \
+            if quant.method == "int4-awq" else {}
     if name.startswith("quantize") or name == "keep_source_quant":
         return {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude)}
     if name in ("fold_awq_scales", "clip_awq_weights"):

@@ -135,8 +135,9 @@ class GraphRunner:
         return None if wanted is not None else env[program.outputs[0]]
 
 
-def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """name -> [rows, width] values of `graph` over the windows, at most MAX_CAPTURED_ROWS evenly spaced rows."""
+def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]],
+                        max_rows: int = MAX_CAPTURED_ROWS) -> dict[str, torch.Tensor]:
+    """name -> [rows, width] values of `graph` over the windows, at most `max_rows` evenly spaced rows."""
     chunks: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     runner = GraphRunner(graph)
     for window in token_windows:
@@ -144,5 +145,5 @@ def capture_activations(graph: Graph, names: set[str], token_windows: list[list[
     captured = {}
     for name, parts in chunks.items():
         x = torch.cat(parts)
-        captured[name] = x[:: max(1, -(-x.shape[0] // MAX_CAPTURED_ROWS))]
+        captured[name] = x[:: max(1, -(-x.shape[0] // max_rows))]
     return captured

@@ -14,6 +14,7 @@ from runtime import cli_errors
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help names plan keys like [quant]: print brackets, do not read them as markup
     help="Build Kiln engines ahead of time: trace a model, run the compiler passes for a plan, "
          "and write a versioned engine directory (manifest.json + one rank{r}.engine per rank).",
 )
@@ -51,6 +52,9 @@ def build(
                                               help="Override [quant] activations: f32 (exact) or int8 "
                                                    "(int4/int8 layers quantize activations per token: "
                                                    "faster batched, small extra error)."),
+    rounding: Optional[str] = typer.Option(None, "--rounding",
+                                           help="Override [quant] rounding for int4-awq: nearest, or gptq "
+                                                "(rounding errors compensated on the calibration text)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Override the plan's tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Override the plan's pipeline-parallel degree."),
     print_after: Optional[str] = typer.Option(None, "--print-after",
@@ -69,7 +73,7 @@ def build(
     chosen = chosen.with_overrides(tp=tp, pp=pp)
     chosen = chosen.with_overrides("quant", method=quant, group_size=group_size,
                                    calib=str(calib) if calib else None, max_ppl_increase=max_ppl_increase,
-                                   activations=activations)
+                                   activations=activations, rounding=rounding)
     chosen = chosen.with_overrides("kv_cache", dtype=kv_dtype)
     if out is None:
         out = Path("engines") / load_model(model).name

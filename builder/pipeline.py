@@ -25,6 +25,7 @@ from passes.shard_tensor_parallel import shard_tensor_parallel
 from passes.split_pipeline_stages import split_pipeline_stages
 from passes.quantize_fp8 import quantize_fp8
 from passes.quantize_int4 import quantize_int4
+from passes.quantize_int4_gptq import quantize_int4_gptq
 from passes.quantize_int8 import quantize_int8
 
 
@@ -47,6 +48,7 @@ PIPELINE: list[Pass] = [
     Pass("fold_awq_scales", fold_awq_scales),
     Pass("clip_awq_weights", clip_awq_weights),
     Pass("quantize_int8", quantize_int8),
+    Pass("quantize_int4_gptq", quantize_int4_gptq),
     Pass("quantize_int4", quantize_int4),
     Pass("quantize_fp8", quantize_fp8),
     # Phase 3: fusion (exact rewrites): fewer, larger kernels per layer.

@@ -184,3 +184,48 @@ def _fake_int4_rows(w: torch.Tensor) -> torch.Tensor:
     lo = w.amin(-1, keepdim=True)
     scales = (w.amax(-1, keepdim=True) - lo) / INT4_LEVELS
     return (w - lo).div_(_safe(scales)).round_().clamp_(0, INT4_LEVELS).mul_(scales).add_(lo)
+
+
+# ------------------------------------------------------------------------------------------ GPTQ
+
+def gptq_int4(w: torch.Tensor, x: torch.Tensor, group_size: int, damp: float = 1.0, block: int = 128) -> Quantized:
+    """Group-wise INT4 of w [N, K] whose rounding errors are compensated on the inputs x [T, K]
+    (Frantar et al., GPTQ, 2022): columns are rounded one at a time, most active input first, and each
+    column's error is spread over the columns not yet rounded, weighted by the inverse Hessian of
+    ||x w^T - x q^T||^2, so the output error stays small where plain rounding's would add up.
+
+    Each group's grid (scale, zero) is fixed beforehand from w's own [min, max], as quantize_int4
+    sets it, so a range clipped by awq_clip is kept. `damp` (a fraction of the mean diagonal)
+    keeps the Hessian invertible when x has fewer rows than w has columns.
+    """
+    n, k = w.shape
+    blocks = _groups(w, group_size)
+    lo = blocks.amin(-1)
+    scales = (blocks.amax(-1) - lo) / INT4_LEVELS               # [N, K/G]
+    x = x.double()
+    h = x.T @ x / max(1, x.shape[0])
+    diagonal = h.diagonal()
+    diagonal[diagonal == 0] = 1.0                                # an input never active: any rounding will do
+    diagonal += damp * float(diagonal.mean())
+    order = torch.argsort(diagonal, descending=True, stable=True)
+    h = h[order][:, order]
+    upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    # Rows of `work` are w's columns in rounding order, so each step reads contiguous memory.
+    work = w.float().T[order].contiguous()                       # [K, N]
+    group_of = order // group_size
+    step, base = scales.T[group_of].contiguous(), lo.T[group_of].contiguous()  # [K, N]
+    divisor = _safe(step)
+    codes = torch.empty(k, n)
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        part, errors = work[start:end], torch.empty(end - start, n)
+        for j in range(end - start):
+            c = start + j
+            code = torch.round((part[j] - base[c]) / divisor[c]).clamp_(0, INT4_LEVELS)
+            codes[c] = code
+            errors[j] = (part[j] - (code * step[c] + base[c])) / upper[c, c]
+            part[j:] -= upper[c, c:end, None] * errors[j]
+        work[end:] -= upper[start:end, end:].T @ errors
+    q = codes[torch.argsort(order)].T.to(torch.uint8).contiguous()
+    zeros = lo + 8 * scales
+    return Quantized(q, scales, zeros, relative_error(w, dequantize_int4(q, scales, zeros)))

@@ -13,6 +13,7 @@ from runtime.engine_dir import EngineError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help text is plain: brackets print as typed
     help="Run Kiln engines built by `engine-build`: offline generation, an OpenAI-compatible HTTP "
          "server, and benchmarks. One process per rank; in-flight batching over a paged KV cache.",
 )

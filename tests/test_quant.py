@@ -112,6 +112,23 @@ def test_awq_clip_never_raises_a_group_error_and_helps_on_the_whole():
     assert group_errors(clipped).sum() < 0.8 * group_errors(w).sum()
 
 
+def test_gptq_keeps_the_round_to_nearest_grid_and_lowers_the_output_error():
+    g = torch.Generator().manual_seed(11)
+    mix = torch.randn(128, 128, generator=g)            # correlated input channels, as in a real layer
+    x = torch.randn(512, 128, generator=g) @ mix
+    x[:, [3, 70]] *= 10
+    w = torch.randn(80, 128, generator=g) * 0.05
+    nearest, gptq = quant.quantize_int4(w, 32), quant.gptq_int4(w, x, 32)
+    assert torch.equal(gptq.scales, nearest.scales) and torch.equal(gptq.zeros, nearest.zeros)
+    assert gptq.q.dtype == torch.uint8 and int(gptq.q.max()) <= 15 and not torch.equal(gptq.q, nearest.q)
+
+    def output_error(found):
+        return float((x @ (quant.dequantize_int4(found.q, found.scales, found.zeros) - w).T).pow(2).mean())
+
+    assert output_error(gptq) < 0.8 * output_error(nearest)
+    assert gptq.error > nearest.error  # the weights themselves move further: the outputs are what it keeps
+
+
 # ------------------------------------------------------------------ packed layouts through the executor's kernels
 
 def one_linear_graph(w: torch.Tensor, bias: torch.Tensor | None) -> Graph:

@@ -114,6 +114,15 @@ def test_int4_awq_has_lower_output_error_than_plain_int4(outlier_llama_dir, tmp_
     assert awq["ppl_increase_pct"] < plain["ppl_increase_pct"]
 
 
+def test_gptq_rounding_lowers_int4_awq_divergence(outlier_llama_dir, tmp_path):
+    figures = {}
+    for rounding in ("nearest", "gptq"):
+        result = build_engine(str(outlier_llama_dir), plan_for("int4-awq", rounding=rounding), tmp_path / rounding,
+                              show_progress=False)
+        figures[rounding] = result.manifest["accuracy"]
+    assert figures["gptq"]["kl_mean"] < 0.9 * figures["nearest"]["kl_mean"]
+
+
 # ------------------------------------------------------------------ accuracy figures against transformers
 
 def direct_figures(model_dir: Path, quantized_linears: bool) -> tuple[float, float, float]:
