@@ -8,7 +8,9 @@ import os
 
 import torch
 
-from runtime import attention, kernels
+from dataclasses import dataclass
+
+from runtime import attention, kernels, native_ops
 from runtime.engine_dir import RankFile
 from runtime.program import Hooks, Program
 from runtime.step import StepMetadata
@@ -45,6 +47,18 @@ def recycle_large_allocations() -> bool:
                 and mallopt(m_top_pad, 64 << 20))
 
 
+_STEP_FIELDS = ("token_ids", "positions", "slot_mapping", "context_lens", "query_start_loc", "logits_indices")
+
+
+def _copy_step(dst: StepMetadata, src: StepMetadata) -> None:
+    """Write src's step inputs into dst's buffers (same shapes; dst's block table may be wider)."""
+    for name in _STEP_FIELDS:
+        getattr(dst, name).copy_(getattr(src, name))
+    width = src.block_tables.shape[1]
+    dst.block_tables[:, :width].copy_(src.block_tables)
+    dst.block_tables[:, width:] = -1
+
+
 class KVCacheStorage:
     """K and V of every attention layer on this rank: [num_blocks, block_size, num_kv_heads, head_dim]."""
 
@@ -63,8 +77,30 @@ class KVCacheStorage:
             self.v[a["layer"]] = torch.empty(shape, dtype=KV_DTYPES[dtype])
 
 
+@dataclass
+class RecordedStep:
+    """A step's C calls on tape, with everything they read and write (kept alive, never moved)."""
+
+    shape: tuple[int, int, int]          # (tokens, sequences, logits rows): what the tape is valid for
+    tape: object
+    meta: StepMetadata                   # the step inputs the tape reads: a new step is copied in
+    env: dict[str, torch.Tensor]         # every value of the recorded step
+    output: torch.Tensor
+    rope: list[torch.Tensor]             # the rope tables the tape reads (a grown table needs a new tape)
+
+
 class Executor:
-    """Runs a rank's program; `execute(meta)` returns the logits rows named by meta.logits_indices."""
+    """Runs a rank's program; `execute(meta)` returns the logits rows named by meta.logits_indices.
+
+    Step replay: when a step has the shape (tokens, sequences, logits rows) of the step before it,
+    at most REPLAY_MAX_TOKENS tokens, and every op of the program is one C call, that step's calls
+    are recorded on a tape (native_ops.Recording); later steps of the same shape copy their inputs
+    into the recorded step's buffers and replay the tape in one C call, with no Python per op. The
+    returned logits are then the recorded step's buffer: valid until the next step (callers sample
+    before they step again). KILN_STEP_REPLAY=0 turns replay off.
+    """
+
+    REPLAY_MAX_TOKENS = native_ops.REUSE_ROWS
 
     def __init__(self, rank_file: RankFile, num_blocks: int, block_size: int, kv_dtype: str = "f32",
                  collectives: dict | None = None):
@@ -73,19 +109,42 @@ class Executor:
         self.arrays: attention.StepArrays | None = None
         self.cache = KVCacheStorage(attention_layers(rank_file.program), num_blocks, block_size, kv_dtype)
         self.rope_tables: dict[tuple, kernels.RopeTable] = {}  # one per distinct rope, shared by its layers
-        hooks = Hooks(attention=self._attention, gather_last=self._gather_last, qkv_attention=self._qkv_attention,
+        hooks = Hooks(attention=self._attention, gather_last=native_ops.recordable(lambda x: self._gather_last(x)),
+                      qkv_attention=self._qkv_attention,
                       **(collectives or {}))
         self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks, reuse_outputs=True)
+        self.replay = (self.program.recordable and bool(self.program.outputs)
+                       and os.environ.get("KILN_STEP_REPLAY", "1") != "0")
+        self.recorded: RecordedStep | None = None
+        self.last_shape: tuple[int, int, int] | None = None
+        self.replayed_steps = self.recorded_steps = 0
 
     @torch.inference_mode()
     def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states."""
-        self.meta, self.arrays = meta, attention.StepArrays.of(meta)
         if self.rope_tables and meta.positions.numel():
             rows = int(meta.positions.max()) + 1
             for table in self.rope_tables.values():
                 table.ensure(rows)
-        env = {"tokens": meta.token_ids, "positions": meta.positions}
+        if not self.replay or inputs or meta.token_ids.numel() > self.REPLAY_MAX_TOKENS:
+            return self._run(meta, {}, inputs)
+        shape = (meta.token_ids.numel(), meta.context_lens.numel(), meta.logits_indices.numel())
+        recorded = self.recorded
+        if (recorded is not None and recorded.shape == shape
+                and meta.block_tables.shape[1] <= recorded.meta.block_tables.shape[1]
+                and all(a is b for a, b in zip(recorded.rope, self._rope_buffers()))):
+            _copy_step(recorded.meta, meta)
+            native_ops.replay(recorded.tape)
+            self.replayed_steps += 1
+            return recorded.output
+        if shape != self.last_shape:  # record a shape only once it repeats (decode), not every prefill chunk
+            self.last_shape = shape
+            return self._run(meta, {}, None)
+        return self._record(meta, shape)
+
+    def _run(self, meta: StepMetadata, env: dict, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        self.meta, self.arrays = meta, attention.StepArrays.of(meta)
+        env.update(tokens=meta.token_ids, positions=meta.positions)
         if inputs:
             env.update(inputs)
         try:
@@ -94,8 +153,26 @@ class Executor:
         finally:
             self.meta = self.arrays = None
 
+    def _record(self, meta: StepMetadata, shape: tuple[int, int, int]) -> torch.Tensor:
+        """Run the step on inputs of its own (room for twice the block table columns) and keep its tape."""
+        self.recorded = None
+        width = max(16, 2 * meta.block_tables.shape[1])
+        tables = torch.full((meta.block_tables.shape[0], width), -1, dtype=torch.int32)
+        own = StepMetadata(**{name: getattr(meta, name).clone() for name in _STEP_FIELDS}, block_tables=tables)
+        _copy_step(own, meta)
+        env: dict[str, torch.Tensor] = {}
+        with native_ops.Recording() as recording:
+            output = self._run(own, env, None)
+        if recording.tape is not None:
+            self.recorded_steps += 1
+            self.recorded = RecordedStep(shape, recording.tape, own, env, output, self._rope_buffers())
+        return output
+
+    def _rope_buffers(self) -> list[torch.Tensor]:
+        return [table.packed for table in self.rope_tables.values()]
+
     def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(0, self.meta.logits_indices)
+        return native_ops.gather_rows(x, self.meta.logits_indices)
 
     def _kv_scale(self, attrs: dict) -> float:
         # int8/fp8 caches store k / kv_scale (calibrated per layer at build time); wider ones store k.
@@ -110,7 +187,7 @@ class Executor:
         layer = attention.LayerAttention(self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]],
                                          attrs["num_heads"], attrs["scale"], self._kv_scale(attrs),
                                          self.rope_tables[key], reuse_outputs=True)
-        return lambda qkv, positions: layer(qkv, self.arrays)
+        return native_ops.recordable(lambda qkv, positions: layer(qkv, self.arrays))
 
     def _attention(self, attrs: dict):
         k_cache, v_cache = self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]]

@@ -1,4 +1,5 @@
-"""Row-wise ops in C (_native._ops): rms_norm, add + rms_norm, silu(gate) * up.
+"""Row-wise ops in C (_native._ops): rms_norm, add + rms_norm, silu(gate) * up, add, gather_rows;
+and step tapes (`Recording`), which record the C calls of a whole step to replay them.
 
 Same math as the torch versions in runtime.kernels (the reference the tests compare against),
 in one call instead of 3-6 dispatched torch ops: for the few rows of a decode step the dispatch
@@ -22,6 +23,52 @@ def _f32(fn: str, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 REUSE_ROWS = 64  # outputs of at most this many rows are kept for reuse (decode and small batches)
+
+
+def recordable(fn):
+    """Marks a bound op whose every call is exactly one C call a tape records (see Recording)."""
+    fn.recordable = True
+    return fn
+
+
+class Recording:
+    """Records every Kiln C kernel call made inside the `with` block into a tape (`self.tape`).
+
+    A replay (`replay(tape)`) runs the same calls on the same buffers, so the caller must keep every
+    buffer the calls touched alive and unmoved, and write a new step's inputs into them in place.
+    A recordable op that had to take another path (a copy, a torch op) calls `unrecorded()`; the
+    tape is then None, as it is when the block raises.
+    """
+
+    active: Recording | None = None
+
+    def __enter__(self) -> Recording:
+        self.tape = None
+        self.recording = self.complete = _C.tape_begin()  # False: another thread records; run unrecorded
+        if self.recording:
+            Recording.active = self
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if self.recording:
+            Recording.active = None
+            tape = _C.tape_end()
+            self.tape = tape if kind is None and self.complete else None
+
+
+def unrecorded() -> None:
+    """Called by a recordable op that did work outside its C call: a tape recording now is incomplete."""
+    if Recording.active is not None:
+        Recording.active.complete = False
+
+
+def replay(tape) -> None:
+    """Run a recorded tape again (the index checks of its calls first; a ValueError if one fails)."""
+    _C.replay(tape)
+
+
+def tape_size(tape) -> int:
+    return _C.tape_size(tape)
 
 
 class Outputs:
@@ -79,7 +126,7 @@ def bind_rms_norm(weight: torch.Tensor, eps: float, reuse: bool = False):
         _C.rms_norm(out_np, x.numpy(), w, eps, torch.get_num_threads())
         return out
 
-    return run
+    return recordable(run)
 
 
 def bind_add_rms_norm(weight: torch.Tensor, eps: float, reuse: bool = False):
@@ -95,7 +142,7 @@ def bind_add_rms_norm(weight: torch.Tensor, eps: float, reuse: bool = False):
         _C.add_rms_norm(out_np, total_np, x.numpy(), residual.numpy(), w, eps, torch.get_num_threads())
         return out, total
 
-    return run
+    return recordable(run)
 
 
 def bind_silu_mul(n: int, reuse: bool = False):
@@ -108,7 +155,38 @@ def bind_silu_mul(n: int, reuse: bool = False):
         _C.silu_mul(out_np, gate_up.numpy(), n, torch.get_num_threads())
         return out
 
-    return run
+    return recordable(run)
+
+
+def bind_add(reuse: bool = False):
+    """x + y of float32 tensors of one shape in C; other operands go to torch.add (not recorded)."""
+    outputs = None
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal outputs
+        if (x.shape != y.shape or x.dtype != torch.float32 or y.dtype != torch.float32 or x.dim() != 2
+                or not x.is_contiguous() or not y.is_contiguous()):
+            unrecorded()
+            return torch.add(x, y)
+        if outputs is None or outputs.widths != (x.shape[1],):
+            outputs = Outputs((x.shape[1],), reuse)
+        (out, out_np), = outputs.get(x)
+        _C.add(out_np, x.numpy(), y.numpy())
+        return out
+
+    return recordable(run)
+
+
+def gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x[indices] for float32 x [rows, n] and int64 indices [R] (checked: a ValueError if one is outside x)."""
+    x = _f32("gather_rows", "x", x)
+    if indices.dtype != torch.int64 or indices.dim() != 1 or not indices.is_contiguous() or x.dim() != 2:
+        raise ValueError(f"gather_rows: needs x [rows, n] and contiguous int64 indices [R], got x {tuple(x.shape)}, "
+                         f"indices {indices.dtype} {tuple(indices.shape)}")
+    out = x.new_empty((indices.shape[0], x.shape[1]))
+    if out.numel():
+        _C.gather_rows(out.numpy(), x.numpy(), indices.numpy(), x.shape[1])
+    return out
 
 
 def _weight(fn: str, weight: torch.Tensor):

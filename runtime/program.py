@@ -7,6 +7,9 @@ collectives. The runner supplies those through `Hooks`.
 A runner that has a fused attention kernel (`Hooks.qkv_attention`) gets each layer's
 `split -> rope -> attention` chain bound as one call over the fused projection and the positions,
 when nothing else reads the chain's intermediate values; the IR itself stays op by op.
+
+A call whose function is marked `recordable` is exactly one C kernel call; when every call is,
+the executor can record a step on a tape and replay it (native_ops.Recording).
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ class Call:
     inputs: list[str]   # activation inputs (weights are bound into fn)
     outputs: list[str]
 
+    @property
+    def recordable(self) -> bool:
+        """Each call is one C kernel call a step tape records (native_ops.Recording)."""
+        return getattr(self.fn, "recordable", False)
+
 
 class Program:
     def __init__(self, program: dict, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False):
@@ -61,6 +69,11 @@ class Program:
                                        attention["outputs"]))
             elif i not in skipped:
                 self.calls.append(self._bind(node, tensors, hooks))
+
+    @property
+    def recordable(self) -> bool:
+        """Every call is recordable: a step tape replays the whole program."""
+        return all(call.recordable for call in self.calls)
 
     @staticmethod
     def from_json(text: str, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False) -> Program:
@@ -135,7 +148,7 @@ class Program:
             width = node["types"][0]["shape"][-1]
             fn = native_ops.bind_silu_mul(width, reuse) if len(acts) == 1 else kernels.silu_mul
         elif op == "add":
-            fn = torch.add
+            fn = native_ops.bind_add(reuse)
         elif op == "gather_last":
             fn = hooks.gather_last
         elif op in ("all_reduce", "all_gather"):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from runtime._native import _qlinear as _C
-from runtime.native_ops import Outputs
+from runtime.native_ops import Outputs, recordable, unrecorded
 
 LAYOUT_INT4 = "q4g.p16k8"     # codes uint8 [P, K/8, 64]
 LAYOUT_INT8 = "q8.p16k4"      # codes int8 [P, K/4, 64]
@@ -386,10 +386,15 @@ def make_linear(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool = Fa
         bound = bind_fp8(operands, n, k, bias)
     else:
         bound = bind_bf16(operands, n, k, bias)
-    if not reuse:
-        return lambda x: bound(x.contiguous())
-    outputs = Outputs((n,), reuse=True)
-    return lambda x: bound(x.contiguous(), outputs.get(x)[0][0])
+    outputs = Outputs((n,), reuse)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_contiguous():
+            unrecorded()  # the copy would not outlive the call: a tape cannot replay it
+            x = x.contiguous()
+        return bound(x, outputs.get(x)[0][0])
+
+    return recordable(run)
 
 
 def make_embedding_rows(attrs: dict, operands: dict[str, torch.Tensor]):
@@ -410,4 +415,4 @@ def make_embedding_rows(attrs: dict, operands: dict[str, torch.Tensor]):
         _C.rows(handle, out.data_ptr(), tokens.data_ptr(), tokens.shape[0], torch.get_num_threads())
         return out
 
-    return rows
+    return recordable(rows)

@@ -825,19 +825,49 @@ static int setup_qkv_attention(RopeKVArgs *r, AttentionArgs *a, Py_buffer *b) {
     return check_slots(fn, r->slot_mapping, num_tokens, b[2].len / block_bytes * a->block_size);
 }
 
+/* One qkv_attention call as a tape stores it; the index checks run again at every replay. */
+typedef struct {
+    RopeKVArgs r;
+    AttentionArgs a;
+    Py_ssize_t num_blocks;
+    int threads;
+} QKVCall;
+
+static int check_qkv_call(const void *p) {
+    const QKVCall *c = p;
+    const char *fn = "qkv_attention";
+    if (check_sequences(&c->a, c->r.num_tokens, c->num_blocks) < 0)
+        return -1;
+    for (Py_ssize_t t = 0; t < c->r.num_tokens; t++)
+        if (c->r.positions[t] < 0 || c->r.positions[t] >= c->r.rope_rows)
+            return fail("%s: positions[%zd] = %lld is outside the rope table's %zd rows",
+                        fn, t, (long long)c->r.positions[t], c->r.rope_rows);
+    return check_slots(fn, c->r.slot_mapping, c->r.num_tokens, c->num_blocks * c->a.block_size);
+}
+
+static int run_qkv_call(const void *p) {
+    const QKVCall *c = p;
+    AttentionArgs a = c->a;  /* qkv_attention_compute points a.query at its own buffer */
+    return qkv_attention_compute(&c->r, &a, c->threads);
+}
+
 static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[10];
-    AttentionArgs a = {0};
-    RopeKVArgs r;
+    QKVCall c = {0};
+    AttentionArgs *a = &c.a;
     int num_threads;
     if (!PyArg_ParseTuple(args, "w*y*w*w*y*y*y*y*y*y*iiiififi:qkv_attention", &b[0], &b[1], &b[2], &b[3],
-                          &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &a.num_heads, &a.num_kv_heads,
-                          &a.head_dim, &a.block_size, &a.scale, &a.cache_dtype, &a.kv_scale, &num_threads))
+                          &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &a->num_heads, &a->num_kv_heads,
+                          &a->head_dim, &a->block_size, &a->scale, &a->cache_dtype, &a->kv_scale, &num_threads))
         return NULL;
-    int status = setup_qkv_attention(&r, &a, b);
+    int status = setup_qkv_attention(&c.r, a, b);
     if (status == 0) {
+        c.num_blocks = b[2].len / ((Py_ssize_t)a->block_size * a->num_kv_heads * a->head_dim
+                                   * cache_elem_size[a->cache_dtype]);
+        c.threads = resolve_threads(num_threads);
+        tape_record(check_qkv_call, run_qkv_call, &c, sizeof c);
         Py_BEGIN_ALLOW_THREADS
-        status = qkv_attention_compute(&r, &a, resolve_threads(num_threads));
+        status = run_qkv_call(&c);
         Py_END_ALLOW_THREADS
         if (status < 0)
             PyErr_NoMemory();
@@ -875,6 +905,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__attention(void) {
     build_f8e4m3_table();
+    if (tape_import() < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;

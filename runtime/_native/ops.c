@@ -85,83 +85,229 @@ static int check_rows(const char *fn, const char *const *names, Py_buffer *b, co
     return 0;
 }
 
-static PyObject *py_rms_norm(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer b[3];  /* out, x, weight */
+/* One row-wise call: what a tape stores to run it again. */
+typedef struct {
+    float *out, *total;                      /* total: add_rms_norm's sum */
+    const float *x, *residual, *weight;      /* residual: add_rms_norm's and add's second input */
+    const int64_t *indices;                  /* gather_rows: source row of each out row */
+    Py_ssize_t rows, n, source_rows;         /* source_rows: rows of x (gather_rows) */
     float eps;
-    int num_threads;
-    if (!PyArg_ParseTuple(args, "w*y*y*fi:rms_norm", &b[0], &b[1], &b[2], &eps, &num_threads))
-        return NULL;
-    Py_ssize_t n = b[2].len / 4, rows = n > 0 ? b[1].len / 4 / n : 0;
-    static const char *const names[] = {"out", "x"};
-    int status = check_width("rms_norm", n) < 0 ? -1 : check_rows("rms_norm", names, b, (Py_ssize_t[]){n, n}, 2, rows);
+    int threads;
+} RowArgs;
+
+static int run_rms_norm(const void *p) {
+    const RowArgs *a = p;
+    #pragma omp parallel for num_threads(a->threads) if (a->rows * a->n >= PARALLEL_ELEMENTS) schedule(static)
+    for (Py_ssize_t r = 0; r < a->rows; r++)
+        rms_norm_row(a->out + r * a->n, a->x + r * a->n, a->weight, (int)a->n, a->eps);
+    return 0;
+}
+
+static int run_add_rms_norm(const void *p) {
+    const RowArgs *a = p;
+    Py_ssize_t n = a->n;
+    #pragma omp parallel for num_threads(a->threads) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
+    for (Py_ssize_t r = 0; r < a->rows; r++)
+        add_rms_norm_row(a->out + r * n, a->total + r * n, a->x + r * n, a->residual + r * n, a->weight, (int)n,
+                         a->eps);
+    return 0;
+}
+
+static int run_silu_mul(const void *p) {
+    const RowArgs *a = p;
+    Py_ssize_t n = a->n;
+    #pragma omp parallel for num_threads(a->threads) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
+    for (Py_ssize_t r = 0; r < a->rows; r++)
+        silu_mul_row(a->out + r * n, a->x + 2 * r * n, a->x + 2 * r * n + n, (int)n);
+    return 0;
+}
+
+static int run_add(const void *p) {
+    const RowArgs *a = p;
+    Py_ssize_t total = a->rows * a->n;
+    for (Py_ssize_t i = 0; i < total; i++)
+        a->out[i] = a->x[i] + a->residual[i];
+    return 0;
+}
+
+static int check_gather_rows(const void *p) {
+    const RowArgs *a = p;
+    for (Py_ssize_t r = 0; r < a->rows; r++)
+        if (a->indices[r] < 0 || a->indices[r] >= a->source_rows) {
+            PyErr_Format(PyExc_ValueError, "gather_rows: indices[%zd] = %lld is outside x's %zd rows", r,
+                         (long long)a->indices[r], a->source_rows);
+            return -1;
+        }
+    return 0;
+}
+
+static int run_gather_rows(const void *p) {
+    const RowArgs *a = p;
+    for (Py_ssize_t r = 0; r < a->rows; r++)
+        memcpy(a->out + r * a->n, a->x + a->indices[r] * a->n, sizeof(float) * (size_t)a->n);
+    return 0;
+}
+
+/* Checks (run again at every replay), records when a tape records, and runs the call. */
+static PyObject *record_and_run(TapeCheck check, TapeRun run, RowArgs *a, Py_buffer *b, int count, int status) {
+    if (status == 0 && check)
+        status = check(a);
     if (status == 0) {
-        float *out = b[0].buf;
-        const float *x = b[1].buf, *weight = b[2].buf;
-        int threads = resolve_threads(num_threads);
+        tape_record(check, run, a, sizeof *a);
         Py_BEGIN_ALLOW_THREADS
-        #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_ELEMENTS) schedule(static)
-        for (Py_ssize_t r = 0; r < rows; r++)
-            rms_norm_row(out + r * n, x + r * n, weight, (int)n, eps);
+        run(a);
         Py_END_ALLOW_THREADS
     }
-    release_buffers(b, 3);
+    release_buffers(b, count);
     if (status < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
+static PyObject *py_rms_norm(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b[3];  /* out, x, weight */
+    RowArgs a = {0};
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "w*y*y*fi:rms_norm", &b[0], &b[1], &b[2], &a.eps, &num_threads))
+        return NULL;
+    Py_ssize_t n = b[2].len / 4, rows = n > 0 ? b[1].len / 4 / n : 0;
+    static const char *const names[] = {"out", "x"};
+    int status = check_width("rms_norm", n) < 0 ? -1 : check_rows("rms_norm", names, b, (Py_ssize_t[]){n, n}, 2, rows);
+    a.out = b[0].buf, a.x = b[1].buf, a.weight = b[2].buf;
+    a.rows = rows, a.n = n, a.threads = resolve_threads(num_threads);
+    return record_and_run(NULL, run_rms_norm, &a, b, 3, status);
+}
+
 static PyObject *py_add_rms_norm(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[5];  /* out, total, x, residual, weight */
-    float eps;
+    RowArgs a = {0};
     int num_threads;
-    if (!PyArg_ParseTuple(args, "w*w*y*y*y*fi:add_rms_norm", &b[0], &b[1], &b[2], &b[3], &b[4], &eps,
+    if (!PyArg_ParseTuple(args, "w*w*y*y*y*fi:add_rms_norm", &b[0], &b[1], &b[2], &b[3], &b[4], &a.eps,
                           &num_threads))
         return NULL;
     Py_ssize_t n = b[4].len / 4, rows = n > 0 ? b[2].len / 4 / n : 0;
     static const char *const names[] = {"out", "total", "x", "residual"};
     int status = check_width("add_rms_norm", n) < 0
                  ? -1 : check_rows("add_rms_norm", names, b, (Py_ssize_t[]){n, n, n, n}, 4, rows);
-    if (status == 0) {
-        float *out = b[0].buf, *total = b[1].buf;
-        const float *x = b[2].buf, *residual = b[3].buf, *weight = b[4].buf;
-        int threads = resolve_threads(num_threads);
-        Py_BEGIN_ALLOW_THREADS
-        #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_ELEMENTS) schedule(static)
-        for (Py_ssize_t r = 0; r < rows; r++)
-            add_rms_norm_row(out + r * n, total + r * n, x + r * n, residual + r * n, weight, (int)n, eps);
-        Py_END_ALLOW_THREADS
-    }
-    release_buffers(b, 5);
-    if (status < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    a.out = b[0].buf, a.total = b[1].buf, a.x = b[2].buf, a.residual = b[3].buf, a.weight = b[4].buf;
+    a.rows = rows, a.n = n, a.threads = resolve_threads(num_threads);
+    return record_and_run(NULL, run_add_rms_norm, &a, b, 5, status);
 }
 
 static PyObject *py_silu_mul(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[2];  /* out [rows, n], gate_up [rows, 2n] */
-    Py_ssize_t n;
+    RowArgs a = {0};
     int num_threads;
-    if (!PyArg_ParseTuple(args, "w*y*ni:silu_mul", &b[0], &b[1], &n, &num_threads))
+    if (!PyArg_ParseTuple(args, "w*y*ni:silu_mul", &b[0], &b[1], &a.n, &num_threads))
         return NULL;
-    int status = check_width("silu_mul", n);
+    int status = check_width("silu_mul", a.n);
     if (status == 0) {
-        Py_ssize_t rows = b[0].len / 4 / n;
+        a.rows = b[0].len / 4 / a.n;
         static const char *const names[] = {"out", "gate_up"};
-        status = check_rows("silu_mul", names, b, (Py_ssize_t[]){n, 2 * n}, 2, rows);
-        if (status == 0) {
-            float *out = b[0].buf;
-            const float *gate_up = b[1].buf;
-            int threads = resolve_threads(num_threads);
-            Py_BEGIN_ALLOW_THREADS
-            #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_ELEMENTS) schedule(static)
-            for (Py_ssize_t r = 0; r < rows; r++)
-                silu_mul_row(out + r * n, gate_up + 2 * r * n, gate_up + 2 * r * n + n, (int)n);
-            Py_END_ALLOW_THREADS
+        status = check_rows("silu_mul", names, b, (Py_ssize_t[]){a.n, 2 * a.n}, 2, a.rows);
+    }
+    a.out = b[0].buf, a.x = b[1].buf, a.threads = resolve_threads(num_threads);
+    return record_and_run(NULL, run_silu_mul, &a, b, 2, status);
+}
+
+static PyObject *py_add(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b[3];  /* out, x, y: n float32 each */
+    RowArgs a = {0};
+    if (!PyArg_ParseTuple(args, "w*y*y*:add", &b[0], &b[1], &b[2]))
+        return NULL;
+    int status = 0;
+    if (b[1].len != b[0].len || b[2].len != b[0].len || b[0].len % 4) {
+        PyErr_Format(PyExc_ValueError, "add: out, x and y must hold the same float32 count, got %zd, %zd, %zd bytes",
+                     b[0].len, b[1].len, b[2].len);
+        status = -1;
+    }
+    a.out = b[0].buf, a.x = b[1].buf, a.residual = b[2].buf, a.rows = 1, a.n = b[0].len / 4;
+    return record_and_run(NULL, run_add, &a, b, 3, status);
+}
+
+static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b[3];  /* out [R, n], x [rows, n], indices [R] int64 */
+    RowArgs a = {0};
+    if (!PyArg_ParseTuple(args, "w*y*y*n:gather_rows", &b[0], &b[1], &b[2], &a.n))
+        return NULL;
+    int status = check_width("gather_rows", a.n);
+    if (status == 0) {
+        a.rows = b[2].len / 8, a.source_rows = b[1].len / 4 / a.n;
+        static const char *const names[] = {"out", "x"};
+        status = check_rows("gather_rows", names, b, (Py_ssize_t[]){a.n, a.n}, 1, a.rows);
+        if (status == 0 && (b[2].len % 8 || b[1].len != a.source_rows * a.n * 4)) {
+            PyErr_Format(PyExc_ValueError, "gather_rows: x must be whole rows of %zd float32 and indices int64",
+                         a.n);
+            status = -1;
         }
     }
-    release_buffers(b, 2);
-    if (status < 0)
+    a.out = b[0].buf, a.x = b[1].buf, a.indices = b[2].buf;
+    return record_and_run(check_gather_rows, run_gather_rows, &a, b, 3, status);
+}
+
+/* ----------------------------------------------------------------------------------------
+ * Tapes
+ */
+
+static TapeState state = {NULL, 0};
+
+static void tape_free(Tape *tape) {
+    for (Py_ssize_t i = 0; i < tape->count; i++)
+        free(tape->entries[i].args);
+    free(tape->entries);
+    free(tape);
+}
+
+static void tape_capsule_free(PyObject *capsule) {
+    Tape *tape = PyCapsule_GetPointer(capsule, "kiln.Tape");
+    if (tape)
+        tape_free(tape);
+}
+
+static PyObject *py_tape_begin(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused)) {
+    if (state.recording)  /* another thread records (one tape at a time per process) */
+        Py_RETURN_FALSE;
+    state.recording = calloc(1, sizeof(Tape));
+    if (!state.recording)
+        return PyErr_NoMemory();
+    state.thread = PyThread_get_thread_ident();
+    Py_RETURN_TRUE;
+}
+
+static PyObject *py_tape_end(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused)) {
+    Tape *tape = state.recording;
+    if (!tape || state.thread != PyThread_get_thread_ident())
+        return PyErr_Format(PyExc_RuntimeError, "tape_end: this thread is not recording");
+    state.recording = NULL;
+    if (tape->failed) {
+        tape_free(tape);
+        Py_RETURN_NONE;
+    }
+    PyObject *capsule = PyCapsule_New(tape, "kiln.Tape", tape_capsule_free);
+    if (!capsule)
+        tape_free(tape);
+    return capsule;
+}
+
+static PyObject *py_tape_size(PyObject *Py_UNUSED(self), PyObject *capsule) {
+    Tape *tape = PyCapsule_GetPointer(capsule, "kiln.Tape");
+    return tape ? PyLong_FromSsize_t(tape->count) : NULL;
+}
+
+static PyObject *py_replay(PyObject *Py_UNUSED(self), PyObject *capsule) {
+    Tape *tape = PyCapsule_GetPointer(capsule, "kiln.Tape");
+    if (!tape)
         return NULL;
+    for (Py_ssize_t i = 0; i < tape->count; i++)
+        if (tape->entries[i].check && tape->entries[i].check(tape->entries[i].args) < 0)
+            return NULL;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < tape->count && status == 0; i++)
+        status = tape->entries[i].run(tape->entries[i].args);
+    Py_END_ALLOW_THREADS
+    if (status < 0)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -174,14 +320,38 @@ static PyMethodDef methods[] = {
      "out = rms_norm(total) per row."},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(out, gate_up, n, num_threads): out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:]."},
+    {"add", py_add, METH_VARARGS, "add(out, x, y): out = x + y, float32 of one size."},
+    {"gather_rows", py_gather_rows, METH_VARARGS,
+     "gather_rows(out, x, indices, n): out[r] = x[indices[r]], rows of n float32; indices int64 checked."},
+    {"tape_begin", py_tape_begin, METH_NOARGS,
+     "tape_begin() -> bool: this thread's kernel calls (of every Kiln C module) are recorded from now on; "
+     "False if another thread is recording."},
+    {"tape_end", py_tape_end, METH_NOARGS,
+     "tape_end() -> tape, or None if a call could not be recorded: stops recording."},
+    {"tape_size", py_tape_size, METH_O, "tape_size(tape) -> the number of recorded calls."},
+    {"replay", py_replay, METH_O,
+     "replay(tape): runs the recorded calls again on the same buffers (their index checks first)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_ops", "Row-wise float32 kernels: rms_norm, add_rms_norm, silu_mul (AVX2, OpenMP).",
+    PyModuleDef_HEAD_INIT, "_ops",
+    "Row-wise float32 kernels (rms_norm, add_rms_norm, silu_mul, add, gather_rows; AVX2, OpenMP) and the "
+    "step tapes that record and replay the calls of every Kiln C module.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__ops(void) {
-    return PyModule_Create(&module);
+    tape_state = &state;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    PyObject *capsule = PyCapsule_New(&state, TAPE_STATE_CAPSULE, NULL);
+    if (!capsule || PyModule_AddObjectRef(m, "_tape_state", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(capsule);
+    return m;
 }

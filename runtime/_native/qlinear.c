@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "common.h"
 
 // ----------------------------------------------------------------------------
 // Formats, jobs, workspace
@@ -1222,29 +1223,42 @@ static int parse_call(const char *fn, PyObject *const *args, Py_ssize_t nargs, c
     return 1;
 }
 
+typedef struct {
+    const Bound *b;
+    float *out;
+    const void *in;   /* x [T, K] f32 (run) or ids [R] int64 (rows) */
+    long long count;  /* T or R */
+    int threads;
+} CallArgs;
+
+static int run_linear(const void *p)
+{
+    const CallArgs *a = p;
+    const Kernels *kern = active_kernels;
+    Job job = {.w = a->b->w, .act = a->b->act, .t = a->count, .blk = a->b->blk, .direct_t = kern->direct_t,
+               .x = a->in, .bias = a->b->bias, .y = a->out};
+    int ok = build_workspace(&job);
+    if (ok)
+        run_job(kern, &job, a->threads);
+    free_workspace(&job.ws);
+    return ok ? 0 : -1;
+}
+
 /* run(handle, y_address, x_address, T, threads): y[T, N] = x[T, K] @ W^T (+ bias) */
 static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    const Bound *b;
-    float *y;
-    const float *x;
-    long long T;
+    CallArgs a;
     long threads;
-    const int status = parse_call("run", args, nargs, &b, (void **)&y, (const void **)&x, &T, &threads);
+    const int status = parse_call("run", args, nargs, &a.b, (void **)&a.out, &a.in, &a.count, &threads);
     if (status <= 0)
         return status < 0 ? NULL : Py_NewRef(Py_None);
-    const Kernels *kern = active_kernels;
-    Job job = {.w = b->w, .act = b->act, .t = T, .blk = b->blk, .direct_t = kern->direct_t, .x = x, .bias = b->bias,
-               .y = y};
-    if (!build_workspace(&job)) {
-        free_workspace(&job.ws);
-        return PyErr_NoMemory();
-    }
+    a.threads = (int)threads;
+    tape_record(NULL, run_linear, &a, sizeof a);
+    int result;
     Py_BEGIN_ALLOW_THREADS
-    run_job(kern, &job, (int)threads);
+    result = run_linear(&a);
     Py_END_ALLOW_THREADS
-    free_workspace(&job.ws);
-    Py_RETURN_NONE;
+    return result < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None);
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *unused)
@@ -1276,27 +1290,46 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg)
 /* rows(handle, out_address, ids_address, R, threads): out[R, K] f32 = dequantized weight rows ids[R]
  * (int64, each checked against N): embedding lookups of a packed table, through the exact
  * portable dequantization (one rounding per element). */
-static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static int check_rows(const void *p)
 {
-    const Bound *b;
-    float *out;
-    const int64_t *ids;
-    long long R;
-    long threads;
-    const int status = parse_call("rows", args, nargs, &b, (void **)&out, (const void **)&ids, &R, &threads);
-    if (status <= 0)
-        return status < 0 ? NULL : Py_NewRef(Py_None);
-    for (long long r = 0; r < R; r++)
-        if (ids[r] < 0 || ids[r] >= b->w.n)
-            return PyErr_Format(PyExc_ValueError, "qlinear.rows: id %lld at %lld is outside 0..%lld",
-                                (long long)ids[r], r, (long long)b->w.n - 1);
-    const Weight *w = &b->w;
-    const int64_t K = w->k;
-    Py_BEGIN_ALLOW_THREADS
-    #pragma omp parallel for num_threads(threads > 0 ? (int)threads : 1) if (R * K >= (1 << 16)) schedule(static)
-    for (long long r = 0; r < R; r++)
+    const CallArgs *a = p;
+    const int64_t *ids = a->in;
+    for (long long r = 0; r < a->count; r++)
+        if (ids[r] < 0 || ids[r] >= a->b->w.n) {
+            PyErr_Format(PyExc_ValueError, "qlinear.rows: id %lld at %lld is outside 0..%lld", (long long)ids[r], r,
+                         (long long)a->b->w.n - 1);
+            return -1;
+        }
+    return 0;
+}
+
+static int run_rows(const void *p)
+{
+    const CallArgs *a = p;
+    const Weight *w = &a->b->w;
+    const int64_t *ids = a->in, K = w->k;
+    float *out = a->out;
+    #pragma omp parallel for num_threads(a->threads > 0 ? a->threads : 1) if (a->count * K >= (1 << 16)) \
+        schedule(static)
+    for (long long r = 0; r < a->count; r++)
         for (int64_t k = 0; k < K; k++)
             out[r * K + k] = portable_weight(w, ids[r], k);
+    return 0;
+}
+
+static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    CallArgs a;
+    long threads;
+    const int status = parse_call("rows", args, nargs, &a.b, (void **)&a.out, &a.in, &a.count, &threads);
+    if (status <= 0)
+        return status < 0 ? NULL : Py_NewRef(Py_None);
+    a.threads = (int)threads;
+    if (check_rows(&a) < 0)
+        return NULL;
+    tape_record(check_rows, run_rows, &a, sizeof a);
+    Py_BEGIN_ALLOW_THREADS
+    run_rows(&a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1316,6 +1349,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qlinear", "Quantize
 PyMODINIT_FUNC PyInit__qlinear(void)
 {
     active_kernels = cpu_has_avx512() ? &KERNELS_AVX512 : &KERNELS_AVX2;
+    if (tape_import() < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;

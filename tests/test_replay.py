@@ -1,0 +1,111 @@
+"""Step tapes: C kernel calls recorded once and replayed on new inputs, in isolation and in the engine."""
+
+import threading
+
+import pytest
+import torch
+
+from runtime import native_ops
+from runtime.engine import EngineOptions, LLMEngine
+from runtime.sampling import SamplingParams
+
+
+def test_a_tape_replays_its_calls_on_what_the_buffers_hold_now():
+    g = torch.Generator().manual_seed(0)
+    weight, x, residual = torch.randn(64, generator=g), torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    norm = native_ops.bind_add_rms_norm(weight, 1e-5, reuse=True)
+    silu = native_ops.bind_silu_mul(32, reuse=True)
+    with native_ops.Recording() as recording:
+        out, total = norm(x, residual)
+        act = silu(out)
+    assert native_ops.tape_size(recording.tape) == 2
+    x.copy_(torch.randn(3, 64, generator=g))  # a new step's input, in place
+    native_ops.replay(recording.tape)
+    fresh_out, fresh_total = native_ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(out, fresh_out) and torch.equal(total, fresh_total)
+    assert torch.equal(act, native_ops.bind_silu_mul(32)(fresh_out))
+
+
+def test_a_replay_checks_indices_again_before_computing():
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    indices = torch.tensor([3, 0])
+    with native_ops.Recording() as recording:
+        out = native_ops.gather_rows(x, indices)
+    assert out.tolist() == [[9, 10, 11], [0, 1, 2]]
+    indices[1] = 2
+    native_ops.replay(recording.tape)
+    assert out.tolist() == [[9, 10, 11], [6, 7, 8]]
+    indices[0] = 4
+    with pytest.raises(ValueError, match=r"gather_rows: indices\[0\] = 4 is outside x's 4 rows"):
+        native_ops.replay(recording.tape)
+    assert out.tolist() == [[9, 10, 11], [6, 7, 8]]  # nothing ran
+
+
+def test_work_outside_the_c_calls_leaves_no_tape():
+    add = native_ops.bind_add()
+    with native_ops.Recording() as recording:
+        add(torch.ones(2, 4), torch.ones(4))  # broadcasting goes to torch.add, which no tape records
+    assert recording.tape is None
+    with pytest.raises(RuntimeError, match="boom"), native_ops.Recording() as recording:
+        add(torch.ones(2, 4), torch.ones(2, 4))
+        raise RuntimeError("boom")
+    assert recording.tape is None
+    with native_ops.Recording() as recording:  # a new recording may start after either
+        add(torch.ones(2, 4), torch.ones(2, 4))
+    assert native_ops.tape_size(recording.tape) == 1
+
+
+def test_a_tape_records_only_the_calls_of_its_own_thread():
+    add, a = native_ops.bind_add(), torch.ones(2, 4)
+    seen = []
+
+    def other_thread():
+        add(a, a)  # runs, but is not part of the recording thread's step
+        with native_ops.Recording() as inner:  # one recording at a time: this one runs unrecorded
+            add(a, a)
+        seen.append((inner.recording, inner.tape))
+
+    with native_ops.Recording() as recording:
+        add(a, a)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert native_ops.tape_size(recording.tape) == 1 and seen == [(False, None)]
+
+
+@pytest.fixture(scope="module", params=["f32", "int8"])
+def replay_engine_dir(request, tiny_llama_dir, build_tiny_engine):
+    """Every weight quantized, so that every op runs in C: int8 weights with float32 activations, and
+    int4 with int8 activations (the default plan's path)."""
+    if request.param == "f32":
+        return build_tiny_engine(tiny_llama_dir, "tiny-replay-exact", method="int8", exclude=[])
+    return build_tiny_engine(tiny_llama_dir, "tiny-replay-int8", method="int4", activations="int8", exclude=[])
+
+
+def run_mixed(path) -> tuple[list[list[int]], LLMEngine]:
+    """Staggered greedy and seeded requests of different lengths, one of them past 300 positions
+    (the rope table grows at 256 and the block tables widen), and a 9-token batch of 9 sequences."""
+    llm = LLMEngine.from_dir(path, EngineOptions(kv_cache_gib=0.02))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (9,), generator=g)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=20 + 7 * i, ignore_eos=True)
+              for i in range(9)]
+    params[4] = SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)
+    outputs = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        llm.add_request(prompt, p, request_id=str(i))
+        for _ in range(3):
+            outputs.update((o.request_id, o.token_ids) for o in llm.step() if o.finished)
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o.token_ids) for o in llm.step() if o.finished)
+    return [outputs[str(i)] for i in range(9)], llm
+
+
+def test_replayed_steps_give_the_tokens_of_steps_run_op_by_op(replay_engine_dir, monkeypatch):
+    replayed, llm = run_mixed(replay_engine_dir)
+    executor = llm.executor
+    assert executor.replay and executor.replayed_steps > 250 and executor.recorded_steps >= 5
+    monkeypatch.setenv("KILN_STEP_REPLAY", "0")
+    expected, llm = run_mixed(replay_engine_dir)
+    assert not llm.executor.replay and llm.executor.replayed_steps == 0
+    assert replayed == expected
