@@ -52,7 +52,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     graph = trace(model)
     # Weights are read from the source when a pass or the emitter needs them, never all at once.
     graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
-    ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text)
+    ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text, show_progress=show_progress)
     graphs = run_pipeline(graph, ctx, options)
     # The figures go into the manifest and report, not into every rank's program.
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
@@ -95,7 +95,8 @@ def _pass_params(name: str, plan: Plan, texts: dict[str, str]) -> dict:
     if name.startswith("quantize") or name == "keep_source_quant":
         return {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude)}
     if name in ("fold_awq_scales", "clip_awq_weights"):
-        return {"method": quant.method, "calibration_sha256": digest["calibration"]} \
+        return {"method": quant.method, "calibration_sha256": digest["calibration"],
+                **({"rounding": quant.rounding} if name == "clip_awq_weights" else {})} \
             if quant.method == "int4-awq" else {}
     if name == "calibrate_kv_scales":
         return {"kv_dtype": plan.kv_cache.dtype, "calibration_sha256": digest["calibration"]} \

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from builder.errors import KilnError
 from builder.ir import Graph, IRError, verify
 from passes.calibrate_kv_scales import calibrate_kv_scales
@@ -93,7 +95,9 @@ def run_pipeline(graph: Graph, ctx: PassContext, options: PipelineOptions | None
     world = ctx.plan.world_size
     graphs = [graph]
     done: list[str] = []
-    for index, step in enumerate(PIPELINE):
+    bar = tqdm(PIPELINE, desc="passes", unit="pass", disable=not ctx.show_progress)
+    for index, step in enumerate(bar):
+        bar.set_postfix_str(step.name)
         if step.per_rank and len(graphs) == 1 and world > 1:
             graphs = graphs * world  # each rank's pass picks its own share of the whole graph
         graphs = [
@@ -105,6 +109,7 @@ def run_pipeline(graph: Graph, ctx: PassContext, options: PipelineOptions | None
             for g in graphs:
                 _verify(g, step.name, done[:-1])
         _show(graphs, index, step.name, options)
+    bar.close()
     for g in graphs:
         _verify(g, done[-1] if done else "trace", done[:-1])
     return graphs

@@ -16,7 +16,7 @@ KV_DTYPES = ("f32", "bf16", "f16", "fp8", "int8")
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
 ACTIVATIONS = ("f32", "int8")
-ROUNDINGS = ("nearest", "gptq")
+ROUNDINGS = ("gptq", "nearest")
 
 
 class PlanError(KilnError):
@@ -56,7 +56,7 @@ class Quant:
     calib: str | None = None
     max_ppl_increase: float | None = None
     activations: str = "f32"  # int8: int4/int8 linears quantize activations per token (VNNI path)
-    rounding: str = "nearest"  # int4-awq: nearest, or gptq (rounding errors compensated on calibration text)
+    rounding: str = "gptq"    # int4-awq: gptq (grids fitted, rounding errors compensated) or nearest (AWQ clip)
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,5 @@ def _validate(plan: Plan, origin: str) -> None:
         fail("[quant] activations", f"must be one of {', '.join(ACTIVATIONS)}, got {q.activations!r}")
     if q.rounding not in ROUNDINGS:
         fail("[quant] rounding", f"must be one of {', '.join(ROUNDINGS)}, got {q.rounding!r}")
-    if q.rounding == "gptq" and q.method != "int4-awq":
-        fail("[quant] rounding", f"gptq applies to method int4-awq, not {q.method!r}; use rounding = \"nearest\"")
     if q.max_ppl_increase is not None and q.max_ppl_increase < 0:
         fail("[quant] max_ppl_increase", f"must be >= 0 (a percentage), got {q.max_ppl_increase}")

@@ -3,7 +3,8 @@
 AWQ's second search (after fold_awq_scales): for every weight int4-awq will round, except q_proj
 and k_proj (attention scores magnify their error; AWQ leaves them unclipped), each (output
 channel, group) is clipped to the fraction of max|w| in {1, 0.95, ..., 0.55} whose rounded
-partial products on the calibration activations are closest to the float ones.
+partial products on the calibration activations are closest to the float ones. With rounding
+"gptq", quantize_int4_gptq fits each group's range itself, and this pass does nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ UNCLIPPED = ("q_proj", "k_proj")
 
 
 def clip_awq_weights(graph: Graph, ctx: PassContext) -> Graph:
-    if ctx.plan.quant.method != "int4-awq":
+    if ctx.plan.quant.method != "int4-awq" or ctx.plan.quant.rounding == "gptq":
         return graph
     group_size = ctx.plan.quant.group_size
     out = graph.replace()

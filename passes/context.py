@@ -14,3 +14,4 @@ class PassContext:
     calibration_text: str | None = None
     evaluation_text: str | None = None
     report: dict = field(default_factory=dict)  # figures passes record for the manifest and report
+    show_progress: bool = False  # passes with long loops show a progress bar

@@ -1,22 +1,30 @@
-"""Quantize INT4 with GPTQ: int4-awq's linears are rounded column by column, each column's error compensated.
+"""Quantize INT4 with GPTQ: int4-awq's linears are rounded layer by layer, each rounding error compensated.
 
-After fold_awq_scales and clip_awq_weights have set each group's range, gptq_int4 rounds every
-linear int4-awq rewrites on the calibration activations of its input, all of them (not a sample):
-the inputs' second moments decide how one column's rounding error is absorbed by the columns
-rounded after it. Linears reading one input (q/k/v, gate/up) share those moments and are rounded
-as one stacked matrix. quantize_int4 then rounds whatever is left (nothing, for a llama graph).
+After fold_awq_scales has scaled the weights, each linear int4-awq rewrites gets
+  1. a grid per group fitted to its inputs' activity (fit_int4_grid: asymmetric ranges searched and
+     refined by weighted least squares, which subsumes clip_awq_weights' range search), then
+  2. GPTQ rounding on that grid (gptq_int4): each column's rounding error is absorbed by the columns
+     rounded after it, through the second moments of the linear's inputs on the calibration text.
+Layers go in order, and each layer's inputs are captured with the layers before it already rounded,
+so a layer also makes up for the error that reaches it. Linears reading one input (q/k/v, gate/up)
+are rounded as one stacked matrix. quantize_int4 then rounds whatever is left (nothing, for llama).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
+from tqdm import tqdm
 
 from builder.calibration import MAX_TOKENS, calibration_windows, capture_activations
-from builder.ir import Graph
-from builder.quant import dequantize_int4, gptq_int4, relative_error
+from builder.ir import Graph, Node
+from builder.quant import dequantize_int4, fit_int4_grid, gptq_int4, relative_error
 from passes.context import PassContext
 from passes.quant_rewrite import quantize_node, requant_targets
 from passes.rewrite import consumers
+
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
@@ -29,19 +37,36 @@ def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
              and out.weights[n.inputs[1]].shape[1] % group_size == 0 and len(users[n.inputs[1]]) == 1]
     if not nodes:
         return out
-    by_input: dict[str, list] = {}
-    for node in nodes:
-        by_input.setdefault(node.inputs[0], []).append(node)
-    activations = capture_activations(out, set(by_input), calibration_windows(ctx, "int4-awq"), max_rows=MAX_TOKENS)
-    for name, readers in by_input.items():
-        weights = [out.tensors[n.inputs[1]] for n in readers]
-        found = gptq_int4(torch.cat([w.float() for w in weights]), activations.pop(name), group_size)
-        start = 0
-        for node, weight in zip(readers, weights):
-            rows = slice(start, start + weight.shape[0])
-            start = rows.stop
-            parts = {"qweight": found.q[rows], "scales": found.scales[rows], "zeros": found.zeros[rows]}
-            error = relative_error(weight, dequantize_int4(*parts.values()))
-            quantize_node(out, node, "int4", group_size, lambda _w, p=parts, e=error: (p, e), {})
+    windows = calibration_windows(ctx, "int4-awq")
+    working = out.replace()  # the float graph, each layer's weights replaced by their rounding once done
+    rounded: dict[str, tuple[Node, dict[str, torch.Tensor], float]] = {}
+    for layer in tqdm(_layers(nodes), desc="gptq", unit="layer", leave=False, disable=not ctx.show_progress):
+        activations = capture_activations(working, set(layer), windows, max_rows=MAX_TOKENS)
+        for name, readers in layer.items():
+            weights = [out.tensors[n.inputs[1]].float() for n in readers]
+            x = activations.pop(name)
+            stacked = torch.cat(weights)
+            found = gptq_int4(stacked, x, group_size, fit_int4_grid(stacked, x.pow(2).mean(0), group_size))
+            start = 0
+            for node, weight in zip(readers, weights):
+                rows = slice(start, start + weight.shape[0])
+                start = rows.stop
+                parts = {"qweight": found.q[rows], "scales": found.scales[rows], "zeros": found.zeros[rows]}
+                approx = dequantize_int4(*parts.values())
+                working.tensors[node.inputs[1]] = approx
+                rounded[node.name] = (node, parts, relative_error(weight, approx))
+    for node, parts, error in rounded.values():
+        quantize_node(out, node, "int4", group_size, lambda _w, p=parts, e=error: (p, e), {})
     out.drop_unused_weights()
     return out
+
+
+def _layers(nodes: list[Node]) -> list[dict[str, list[Node]]]:
+    """The nodes' inputs in graph order, grouped by transformer layer (from the node names), each
+    input with the nodes that read it; nodes outside any layer form a group of their own."""
+    layers: dict[str, dict[str, list[Node]]] = {}
+    for node in nodes:
+        match = LAYER.search(node.name)
+        key = match.group(1) if match else node.name
+        layers.setdefault(key, {}).setdefault(node.inputs[0], []).append(node)
+    return list(layers.values())

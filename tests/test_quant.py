@@ -129,6 +129,33 @@ def test_gptq_keeps_the_round_to_nearest_grid_and_lowers_the_output_error():
     assert gptq.error > nearest.error  # the weights themselves move further: the outputs are what it keeps
 
 
+def test_fitted_grids_keep_an_exact_grid_and_lower_the_weighted_error():
+    g = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 16, (24, 128), generator=g).float()
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # every level range used, as in a GGUF Q4_1 block
+    scales, lo = torch.rand(24, 4, generator=g) * 0.1 + 0.01, torch.randn(24, 4, generator=g) * 0.1
+    on_grid = (codes.reshape(24, 4, 32) * scales[..., None] + lo[..., None]).reshape(24, 128)
+    importance = torch.rand(128, generator=g) + 0.1
+    fit_scales, fit_lo = quant.fit_int4_grid(on_grid, importance, 32)
+    zeros = fit_lo + 8 * fit_scales
+    assert torch.allclose(quant.dequantize_int4(quant.gptq_int4(on_grid, torch.randn(64, 128, generator=g), 32,
+                                                                (fit_scales, fit_lo)).q, fit_scales, zeros),
+                          on_grid, atol=1e-6)  # a Q4_1-style block is kept as it is
+
+    w = torch.randn(40, 128, generator=g)
+    w[:, 5] *= 6  # an outlier weight stretches its group's min/max grid
+    importance[64:] *= 50
+
+    def weighted_error(scales, low):
+        q = torch.round((w.reshape(40, 4, 32) - low[..., None]) / scales[..., None]).clamp(0, 15)
+        deq = (q * scales[..., None] + low[..., None]).reshape(40, 128)
+        return float((importance * (w - deq) ** 2).sum())
+
+    plain = quant.quantize_int4(w, 32)
+    fitted = quant.fit_int4_grid(w, importance, 32)
+    assert weighted_error(*fitted) < 0.85 * weighted_error(plain.scales, plain.zeros - 8 * plain.scales)
+
+
 # ------------------------------------------------------------------ packed layouts through the executor's kernels
 
 def one_linear_graph(w: torch.Tensor, bias: torch.Tensor | None) -> Graph:
