@@ -5,10 +5,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+from dataclasses import dataclass
 
 import torch
-
-from dataclasses import dataclass
 
 from runtime import attention, kernels, native_ops
 from runtime.engine_dir import RankFile
