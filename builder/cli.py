@@ -53,8 +53,9 @@ def build(
                                                    "(int4/int8 layers quantize activations per token: "
                                                    "faster batched, small extra error)."),
     rounding: Optional[str] = typer.Option(None, "--rounding",
-                                           help="Override [quant] rounding for int4-awq: nearest, or gptq "
-                                                "(rounding errors compensated on the calibration text)."),
+                                           help="Override [quant] rounding for int4-awq: gptq (grids fitted to "
+                                                "the calibration activations, GPTQ rounding layer by layer) or "
+                                                "nearest (AWQ's clipping, round to nearest)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Override the plan's tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Override the plan's pipeline-parallel degree."),
     print_after: Optional[str] = typer.Option(None, "--print-after",
