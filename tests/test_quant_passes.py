@@ -189,6 +189,7 @@ def test_accuracy_gate_and_unknown_method_fail_with_one_line(tiny_llama_dir, tmp
     ("int4", {"group_size": 128}, None, r"\[quant\] group_size 128 does not divide the input size 64 of "
                                         r"layers.0.self_attn.q_proj; use --group-size 32 or 64"),
     ("int4-awq", {}, "far too short", r"calibration text too short for int4-awq: \d+ tokens, at least 256 needed"),
+    ("int4-awq", {"rounding": "fastest"}, None, r"\[quant\] rounding must be one of gptq, nearest, got 'fastest'"),
 ])
 def test_bad_quantization_input_writes_nothing(tiny_llama_dir, tmp_path, method, quant, calibration, pattern):
     with pytest.raises(KilnError, match=pattern) as failure:
