@@ -23,12 +23,12 @@ from passes.keep_source_quant import keep_source_quant
 from passes.measure_accuracy import measure_accuracy
 from passes.pack_weights import pack_weights
 from passes.plan_memory import plan_memory
-from passes.shard_tensor_parallel import shard_tensor_parallel
-from passes.split_pipeline_stages import split_pipeline_stages
 from passes.quantize_fp8 import quantize_fp8
 from passes.quantize_int4 import quantize_int4
 from passes.quantize_int4_gptq import quantize_int4_gptq
 from passes.quantize_int8 import quantize_int8
+from passes.shard_tensor_parallel import shard_tensor_parallel
+from passes.split_pipeline_stages import split_pipeline_stages
 
 
 @dataclass(frozen=True)
