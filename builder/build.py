@@ -20,6 +20,7 @@ from builder.trace import trace
 from passes.context import PassContext
 from passes.pack_weights import LAYOUTS
 from runtime import ENGINE_FORMAT, FORMAT_VERSION, __version__
+from runtime._native import required_cpu_flags
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -134,6 +135,6 @@ def _quantization_summary(plan: Plan, graph) -> dict:
 
 def _target_requirements(plan: Plan) -> dict:
     if plan.target == "cpu":
-        return {"name": "cpu", "requires": {"cpu_flags": emit.CPU_FLAGS}}
+        return {"name": "cpu", "requires": {"cpu_flags": required_cpu_flags()}}
     device = load_devices()[plan.device]
     return {"name": plan.target, "requires": {"gpu_arch": device.arch}}

@@ -24,9 +24,6 @@ from builder.ir import TORCH_DTYPES, Graph
 from runtime import FORMAT_VERSION, RANK_FORMAT, __version__
 from runtime.engine_dir import sha256_file
 
-# The C kernels are compiled for these instruction sets (pyproject.toml: -mavx2 -mfma -mf16c).
-CPU_FLAGS = ["avx2", "fma", "f16c"]
-
 
 def build_id(model_identity: dict, plan: dict, passes: list[dict]) -> str:
     """Content hash of everything a build depends on; equal ids mean equal engines."""

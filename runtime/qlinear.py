@@ -6,7 +6,7 @@ Logical formats (w is the dequantized weight [N, K], y = x @ w.T + bias):
   fp8   w[n,k] = e4m3(q[n,k]) * scale[n]
   bf16  w as stored
 Packed storage groups output rows in panels of 16 (rows padded with zeros to P = ceil(N/16) panels):
-  "qweight" codes, panel-major (see runtime/_native/qlinear.c for the byte order);
+  "qweight" codes, panel-major (see runtime/_native/qlinear/layout.h for the byte order);
   "scales"  [P, K/G, 16] f32, or f16 when that is lossless (G = 1 group per channel: [P, 1, 16]);
   int4: "zeros" [P, K/G, 16] f32, or "mins" f16 (m = zero - 8 * scale) when f16 (scale, m) is lossless.
 Activations: act="f32" computes in fp32 against the dequantized weights (matches the float

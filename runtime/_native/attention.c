@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "numeric.h"
 
 /* ----------------------------------------------------------------------------------------
  * Cache element types
@@ -914,7 +915,8 @@ PyMODINIT_FUNC PyInit__attention(void) {
         || PyModule_AddIntConstant(m, "DTYPE_BF16", CACHE_BF16) < 0
         || PyModule_AddIntConstant(m, "DTYPE_F16", CACHE_F16) < 0
         || PyModule_AddIntConstant(m, "DTYPE_I8", CACHE_I8) < 0
-        || PyModule_AddIntConstant(m, "DTYPE_F8E4M3", CACHE_F8E4M3) < 0) {
+        || PyModule_AddIntConstant(m, "DTYPE_F8E4M3", CACHE_F8E4M3) < 0
+        || add_required_cpu_flags(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,11 +1,10 @@
-/* Helpers shared by the runtime's C modules (static inline: each module gets its own copy):
- * AVX2 + FMA vector math, and the bits of the Python bindings every module needs. */
+/* The bits of the Python bindings every runtime C module needs (static inline: each module gets
+ * its own copy): thread counts, buffer release, the CPU flags the module requires, step tapes. */
 #ifndef KILN_COMMON_H
 #define KILN_COMMON_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <immintrin.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,30 +18,43 @@ static inline void release_buffers(Py_buffer *buffers, int n) {
         PyBuffer_Release(&buffers[i]);
 }
 
-static inline float hsum256(__m256 v) {
-    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-    return _mm_cvtss_f32(sum);
-}
-
-/* exp(x) for x in [-87, 88]: Cody-Waite reduction by ln 2 and the Cephes degree-6 polynomial
- * (relative error ~1e-7, same as expf for softmax purposes). */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+/* The /proc/cpuinfo names of the instruction sets this module's compiled code requires, from the
+ * compiler's predefined macros of the -m options in pyproject.toml (in the order those options
+ * are given there; a new -m option needs its line here). A flag implied by a listed one (avx by
+ * avx2) is not listed, and code that checks the CPU before it runs (qlinear's AVX-512 path)
+ * requires nothing. The builder records the list in an engine's manifest. */
+static inline int add_required_cpu_flags(PyObject *module) {
+    static const char *const flags[] = {
+#ifdef __AVX2__
+        "avx2",
+#endif
+#ifdef __FMA__
+        "fma",
+#endif
+#ifdef __F16C__
+        "f16c",
+#endif
+        NULL,
+    };
+    Py_ssize_t count = 0;
+    while (flags[count])
+        count++;
+    PyObject *names = PyTuple_New(count);
+    if (!names)
+        return -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_FromString(flags[i]);
+        if (!name) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    if (PyModule_AddObject(module, "REQUIRED_CPU_FLAGS", names) < 0) {
+        Py_DECREF(names);
+        return -1;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------

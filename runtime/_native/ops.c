@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "numeric.h"
 
 #define PARALLEL_ELEMENTS (1 << 15)  /* fewer elements than this run on the calling thread */
 
@@ -347,7 +348,7 @@ PyMODINIT_FUNC PyInit__ops(void) {
     if (!m)
         return NULL;
     PyObject *capsule = PyCapsule_New(&state, TAPE_STATE_CAPSULE, NULL);
-    if (!capsule || PyModule_AddObjectRef(m, "_tape_state", capsule) < 0) {
+    if (!capsule || PyModule_AddObjectRef(m, "_tape_state", capsule) < 0 || add_required_cpu_flags(m) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;

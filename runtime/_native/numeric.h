@@ -1,0 +1,96 @@
+/* Numeric helpers shared by the runtime's C modules (static inline: each file gets its own copy):
+ * scalar conversions between float32 and the f16, bf16 and e4m3 element types, and AVX2 + FMA
+ * vector math. */
+#ifndef KILN_NUMERIC_H
+#define KILN_NUMERIC_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------------
+ * Scalar conversions
+ */
+
+static inline float f16_to_f32(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+static inline uint16_t f32_to_f16(float x) {
+    return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* Round to nearest even; a NaN stays a (quiet) NaN. */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if (isnan(x))
+        return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+/* e4m3 code -> f32, exactly, reading every code as finite (S.1111.111 gives +-480; e4m3fn
+ * spends it on NaN, which a caller that stores such codes maps itself). */
+static inline float e4m3_to_f32(uint8_t code) {
+    const int e = (code >> 3) & 15, m = code & 7;
+    const float mag = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    return (code & 0x80) ? -mag : mag;
+}
+
+/* Saturating round-to-nearest-even float -> e4m3fn (max 448, no infinities). */
+static inline uint8_t f32_to_e4m3(float x) {
+    if (isnan(x))
+        return 0x7F;
+    uint8_t sign = signbit(x) ? 0x80 : 0x00;
+    float magnitude = fabsf(x);
+    if (magnitude >= 448.0f)
+        return sign | 0x7E;
+    if (magnitude < 0.015625f)  /* below 2^-6: subnormals, steps of 2^-9 */
+        return sign | (uint8_t)nearbyintf(magnitude * 512.0f);
+    uint32_t bits;
+    memcpy(&bits, &magnitude, 4);
+    bits += 0x7FFFF + ((bits >> 20) & 1);  /* round 23 mantissa bits to 3, ties to even */
+    uint32_t exponent = (bits >> 23) - 127 + 7;
+    return sign | (uint8_t)((exponent << 3) | ((bits >> 20) & 0x7));
+}
+
+/* ------------------------------------------------------------------------------------------
+ * AVX2 + FMA vector math
+ */
+
+static inline float hsum256(__m256 v) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+    return _mm_cvtss_f32(sum);
+}
+
+/* exp(x) for x in [-87, 88]: Cody-Waite reduction by ln 2 and the Cephes degree-6 polynomial
+ * (relative error ~1e-7, same as expf for softmax purposes). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+#endif

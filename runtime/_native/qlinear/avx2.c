@@ -1,0 +1,282 @@
+/* The AVX2 qlinear path (the module's baseline ISA): f32 activations; int8 activations use the
+ * portable path. A panel's 16 rows are two 8-lane vectors; codes decode to q (q4: 0..15) and
+ * w = q * s + m. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+#define MR2 6        /* tokens per AVX2 micro-kernel call: 12 of the 16 ymm registers accumulate */
+#define DIRECT_T2 2  /* AVX2, f32 activations: T <= DIRECT_T2 decodes weights in registers */
+
+typedef struct {
+    __m256 lo, hi;  /* rows 0..7, 8..15 of a panel */
+} Rows16;
+
+INLINE Rows16 avx2_load16(const void *base, int64_t idx, int f16)
+{
+    if (f16) {
+        const __m128i *h = (const __m128i *)((const uint16_t *)base + idx);
+        return (Rows16){_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
+    }
+    const float *f = (const float *)base + idx;
+    return (Rows16){_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+}
+
+/* Scale s and offset m (q4: m = z - 8s, the value of code 0; stored as is when f16) of panel p, group g. */
+INLINE void avx2_group_params(const int fmt, const Weight *w, int64_t p, int64_t g, Rows16 *s, Rows16 *m)
+{
+    const int64_t idx = (p * (w->k / w->group) + g) * PANEL;
+    if (fmt == FMT_BF16) {
+        s->lo = s->hi = _mm256_set1_ps(1.0f);
+        return;
+    }
+    *s = avx2_load16(w->scales, idx, w->scales_f16);
+    if (fmt == FMT_F8) {
+        s->lo = _mm256_mul_ps(s->lo, _mm256_set1_ps(256.0f));
+        s->hi = _mm256_mul_ps(s->hi, _mm256_set1_ps(256.0f));
+    }
+    if (fmt == FMT_Q4) {
+        *m = avx2_load16(w->zeros, idx, w->scales_f16);
+        if (!w->scales_f16) {
+            m->lo = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s->lo, m->lo);
+            m->hi = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s->hi, m->hi);
+        }
+    }
+}
+
+/* 8 rows' codes of k step j from a 32-byte half of a q4/q8 chunk's 64-byte word (see decode_step). */
+INLINE __m256 avx2_decode_half(const int fmt, const uint8_t *half, const int j)
+{
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)half);
+    if (fmt == FMT_Q4) {
+        const int shift = (j & 3) * 8 + (j >> 2) * 4;
+        return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(15)));
+    }
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * (j & 3)), 24));
+}
+
+/* e4m3 codes -> f32 / 2^8 for 8 rows (the f16 route of decode_step). */
+INLINE __m256 avx2_decode_f8(const uint8_t *codes)
+{
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)codes));
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_add_epi16(b, _mm_and_si128(b, _mm_set1_epi16(0x80))), 7));
+}
+
+INLINE Rows16 avx2_decode_step(const int fmt, const uint8_t *chunk, const int j)
+{
+    if (fmt == FMT_Q4)
+        return (Rows16){avx2_decode_half(fmt, chunk, j), avx2_decode_half(fmt, chunk + 32, j)};
+    if (fmt == FMT_Q8) {
+        const uint8_t *word = chunk + (j >> 2) * 64;
+        return (Rows16){avx2_decode_half(fmt, word, j), avx2_decode_half(fmt, word + 32, j)};
+    }
+    if (fmt == FMT_F8)
+        return (Rows16){avx2_decode_f8(chunk + 16 * j), avx2_decode_f8(chunk + 16 * j + 8)};
+    const __m128i *h = (const __m128i *)(chunk + 32 * j);
+    return (Rows16){_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16)),
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16))};
+}
+
+INLINE Rows16 avx2_fmadd(Rows16 a, Rows16 b, Rows16 c)
+{
+    return (Rows16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+
+INLINE Rows16 avx2_splat(float v)
+{
+    return (Rows16){_mm256_set1_ps(v), _mm256_set1_ps(v)};
+}
+
+/* Lane masks of the rows of panel p below N. */
+INLINE void avx2_row_masks(int64_t n, int64_t p, __m256i *lo, __m256i *hi)
+{
+    const __m256i left = _mm256_set1_epi32((int)(n - p * PANEL < PANEL ? n - p * PANEL : PANEL));
+    *lo = _mm256_cmpgt_epi32(left, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    *hi = _mm256_cmpgt_epi32(left, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+INLINE Rows16 avx2_load_rows(const float *y, __m256i mlo, __m256i mhi)
+{
+    return (Rows16){_mm256_maskload_ps(y, mlo), _mm256_maskload_ps(y + 8, mhi)};
+}
+
+INLINE void avx2_store_rows(float *y, Rows16 v, const float *bias, __m256i mlo, __m256i mhi)
+{
+    if (bias) {
+        v.lo = _mm256_add_ps(v.lo, _mm256_maskload_ps(bias, mlo));
+        v.hi = _mm256_add_ps(v.hi, _mm256_maskload_ps(bias + 8, mhi));
+    }
+    _mm256_maskstore_ps(y, mlo, v.lo);
+    _mm256_maskstore_ps(y + 8, mhi, v.hi);
+}
+
+/* y[0 .. mt, panel p] for mt <= DIRECT_T2, as direct_kernel: y += s * sum(q x) + m * sum(x). */
+INLINE void avx2_direct_kernel(const int fmt, const int mt, const Job *job, int64_t p)
+{
+    const int chains = mt == 1 ? 2 : 1;
+    const Weight *w = &job->w;
+    const int64_t K = w->k, G = w->group, ng = K / G, bpk = panel_bytes_per_k(fmt);
+    Rows16 yacc[DIRECT_T2];
+    for (int t = 0; t < mt; t++)
+        yacc[t] = avx2_splat(0.0f);
+    for (int64_t g = 0; g < ng; g++) {
+        Rows16 acc[DIRECT_T2][2];
+        for (int t = 0; t < mt; t++)
+            acc[t][0] = acc[t][1] = avx2_splat(0.0f);
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+            const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
+            _mm_prefetch((const char *)chunk + 4096, _MM_HINT_T0);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const Rows16 wv = avx2_decode_step(fmt, chunk, j);
+                for (int t = 0; t < mt; t++)
+                    acc[t][j % chains] = avx2_fmadd(wv, avx2_splat(job->x[t * K + k + j]), acc[t][j % chains]);
+            }
+        }
+        Rows16 s, m = avx2_splat(0.0f);
+        avx2_group_params(fmt, w, p, g, &s, &m);
+        for (int t = 0; t < mt; t++) {
+            Rows16 sum = acc[t][0];
+            if (chains == 2)
+                sum = (Rows16){_mm256_add_ps(sum.lo, acc[t][1].lo), _mm256_add_ps(sum.hi, acc[t][1].hi)};
+            yacc[t] = avx2_fmadd(sum, s, yacc[t]);
+            if (fmt == FMT_Q4)
+                yacc[t] = avx2_fmadd(m, avx2_splat(job->ws.xsum[t * ng + g]), yacc[t]);
+        }
+    }
+    __m256i mlo, mhi;
+    avx2_row_masks(w->n, p, &mlo, &mhi);
+    for (int t = 0; t < mt; t++)
+        avx2_store_rows(job->y + t * w->n + p * PANEL, yacc[t], job->bias ? job->bias + p * PANEL : NULL, mlo, mhi);
+}
+
+/* tile[kc][16] = dequantized W of panel p, k0 .. k0+kc. */
+INLINE void avx2_dequant_tile(const int fmt, const Weight *w, int64_t p, int64_t k0, int64_t kc, float *tile)
+{
+    const int64_t bpk = panel_bytes_per_k(fmt);
+    Rows16 s = avx2_splat(0.0f), m = avx2_splat(0.0f);
+    int64_t g_loaded = -1;
+    for (int64_t k = k0; k < k0 + kc; k += 8) {
+        if (k / w->group != g_loaded) {
+            g_loaded = k / w->group;
+            avx2_group_params(fmt, w, p, g_loaded, &s, &m);
+        }
+        const uint8_t *chunk = w->codes + p * w->k * bpk + k * bpk;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            Rows16 v = avx2_decode_step(fmt, chunk, j);
+            if (fmt == FMT_Q4)
+                v = avx2_fmadd(v, s, m);
+            else if (fmt != FMT_BF16)
+                v = (Rows16){_mm256_mul_ps(v.lo, s.lo), _mm256_mul_ps(v.hi, s.hi)};
+            _mm256_storeu_ps(tile + (k - k0 + j) * PANEL, v.lo);
+            _mm256_storeu_ps(tile + (k - k0 + j) * PANEL + 8, v.hi);
+        }
+    }
+}
+
+/* y[mr tokens, 16 rows] (+)= xp[kc][MR] . tile[kc][16], as micro_f32. */
+INLINE void avx2_micro(const int mr, const float *xp, const float *tile, int64_t kc, float *y, int64_t ldy,
+                       const float *bias, __m256i mlo, __m256i mhi, int first, int last)
+{
+    Rows16 c[MR2];
+    for (int t = 0; t < mr; t++)
+        c[t] = first ? avx2_splat(0.0f) : avx2_load_rows(y + t * ldy, mlo, mhi);
+    for (int64_t k = 0; k < kc; k++) {
+        const Rows16 b = {_mm256_loadu_ps(tile + k * PANEL), _mm256_loadu_ps(tile + k * PANEL + 8)};
+        for (int t = 0; t < mr; t++)
+            c[t] = avx2_fmadd(avx2_splat(xp[k * MR + t]), b, c[t]);
+    }
+    for (int t = 0; t < mr; t++)
+        avx2_store_rows(y + t * ldy, c[t], last ? bias : NULL, mlo, mhi);
+}
+
+static void avx2_micro_any(int mr, const float *xp, const float *tile, int64_t kc, float *y, int64_t ldy,
+                           const float *bias, __m256i mlo, __m256i mhi, int first, int last)
+{
+    switch (mr) {
+    case 1: avx2_micro(1, xp, tile, kc, y, ldy, bias, mlo, mhi, first, last); break;
+    case 2: avx2_micro(2, xp, tile, kc, y, ldy, bias, mlo, mhi, first, last); break;
+    case 3: avx2_micro(3, xp, tile, kc, y, ldy, bias, mlo, mhi, first, last); break;
+    case 4: avx2_micro(4, xp, tile, kc, y, ldy, bias, mlo, mhi, first, last); break;
+    case 5: avx2_micro(5, xp, tile, kc, y, ldy, bias, mlo, mhi, first, last); break;
+    default: avx2_micro(6, xp, tile, kc, y, ldy, bias, mlo, mhi, first, last); break;
+    }
+}
+
+#define AVX2_CASES(fmt)                                                                              \
+    static void avx2_direct_##fmt(const Job *job, int64_t p)                                         \
+    {                                                                                                \
+        if (job->t == 1)                                                                             \
+            avx2_direct_kernel(fmt, 1, job, p);                                                      \
+        else                                                                                         \
+            avx2_direct_kernel(fmt, 2, job, p);                                                      \
+    }                                                                                                \
+    static void avx2_dequant_##fmt(const Weight *w, int64_t p, int64_t k0, int64_t kc, float *tile) \
+    {                                                                                                \
+        avx2_dequant_tile(fmt, w, p, k0, kc, tile);                                                  \
+    }
+AVX2_CASES(FMT_Q4)
+AVX2_CASES(FMT_Q8)
+AVX2_CASES(FMT_F8)
+AVX2_CASES(FMT_BF16)
+
+static void avx2_tile_panel(const Job *job, int64_t p, float *tile /* [KC][16] */)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, N = w->n;
+    __m256i mlo, mhi;
+    avx2_row_masks(N, p, &mlo, &mhi);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        switch (w->fmt) {
+        case FMT_Q4: avx2_dequant_FMT_Q4(w, p, k0, kc, tile); break;
+        case FMT_Q8: avx2_dequant_FMT_Q8(w, p, k0, kc, tile); break;
+        case FMT_F8: avx2_dequant_FMT_F8(w, p, k0, kc, tile); break;
+        default: avx2_dequant_FMT_BF16(w, p, k0, kc, tile); break;
+        }
+        for (int64_t t0 = 0; t0 < job->t; t0 += MR2) {
+            const int mr = (int)(job->t - t0 < MR2 ? job->t - t0 : MR2);
+            const float *xp = job->ws.xpack + (t0 / MR) * K * MR + k0 * MR + t0 % MR;
+            avx2_micro_any(mr, xp, tile, kc, job->y + t0 * N + p * PANEL, N, job->bias ? job->bias + p * PANEL : NULL,
+                           mlo, mhi, k0 == 0, k0 + kc == K);
+        }
+    }
+}
+
+static void avx2_prepare(Job *job, int tid, int nt)
+{
+    portable_prepare(job, tid, nt);
+    if (job->act == ACT_F32 && !uses_direct(job)) {
+        int64_t lo, hi;
+        thread_range(ceil_div(job->t, MR), tid, nt, &lo, &hi);
+        for (int64_t tile = lo; tile < hi; tile++)
+            pack_tile(job, tile);
+    }
+}
+
+static void avx2_compute(Job *job, int tid, int nt)
+{
+    if (job->act == ACT_INT8) {
+        portable_compute(job, tid, nt);
+        return;
+    }
+    float tile[KC * PANEL] __attribute__((aligned(32)));
+    int64_t lo, hi;
+    thread_range(job->w.panels, tid, nt, &lo, &hi);
+    for (int64_t p = lo; p < hi; p++) {
+        if (!uses_direct(job)) {
+            avx2_tile_panel(job, p, tile);
+            continue;
+        }
+        switch (job->w.fmt) {
+        case FMT_Q4: avx2_direct_FMT_Q4(job, p); break;
+        case FMT_Q8: avx2_direct_FMT_Q8(job, p); break;
+        case FMT_F8: avx2_direct_FMT_F8(job, p); break;
+        default: avx2_direct_FMT_BF16(job, p); break;
+        }
+    }
+}
+
+const Kernels KERNELS_AVX2 = {"avx2", avx2_prepare, avx2_compute, DIRECT_T2};

@@ -1,0 +1,464 @@
+/* The AVX-512 qlinear path (F, BW, DQ, VL, VNNI; chosen at run time when the CPU has them):
+ * f32 activations decode weights in registers for small T, else into a dequantized tile for an
+ * FMA micro-kernel; int8 activations take u8 x s8 VNNI dot products (q4 and q8). The module is
+ * compiled for AVX2, so this file enables AVX-512 for its own functions only. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+// ----------------------------------------------------------------------------
+// Helpers
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")
+
+INLINE __mmask16 rows_mask(int64_t n, int64_t p)
+{
+    const int64_t left = n - p * PANEL;
+    return left >= PANEL ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+INLINE __m512 load16(const void *base, int64_t idx, int f16)
+{
+    if (f16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
+    return _mm512_loadu_ps((const float *)base + idx);
+}
+
+/* Scale s and (q4) zero point z of panel p, weight group g, for 16 rows. f8 scales carry the
+ * 2^8 that decode_step leaves out. */
+INLINE void group_params(const int fmt, const Weight *w, int64_t p, int64_t g, __m512 *s, __m512 *z)
+{
+    const int64_t idx = (p * (w->k / w->group) + g) * PANEL;
+    if (fmt == FMT_BF16) {
+        *s = _mm512_set1_ps(1.0f);
+        return;
+    }
+    *s = load16(w->scales, idx, w->scales_f16);
+    if (fmt == FMT_F8)
+        *s = _mm512_mul_ps(*s, _mm512_set1_ps(256.0f));
+    if (fmt == FMT_Q4)
+        *z = w->scales_f16 ? _mm512_fmadd_ps(_mm512_set1_ps(8.0f), *s, load16(w->zeros, idx, 1))
+                           : _mm512_loadu_ps((const float *)w->zeros + idx);
+}
+
+/* The 512-bit words of an 8-k chunk that decode_step shifts from (q4: one, q8: two). */
+INLINE void load_chunk(const int fmt, const uint8_t *chunk, __m512i *raw0, __m512i *raw1)
+{
+    if (fmt == FMT_Q4 || fmt == FMT_Q8)
+        *raw0 = _mm512_loadu_si512(chunk);
+    if (fmt == FMT_Q8)
+        *raw1 = _mm512_loadu_si512(chunk + 64);
+}
+
+/* Codes of k step j (0..7) of a chunk as f32 for 16 rows: q4 q - 8, q8 q, f8 value / 2^8, bf16 value. */
+INLINE __m512 decode_step(const int fmt, const uint8_t *chunk, __m512i raw0, __m512i raw1, const int j)
+{
+    if (fmt == FMT_Q4) {
+        const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        const int shift = (j & 3) * 8 + (j >> 2) * 4;  /* low nibbles: steps 0..3, high: 4..7 */
+        return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(raw0, shift) : raw0, table);
+    }
+    if (fmt == FMT_Q8) {
+        const __m512i raw = j < 4 ? raw0 : raw1;
+        const int up = 24 - 8 * (j & 3);
+        const __m512i v = up ? _mm512_slli_epi32(raw, up) : raw;
+        return _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
+    }
+    if (fmt == FMT_F8) {
+        /* e4m3 -> f16 bits: sign << 15 | (exponent, mantissa) << 7; f16 = value / 2^8, subnormals exact */
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(chunk + 16 * j)));
+        const __m256i h = _mm256_slli_epi16(_mm256_add_epi16(b, _mm256_and_si256(b, _mm256_set1_epi16(0x80))), 7);
+        return _mm512_cvtph_ps(h);
+    }
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(chunk + 32 * j));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Software prefetch PREFETCH_BYTES ahead of a streamed chunk of `bytes` (one line per 64 bytes):
+ * the decode loops read weights once, from DRAM, and the hardware prefetcher alone leaves a
+ * single core well short of the memory bandwidth. */
+#define PREFETCH_BYTES 4096
+INLINE void prefetch_ahead(const uint8_t *chunk, int64_t bytes)
+{
+    for (int64_t off = 0; off < bytes; off += 64)
+        _mm_prefetch((const char *)chunk + PREFETCH_BYTES + off, _MM_HINT_T0);
+}
+
+INLINE void store_rows(float *y, __m512 v, const float *bias, __mmask16 m)
+{
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
+    _mm512_mask_storeu_ps(y, m, v);
+}
+
+// ----------------------------------------------------------------------------
+// Activation preparation
+
+static float avx512_block_sum(const float *x, int64_t len)
+{
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < len; k += 16)
+        acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + k));
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* Same numbers as portable_quantize_token (the block sums aside). Blocks are multiples of 16. */
+static void avx512_quantize_token(const Job *job, int64_t t)
+{
+    const int64_t K = job->w.k, B = job->blk, nb = K / B;
+    const float *x = job->x + t * K;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 vmax = _mm512_setzero_ps();
+        for (int64_t k = b * B; k < (b + 1) * B; k += 16)
+            vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + k)));
+        const float amax = _mm512_reduce_max_ps(vmax);
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i qsum = _mm512_setzero_si512();
+        for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
+            qsum = _mm512_add_epi32(qsum, q);
+            int32_t words[4];
+            _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q));
+            for (int i = 0; i < 4; i++)
+                memcpy(job->ws.xq + xq_index(t, k + 4 * i, K), &words[i], 4);
+        }
+        job->ws.xscale[t * nb + b] = amax / 127.0f;
+        job->ws.xcorr[t * nb + b] = -vnni_offset(job->w.fmt) * _mm512_reduce_add_epi32(qsum);
+        job->ws.xsum[t * nb + b] = avx512_block_sum(x + b * B, B);
+    }
+}
+
+static void avx512_prepare(Job *job, int tid, int nt)
+{
+    const int64_t K = job->w.k, nb = K / job->blk;
+    int64_t lo, hi;
+    if (job->act == ACT_INT8) {
+        thread_range(job->t, tid, nt, &lo, &hi);
+        for (int64_t t = lo; t < hi; t++)
+            avx512_quantize_token(job, t);
+        return;  /* a last tile of mr < MRQ tokens reads only its mr tokens: padding needs no zeros */
+    }
+    if (job->w.fmt == FMT_Q4) {
+        thread_range(job->t, tid, nt, &lo, &hi);
+        for (int64_t t = lo; t < hi; t++)
+            for (int64_t b = 0; b < nb; b++)
+                job->ws.xsum[t * nb + b] = avx512_block_sum(job->x + t * K + b * job->blk, job->blk);
+    }
+    if (!uses_direct(job)) {
+        thread_range(ceil_div(job->t, MR), tid, nt, &lo, &hi);
+        for (int64_t tile = lo; tile < hi; tile++)
+            pack_tile(job, tile);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// F32 activations, small T (weights decoded in registers)
+
+/* y[0 .. mt, panel p] for mt <= DIRECT_T tokens; per group the codes' dot with x is scaled once:
+ * y += s * sum((q-8) x) + z * sum(x). One panel at a time keeps one stream of codes (two
+ * interleaved panels read slower from DRAM); a lone token splits its sum over two chains (even
+ * and odd k) so the FMA latency hides behind the other chain. */
+INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p)
+{
+    const int chains = mt == 1 ? 2 : 1;
+    const Weight *w = &job->w;
+    const int64_t K = w->k, G = w->group, ng = K / G, N = w->n, bpk = panel_bytes_per_k(fmt);
+    const float *x = job->x;
+    __m512 yacc[DIRECT_T];
+#pragma GCC unroll 16
+    for (int t = 0; t < mt; t++)
+        yacc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 acc[DIRECT_T][2];
+#pragma GCC unroll 16
+        for (int t = 0; t < mt; t++)
+            acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+            const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
+            prefetch_ahead(chunk, 8 * bpk);
+            __m512i raw0 = _mm512_setzero_si512(), raw1 = _mm512_setzero_si512();
+            load_chunk(fmt, chunk, &raw0, &raw1);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m512 wv = decode_step(fmt, chunk, raw0, raw1, j);
+#pragma GCC unroll 16
+                for (int t = 0; t < mt; t++)
+                    acc[t][j % chains] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[t * K + k + j]), acc[t][j % chains]);
+            }
+        }
+        __m512 s, z = _mm512_setzero_ps();
+        group_params(fmt, w, p, g, &s, &z);
+#pragma GCC unroll 16
+        for (int t = 0; t < mt; t++) {
+            const __m512 sum = chains == 2 ? _mm512_add_ps(acc[t][0], acc[t][1]) : acc[t][0];
+            yacc[t] = _mm512_fmadd_ps(sum, s, yacc[t]);
+            if (fmt == FMT_Q4)
+                yacc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(job->ws.xsum[t * ng + g]), yacc[t]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < mt; t++)
+        store_rows(job->y + t * N + p * PANEL, yacc[t], job->bias ? job->bias + p * PANEL : NULL, rows_mask(N, p));
+}
+
+#define DIRECT_CASES(fmt)                                                                  \
+    static void direct_##fmt(const Job *job, int64_t p, int mt)                            \
+    {                                                                                      \
+        switch (mt) {                                                                      \
+        case 1: direct_kernel(fmt, 1, job, p); break;                                      \
+        case 2: direct_kernel(fmt, 2, job, p); break;                                      \
+        case 3: direct_kernel(fmt, 3, job, p); break;                                      \
+        case 4: direct_kernel(fmt, 4, job, p); break;                                      \
+        case 5: direct_kernel(fmt, 5, job, p); break;                                      \
+        case 6: direct_kernel(fmt, 6, job, p); break;                                      \
+        case 7: direct_kernel(fmt, 7, job, p); break;                                      \
+        default: direct_kernel(fmt, 8, job, p); break;                                     \
+        }                                                                                  \
+    }
+DIRECT_CASES(FMT_Q4)
+DIRECT_CASES(FMT_Q8)
+DIRECT_CASES(FMT_F8)
+DIRECT_CASES(FMT_BF16)
+
+// ----------------------------------------------------------------------------
+// F32 activations, larger T (dequantized tile + 12x32 FMA micro-kernel)
+
+/* tile[kc][np*16] = dequantized W of panels p .. p+np, k0 .. k0+kc. */
+INLINE void dequant_tile(const int fmt, const Weight *w, int64_t p, int np, int64_t k0, int64_t kc, float *tile)
+{
+    const int64_t K = w->k, bpk = panel_bytes_per_k(fmt), ld = np * PANEL;
+    #pragma GCC unroll 16
+    for (int i = 0; i < np; i++) {
+        __m512 s = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+        int64_t g_loaded = -1;
+        for (int64_t k = k0; k < k0 + kc; k += 8) {
+            if (k / w->group != g_loaded) {
+                g_loaded = k / w->group;
+                group_params(fmt, w, p + i, g_loaded, &s, &z);
+            }
+            const uint8_t *chunk = w->codes + (p + i) * K * bpk + k * bpk;
+            prefetch_ahead(chunk, 8 * bpk);
+            __m512i raw0 = _mm512_setzero_si512(), raw1 = _mm512_setzero_si512();
+            load_chunk(fmt, chunk, &raw0, &raw1);
+            float *dst = tile + (k - k0) * ld + i * PANEL;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m512 q = decode_step(fmt, chunk, raw0, raw1, j);
+                const __m512 v = fmt == FMT_Q4 ? _mm512_fmadd_ps(q, s, z) : fmt == FMT_BF16 ? q : _mm512_mul_ps(q, s);
+                _mm512_storeu_ps(dst + j * ld, v);
+            }
+        }
+    }
+}
+
+/* y[mr tokens, np*16 rows] (+)= xp[kc][MR] . tile[kc][np*16]; `first` starts from zero,
+ * `last` adds the bias. */
+INLINE void micro_f32(const int mr, const int np, const float *xp, const float *tile, int64_t kc, float *y,
+                      int64_t ldy, const float *bias, __mmask16 m0, __mmask16 m1, int first, int last)
+{
+    __m512 c[MR][2];
+    #pragma GCC unroll 16
+    for (int t = 0; t < mr; t++) {
+        c[t][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + t * ldy);
+        if (np == 2)
+            c[t][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + t * ldy + PANEL);
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 b0 = _mm512_loadu_ps(tile + k * np * PANEL);
+        const __m512 b1 = np == 2 ? _mm512_loadu_ps(tile + k * np * PANEL + PANEL) : b0;
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++) {
+            const __m512 a = _mm512_set1_ps(xp[k * MR + t]);
+            c[t][0] = _mm512_fmadd_ps(a, b0, c[t][0]);
+            if (np == 2)
+                c[t][1] = _mm512_fmadd_ps(a, b1, c[t][1]);
+        }
+    }
+    #pragma GCC unroll 16
+    for (int t = 0; t < mr; t++) {
+        store_rows(y + t * ldy, c[t][0], last ? bias : NULL, m0);
+        if (np == 2)
+            store_rows(y + t * ldy + PANEL, c[t][1], last && bias ? bias + PANEL : NULL, m1);
+    }
+}
+
+#define MICRO_CASE(mr)                                                                          \
+    case mr:                                                                                    \
+        if (np == 2)                                                                            \
+            micro_f32(mr, 2, xp, tile, kc, y, ldy, bias, m0, m1, first, last);                  \
+        else                                                                                    \
+            micro_f32(mr, 1, xp, tile, kc, y, ldy, bias, m0, m1, first, last);                  \
+        break;
+
+static void micro_f32_any(int mr, int np, const float *xp, const float *tile, int64_t kc, float *y, int64_t ldy,
+                          const float *bias, __mmask16 m0, __mmask16 m1, int first, int last)
+{
+    switch (mr) {
+        MICRO_CASE(1) MICRO_CASE(2) MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6)
+        MICRO_CASE(7) MICRO_CASE(8) MICRO_CASE(9) MICRO_CASE(10) MICRO_CASE(11) default: MICRO_CASE(12)
+    }
+}
+
+#define DEQUANT_CASES(fmt)                                                                              \
+    static void dequant_##fmt(const Weight *w, int64_t p, int np, int64_t k0, int64_t kc, float *tile) \
+    {                                                                                                   \
+        dequant_tile(fmt, w, p, np, k0, kc, tile);                                                      \
+    }
+DEQUANT_CASES(FMT_Q4)
+DEQUANT_CASES(FMT_Q8)
+DEQUANT_CASES(FMT_F8)
+DEQUANT_CASES(FMT_BF16)
+
+static void tile_panels(const Job *job, int64_t p, int np, float *tile /* [KC][32] */)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, N = w->n;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        switch (w->fmt) {
+        case FMT_Q4: dequant_FMT_Q4(w, p, np, k0, kc, tile); break;
+        case FMT_Q8: dequant_FMT_Q8(w, p, np, k0, kc, tile); break;
+        case FMT_F8: dequant_FMT_F8(w, p, np, k0, kc, tile); break;
+        default: dequant_FMT_BF16(w, p, np, k0, kc, tile); break;
+        }
+        for (int64_t t0 = 0; t0 < job->t; t0 += MR) {
+            const int mr = (int)(job->t - t0 < MR ? job->t - t0 : MR);
+            micro_f32_any(mr, np, job->ws.xpack + (t0 / MR) * K * MR + k0 * MR, tile, kc, job->y + t0 * N + p * PANEL,
+                          N, job->bias ? job->bias + p * PANEL : NULL, rows_mask(N, p), rows_mask(N, p + 1),
+                          k0 == 0, k0 + kc == K);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// Int8 activations (VNNI), q4 and q8
+
+/* y[t0 .. t0+mr, panel p]: per activation block b, dot = corr + sum(u8 code * s8 x) in int32,
+ * then acc += f32(dot) * (s * step) (+ z * xsum for q4). */
+INLINE void micro_vnni(const int fmt, const int mr, const Job *job, int64_t p, int64_t t0)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
+    const int32_t *xq = (const int32_t *)(job->ws.xq + (t0 / MRQ) * K * MRQ);  /* [K/4][MRQ] words */
+    const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
+    const int32_t *corr = job->ws.xcorr + t0 * nb;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MRQ];
+    #pragma GCC unroll 16
+    for (int t = 0; t < mr; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i dot[MRQ];
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++)
+            dot[t] = _mm512_set1_epi32(corr[t * nb + b]);
+        for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
+            const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
+            prefetch_ahead(chunk, 8 * bpk);
+            __m512i lo, hi;
+            if (fmt == FMT_Q4) {
+                const __m512i v = _mm512_loadu_si512(chunk);
+                lo = _mm512_and_si512(v, low4);
+                hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            } else {
+                lo = _mm512_xor_si512(_mm512_loadu_si512(chunk), flip);
+                hi = _mm512_xor_si512(_mm512_loadu_si512(chunk + 64), flip);
+            }
+            const int32_t *xk = xq + (k / 4) * MRQ;
+            #pragma GCC unroll 16
+            for (int t = 0; t < mr; t++)
+                dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(xk[t]));
+            #pragma GCC unroll 16
+            for (int t = 0; t < mr; t++)
+                dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(xk[MRQ + t]));
+        }
+        __m512 s, z = _mm512_setzero_ps();
+        group_params(fmt, w, p, b * B / w->group, &s, &z);
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++) {
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(s, _mm512_set1_ps(step[t * nb + b])), acc[t]);
+            if (fmt == FMT_Q4)
+                acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[t * nb + b]), acc[t]);
+        }
+    }
+    #pragma GCC unroll 16
+    for (int t = 0; t < mr; t++)
+        store_rows(job->y + (t0 + t) * N + p * PANEL, acc[t], job->bias ? job->bias + p * PANEL : NULL,
+                   rows_mask(N, p));
+}
+
+#define VNNI_CASES(fmt)                                                                            \
+    static void vnni_##fmt(const Job *job, int64_t p, int64_t t0, int mr)                          \
+    {                                                                                              \
+        switch (mr) {                                                                              \
+        case 1: micro_vnni(fmt, 1, job, p, t0); break;                                             \
+        case 2: micro_vnni(fmt, 2, job, p, t0); break;                                             \
+        case 3: micro_vnni(fmt, 3, job, p, t0); break;                                             \
+        case 4: micro_vnni(fmt, 4, job, p, t0); break;                                             \
+        case 5: micro_vnni(fmt, 5, job, p, t0); break;                                             \
+        case 6: micro_vnni(fmt, 6, job, p, t0); break;                                             \
+        case 7: micro_vnni(fmt, 7, job, p, t0); break;                                             \
+        default: micro_vnni(fmt, 8, job, p, t0); break;                                            \
+        }                                                                                          \
+    }
+VNNI_CASES(FMT_Q4)
+VNNI_CASES(FMT_Q8)
+
+// ----------------------------------------------------------------------------
+// Per-thread compute
+
+static void avx512_compute_direct(const Job *job, int tid, int nt)
+{
+    const int mt = (int)job->t;
+    int64_t lo, hi;
+    thread_range(job->w.panels, tid, nt, &lo, &hi);
+    for (int64_t p = lo; p < hi; p++) {
+        switch (job->w.fmt) {
+        case FMT_Q4: direct_FMT_Q4(job, p, mt); break;
+        case FMT_Q8: direct_FMT_Q8(job, p, mt); break;
+        case FMT_F8: direct_FMT_F8(job, p, mt); break;
+        default: direct_FMT_BF16(job, p, mt); break;
+        }
+    }
+}
+
+static void avx512_compute_tiled(const Job *job, int tid, int nt)
+{
+    float tile[KC * 2 * PANEL] __attribute__((aligned(64)));
+    int64_t lo, hi;
+    thread_range(ceil_div(job->w.panels, 2), tid, nt, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++)
+        tile_panels(job, 2 * u, 2 * u + 1 < job->w.panels ? 2 : 1, tile);
+}
+
+static void avx512_compute_vnni(const Job *job, int tid, int nt)
+{
+    int64_t lo, hi;
+    thread_range(job->w.panels, tid, nt, &lo, &hi);
+    for (int64_t p = lo; p < hi; p++)
+        for (int64_t t0 = 0; t0 < job->t; t0 += MRQ) {
+            const int mr = (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ);
+            if (job->w.fmt == FMT_Q4)
+                vnni_FMT_Q4(job, p, t0, mr);
+            else
+                vnni_FMT_Q8(job, p, t0, mr);
+        }
+}
+
+static void avx512_compute(Job *job, int tid, int nt)
+{
+    if (job->act == ACT_INT8)
+        avx512_compute_vnni(job, tid, nt);
+    else if (uses_direct(job))
+        avx512_compute_direct(job, tid, nt);
+    else
+        avx512_compute_tiled(job, tid, nt);
+}
+
+#pragma GCC pop_options
+
+const Kernels KERNELS_AVX512 = {"avx512", avx512_prepare, avx512_compute, DIRECT_T};

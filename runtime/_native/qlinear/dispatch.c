@@ -1,0 +1,81 @@
+/* One qlinear call: its workspace, and the OpenMP region that runs a path's two phases. */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static void *alloc_aligned(size_t bytes)
+{
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+static int build_workspace(Job *job)
+{
+    const int64_t T = job->t, K = job->w.k, nb = K / job->blk;
+    Workspace *ws = &job->ws;
+    memset(ws, 0, sizeof *ws);
+    if (job->act == ACT_INT8) {
+        ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));
+        ws->xscale = malloc((size_t)(T * nb) * sizeof(float));
+        ws->xcorr = malloc((size_t)(T * nb) * sizeof(int32_t));
+        ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
+        return ws->xq && ws->xscale && ws->xcorr && ws->xsum;
+    }
+    ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
+    if (!uses_direct(job))
+        ws->xpack = alloc_aligned((size_t)(ceil_div(T, MR) * MR * K) * sizeof(float));
+    return ws->xsum && (uses_direct(job) || ws->xpack);
+}
+
+static void free_workspace(Workspace *ws)
+{
+    free(ws->xpack);
+    free(ws->xsum);
+    free(ws->xq);
+    free(ws->xscale);
+    free(ws->xcorr);
+    memset(ws, 0, sizeof *ws);
+}
+
+int cpu_has_avx512(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* Small batches prepare their activations on the calling thread (a few microseconds at most), so
+ * the parallel region needs no barrier: one fewer place for a descheduled thread to stall it. */
+static void run_job(const Kernels *kern, Job *job, int threads)
+{
+    const int prepare_first = threads <= 1 || job->t <= DIRECT_T;
+    if (prepare_first)
+        kern->prepare(job, 0, 1);
+    if (threads <= 1) {
+        kern->compute(job, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (!prepare_first) {
+            kern->prepare(job, tid, nt);
+#pragma omp barrier
+        }
+        kern->compute(job, tid, nt);
+    }
+}
+
+/* Runs a job on `threads` threads (its workspace built and freed around it): 0, or -1 when
+ * memory runs out. */
+int run_kernels(const Kernels *kern, Job *job, int threads)
+{
+    const int ok = build_workspace(job);
+    if (ok)
+        run_job(kern, job, threads);
+    free_workspace(&job->ws);
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,98 @@
+/* Internal interface of the qlinear kernels: one call's job and workspace, the per-ISA entry
+ * points (a prepare and a compute phase per instruction set) and the helpers they share.
+ *
+ * Activation modes: f32 (codes decoded to f32, fp32 FMA accumulation) and int8 (q4/q8 only:
+ * activations quantized per token and block of `blk` k to int8, u8 x s8 VNNI dot products, one
+ * fp32 rescale per block, as llama.cpp does).
+ *
+ * Kernels: AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2 (f32 activations; int8
+ * activations then run the portable C path, which also serves as the tests' reference).
+ * Each call runs one OpenMP region in which threads own contiguous ranges of panels; activations
+ * are first prepared (packed or quantized), by the calling thread when T is small, else in the
+ * region before a barrier.
+ */
+#ifndef KILN_QLINEAR_KERNELS_H
+#define KILN_QLINEAR_KERNELS_H
+
+#include <stdint.h>
+
+#include "layout.h"
+
+enum { ACT_F32 = 0, ACT_INT8 = 1 };
+
+#define MR 12        /* tokens per f32 micro-kernel tile */
+#define MRQ 8        /* tokens per int8 micro-kernel tile */
+#define KC 256       /* k per dequantized f32 tile: [KC][32] f32 = 32 KiB, L1/L2 resident */
+#define DIRECT_T 8   /* AVX-512, f32 activations: T <= DIRECT_T decodes weights in registers, no tile */
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    float *xpack;    /* [ceil(T/MR)][K][MR] f32 tokens interleaved (f32 tile path) */
+    float *xsum;     /* [T][K/blk] sum of x over each block (q4 zero-point term) */
+    int8_t *xq;      /* [ceil(T/MRQ)][K/4][MRQ][4] int8 activations */
+    float *xscale;   /* [T][K/blk] int8 step of each block */
+    int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block */
+} Workspace;
+
+typedef struct {
+    Weight w;
+    int act;
+    int64_t t;          /* tokens */
+    int64_t blk;        /* activation block: q4 G; int8 mode q8 G or 128/64/32 per-channel */
+    int64_t direct_t;   /* f32 activations: T <= direct_t decodes in registers, else packs x for tiles */
+    const float *x;     /* [T, K] */
+    const float *bias;  /* [N] or NULL */
+    float *y;           /* [T, N] */
+    Workspace ws;
+} Job;
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static inline int uses_direct(const Job *job) { return job->act == ACT_F32 && job->t <= job->direct_t; }
+
+/* Contiguous share [*lo, *hi) of `units` work units for thread `tid` of `nt`. */
+static inline void thread_range(int64_t units, int tid, int nt, int64_t *lo, int64_t *hi)
+{
+    *lo = units * tid / nt;
+    *hi = units * (tid + 1) / nt;
+}
+
+/* Offset added to weight codes to make them u8 for VNNI: q4 codes are 0..15 already but
+ * centred on 8; q8 codes are flipped to q + 128. */
+static inline int32_t vnni_offset(int fmt) { return fmt == FMT_Q4 ? 8 : 128; }
+
+/* Byte index of activation (t, k) in the interleaved int8 layout [T/MRQ][K/4][MRQ][4]. */
+static inline int64_t xq_index(int64_t t, int64_t k, int64_t K)
+{
+    return ((t / MRQ) * (K / 4) + k / 4) * MRQ * 4 + (t % MRQ) * 4 + (k % 4);
+}
+
+// ----------------------------------------------------------------------------
+// Per-ISA entry points
+
+/* One phase of a call, run by thread `tid` of `nt` on its share of the work. */
+typedef void (*PhaseFn)(Job *job, int tid, int nt);
+
+typedef struct {
+    const char *name;
+    PhaseFn prepare, compute;
+    int64_t direct_t;  /* see Job.direct_t */
+} Kernels;
+
+extern const Kernels KERNELS_AVX512;    /* avx512.c */
+extern const Kernels KERNELS_AVX2;      /* avx2.c */
+extern const Kernels KERNELS_PORTABLE;  /* portable.c */
+
+/* portable.c: the reference phases (AVX2 reuses them), the f32 tile packing every SIMD path
+ * shares, and the exact dequantization of whole rows. */
+void portable_prepare(Job *job, int tid, int nt);
+void portable_compute(Job *job, int tid, int nt);
+void pack_tile(const Job *job, int64_t tile);
+void dequantize_rows(const Weight *w, const int64_t *ids, int64_t count, float *out, int threads);
+
+/* dispatch.c */
+int cpu_has_avx512(void);
+int run_kernels(const Kernels *kern, Job *job, int threads);
+
+#endif

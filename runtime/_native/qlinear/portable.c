@@ -1,0 +1,174 @@
+/* The portable qlinear path: plain C, correctness first. It runs int8 activations on CPUs
+ * without AVX-512, serves as the tests' reference, and dequantizes the rows of embedding lookups;
+ * the SIMD paths compute the same numbers (activation quantization bit for bit). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "../numeric.h"
+#include "kernels.h"
+
+static float portable_scale(const Weight *w, int64_t n, int64_t g)
+{
+    const int64_t ng = w->k / w->group, idx = ((n / PANEL) * ng + g) * PANEL + n % PANEL;
+    if (!w->scales)
+        return 1.0f;
+    return w->scales_f16 ? f16_to_f32(((const uint16_t *)w->scales)[idx]) : ((const float *)w->scales)[idx];
+}
+
+/* q4 zero point z (from f32 zeros, or z = fma(8, d, m) from f16 mins). */
+static float portable_zero(const Weight *w, int64_t n, int64_t g)
+{
+    const int64_t ng = w->k / w->group, idx = ((n / PANEL) * ng + g) * PANEL + n % PANEL;
+    if (!w->scales_f16)
+        return ((const float *)w->zeros)[idx];
+    return fmaf(8.0f, portable_scale(w, n, g), f16_to_f32(((const uint16_t *)w->zeros)[idx]));
+}
+
+/* Raw code of (n, k): q4 0..15, q8 -128..127, f8/bf16 the bit pattern. */
+static int32_t portable_code(const Weight *w, int64_t n, int64_t k)
+{
+    const int64_t p = n / PANEL, r = n % PANEL, K = w->k;
+    const uint8_t *panel = w->codes + p * K * panel_bytes_per_k(w->fmt);
+    switch (w->fmt) {
+    case FMT_Q4: {
+        const uint8_t byte = panel[(k / 8) * 64 + r * 4 + (k % 4)];
+        return (k % 8) < 4 ? byte & 15 : byte >> 4;
+    }
+    case FMT_Q8: return ((const int8_t *)panel)[(k / 4) * 64 + r * 4 + (k % 4)];
+    case FMT_F8: return panel[k * PANEL + r];
+    default: return ((const uint16_t *)panel)[k * PANEL + r];
+    }
+}
+
+static float portable_weight(const Weight *w, int64_t n, int64_t k)
+{
+    const int32_t code = portable_code(w, n, k);
+    const int64_t g = k / w->group;
+    switch (w->fmt) {
+    case FMT_Q4: return fmaf((float)(code - 8), portable_scale(w, n, g), portable_zero(w, n, g));
+    case FMT_Q8: return (float)code * portable_scale(w, n, g);
+    case FMT_F8: return e4m3_to_f32((uint8_t)code) * portable_scale(w, n, g);
+    default: return bf16_to_f32((uint16_t)code);
+    }
+}
+
+static void portable_block_sums(const Job *job, int64_t t)
+{
+    const int64_t K = job->w.k, nb = K / job->blk;
+    for (int64_t b = 0; b < nb; b++) {
+        float sum = 0.0f;
+        for (int64_t k = b * job->blk; k < (b + 1) * job->blk; k++)
+            sum += job->x[t * K + k];
+        job->ws.xsum[t * nb + b] = sum;
+    }
+}
+
+/* int8 activations of token t: per block, step = amax / 127, q = rint(x * (127 / amax)). */
+static void portable_quantize_token(const Job *job, int64_t t)
+{
+    const int64_t K = job->w.k, B = job->blk, nb = K / B;
+    const float *x = job->x + t * K;
+    for (int64_t b = 0; b < nb; b++) {
+        float amax = 0.0f;
+        for (int64_t k = b * B; k < (b + 1) * B; k++)
+            amax = fmaxf(amax, fabsf(x[k]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t qsum = 0;
+        for (int64_t k = b * B; k < (b + 1) * B; k++) {
+            const int32_t q = (int32_t)lrintf(x[k] * inv);
+            job->ws.xq[xq_index(t, k, K)] = (int8_t)q;
+            qsum += q;
+        }
+        job->ws.xscale[t * nb + b] = amax / 127.0f;
+        job->ws.xcorr[t * nb + b] = -vnni_offset(job->w.fmt) * qsum;
+    }
+}
+
+void portable_prepare(Job *job, int tid, int nt)
+{
+    int64_t lo, hi;
+    thread_range(job->t, tid, nt, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        if (job->w.fmt == FMT_Q4 || job->act == ACT_INT8)
+            portable_block_sums(job, t);
+        if (job->act == ACT_INT8)
+            portable_quantize_token(job, t);
+    }
+}
+
+static void portable_row_f32(const Job *job, int64_t n, float *row /* [K] */)
+{
+    const int64_t K = job->w.k, N = job->w.n;
+    for (int64_t k = 0; k < K; k++)
+        row[k] = portable_weight(&job->w, n, k);
+    for (int64_t t = 0; t < job->t; t++) {
+        const float *x = job->x + t * K;
+        float part[8] = {0};
+        for (int64_t k = 0; k < K; k += 8)
+            for (int i = 0; i < 8 && k + i < K; i++)
+                part[i] = fmaf(row[k + i], x[k + i], part[i]);
+        const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        job->y[t * N + n] = sum + (job->bias ? job->bias[n] : 0.0f);
+    }
+}
+
+/* Same arithmetic as the VNNI kernel: integer block dot, then acc += f32(dot) * (s * step) (+ z * xsum). */
+static void portable_row_int8(const Job *job, int64_t n)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n;
+    const int32_t off = vnni_offset(w->fmt);
+    for (int64_t t = 0; t < job->t; t++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t dot = job->ws.xcorr[t * nb + b];
+            for (int64_t k = b * B; k < (b + 1) * B; k++) {
+                const int32_t code = portable_code(w, n, k);
+                const int32_t u = w->fmt == FMT_Q4 ? code : code + off;
+                dot += u * job->ws.xq[xq_index(t, k, K)];
+            }
+            const int64_t g = b * B / w->group;
+            acc = fmaf((float)dot, portable_scale(w, n, g) * job->ws.xscale[t * nb + b], acc);
+            if (w->fmt == FMT_Q4)
+                acc = fmaf(portable_zero(w, n, g), job->ws.xsum[t * nb + b], acc);
+        }
+        job->y[t * N + n] = acc + (job->bias ? job->bias[n] : 0.0f);
+    }
+}
+
+void portable_compute(Job *job, int tid, int nt)
+{
+    int64_t lo, hi;
+    thread_range(job->w.n, tid, nt, &lo, &hi);
+    float row[job->w.k];  /* one dequantized weight row; K is a layer width, a few KiB to tens of KiB */
+    for (int64_t n = lo; n < hi; n++) {
+        if (job->act == ACT_F32)
+            portable_row_f32(job, n, row);
+        else
+            portable_row_int8(job, n);
+    }
+}
+
+/* x rows of one MR-token tile, interleaved [K][MR] (missing tokens zero). */
+void pack_tile(const Job *job, int64_t tile)
+{
+    const int64_t K = job->w.k, t0 = tile * MR, mr = job->t - t0 < MR ? job->t - t0 : MR;
+    float *dst = job->ws.xpack + tile * K * MR;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t i = 0; i < MR; i++)
+            dst[k * MR + i] = i < mr ? job->x[(t0 + i) * K + k] : 0.0f;
+}
+
+/* out[count, K] f32 = dequantized weight rows ids[count] (each within 0..N-1), one rounding
+ * per element. */
+void dequantize_rows(const Weight *w, const int64_t *ids, int64_t count, float *out, int threads)
+{
+    const int64_t K = w->k;
+    #pragma omp parallel for num_threads(threads > 0 ? threads : 1) if (count * K >= (1 << 16)) schedule(static)
+    for (int64_t r = 0; r < count; r++)
+        for (int64_t k = 0; k < K; k++)
+            out[r * K + k] = portable_weight(w, ids[r], k);
+}
+
+const Kernels KERNELS_PORTABLE = {"portable", portable_prepare, portable_compute, INT64_MAX};
