@@ -1,0 +1,403 @@
+/* Paged attention over the KV cache (streaming softmax over chunks of keys), and the fused
+ * step of one attention layer that feeds it: rotary embedding, KV write, attention. */
+#include "kernels.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../numeric.h"
+
+/* ----------------------------------------------------------------------------------------
+ * Vector helpers (AVX2 + FMA)
+ */
+
+/* a, b: [n] */
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8)
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    float sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
+/* The eight sums of a0..a7, one per lane: [sum(a0), ..., sum(a7)] */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                           __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* scores[0:8] = scale * q . k_rows[0:8]; q: [hd], k_rows: 8 rows of [hd], hd % 8 == 0.
+ * Eight independent FMA chains share each load of q and need one reduction per 8 keys. */
+static inline void score_eight_keys(const float *q, const float *const *k_rows, int hd, float scale,
+                                    float *scores) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < hd; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[3] + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[4] + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[5] + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[6] + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[7] + d), a7);
+    }
+    _mm256_storeu_ps(scores, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale)));
+}
+
+/* scores: [n] = scale * q . k_rows[i]; returns their max */
+static float score_keys(const float *q, const float *const *k_rows, int n, int hd, float scale,
+                        float *scores) {
+    int i = 0;
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    if (hd % 8 == 0)
+        for (; i + 8 <= n; i += 8) {
+            score_eight_keys(q, k_rows + i, hd, scale, scores + i);
+            vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + i));
+        }
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    float max_score = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    for (; i < n; i++) {
+        scores[i] = dot(q, k_rows[i], hd) * scale;
+        max_score = scores[i] > max_score ? scores[i] : max_score;
+    }
+    return max_score;
+}
+
+/* p: [n] scores, replaced by exp(p - max_score); returns their sum */
+static float exp_shifted(float *p, int n, float max_score) {
+    __m256 shift = _mm256_set1_ps(max_score), total = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
+        _mm256_storeu_ps(p + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum256(total);
+    for (; i < n; i++) {
+        p[i] = expf(p[i] - max_score);
+        sum += p[i];
+    }
+    return sum;
+}
+
+/* acc: [hd] *= factor */
+static void scale_row(float *acc, float factor, int hd) {
+    for (int d = 0; d < hd; d++)
+        acc[d] *= factor;
+}
+
+/* acc: [64] += sum_i p[i] * v_rows[i][:64]: eight independent accumulators, so the FMAs of one
+ * value row do not wait on each other (head_dim 64 is the common case). */
+static void accumulate_values_64(float *acc, const float *p, const float *const *v_rows, int n) {
+    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16);
+    __m256 a3 = _mm256_loadu_ps(acc + 24), a4 = _mm256_loadu_ps(acc + 32), a5 = _mm256_loadu_ps(acc + 40);
+    __m256 a6 = _mm256_loadu_ps(acc + 48), a7 = _mm256_loadu_ps(acc + 56);
+    for (int i = 0; i < n; i++) {
+        __m256 w = _mm256_set1_ps(p[i]);
+        const float *v = v_rows[i];
+        a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+        a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), a4);
+        a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), a5);
+        a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), a6);
+        a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), a7);
+    }
+    _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3), _mm256_storeu_ps(acc + 32, a4), _mm256_storeu_ps(acc + 40, a5);
+    _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
+}
+
+/* acc: [hd] += sum_i p[i] * v_rows[i][:hd]; four accumulators in registers per pass. */
+static void accumulate_values(float *acc, const float *p, const float *const *v_rows, int n, int hd) {
+    if (hd == 64) {
+        accumulate_values_64(acc, p, v_rows, n);
+        return;
+    }
+    int d = 0;
+    for (; d + 32 <= hd; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+        for (int i = 0; i < n; i++) {
+            __m256 w = _mm256_set1_ps(p[i]);
+            const float *v = v_rows[i] + d;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(acc + d, a0);
+        _mm256_storeu_ps(acc + d + 8, a1);
+        _mm256_storeu_ps(acc + d + 16, a2);
+        _mm256_storeu_ps(acc + d + 24, a3);
+    }
+    for (; d + 8 <= hd; d += 8) {
+        __m256 a0 = _mm256_loadu_ps(acc + d);
+        for (int i = 0; i < n; i++)
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v_rows[i] + d), a0);
+        _mm256_storeu_ps(acc + d, a0);
+    }
+    for (; d < hd; d++)
+        for (int i = 0; i < n; i++)
+            acc[d] += p[i] * v_rows[i][d];
+}
+
+/* ----------------------------------------------------------------------------------------
+ * Paged attention: work items and per-thread scratch
+ */
+
+#define KEY_CHUNK 32      /* keys scored together before one softmax rescale */
+
+typedef struct {
+    int seq;      /* sequence index s */
+    int kv_head;  /* kv head; its nh / nkv query heads are processed together */
+    int q_begin;  /* first query of the tile, 0-based within the sequence */
+    int q_end;    /* one past the last query of the tile */
+} WorkItem;
+
+/* One per thread; cache-line aligned so that no two threads write to the same line. */
+typedef struct {
+    _Alignas(64) float *acc;  /* [max_rows, hd] running sum of p * v per (query, head) row */
+    float *row_max;        /* [max_rows] running max score */
+    float *row_sum;        /* [max_rows] running sum of exp(score - row_max) */
+    float *scores;         /* [KEY_CHUNK] scores, then probabilities */
+    float *k_decoded;      /* [KEY_CHUNK, hd] float32 keys of a non-f32 cache */
+    float *v_decoded;      /* [KEY_CHUNK, hd] float32 values of a non-f32 cache */
+    const float *k_rows[KEY_CHUNK];  /* row pointers of the current key chunk */
+    const float *v_rows[KEY_CHUNK];  /* row pointers of the current value chunk */
+} Scratch;
+
+static void free_scratch(Scratch *scratch, int num_threads) {
+    for (int i = 0; i < num_threads; i++)
+        free(scratch[i].acc);
+    free(scratch);
+}
+
+/* n floats rounded up to whole 64-byte cache lines, so that every scratch array starts on one */
+static size_t cache_lines(size_t n) {
+    return (n + 15) & ~(size_t)15;
+}
+
+static Scratch *build_scratch(int num_threads, int max_rows, int hd) {
+    Scratch *scratch = aligned_alloc(64, sizeof(Scratch) * (size_t)num_threads);
+    if (!scratch)
+        return NULL;
+    size_t acc = cache_lines((size_t)max_rows * hd), rows = cache_lines(max_rows);
+    size_t scores = cache_lines(KEY_CHUNK), decoded = cache_lines((size_t)KEY_CHUNK * hd);
+    for (int i = 0; i < num_threads; i++) {
+        Scratch *s = &scratch[i];
+        s->acc = aligned_alloc(64, sizeof(float) * (acc + 2 * rows + scores + 2 * decoded));
+        if (!s->acc) {
+            free_scratch(scratch, i);
+            return NULL;
+        }
+        s->row_max = s->acc + acc;
+        s->row_sum = s->row_max + rows;
+        s->scores = s->row_sum + rows;
+        s->k_decoded = s->scores + scores;
+        s->v_decoded = s->k_decoded + decoded;
+    }
+    return scratch;
+}
+
+static int seq_query_len(const AttentionArgs *a, int s) {
+    return a->query_start_loc[s + 1] - a->query_start_loc[s];
+}
+
+/* Counts work items; with items != NULL also fills them, the costliest (last) tile of each
+ * sequence first so that dynamic scheduling balances causal prefill. */
+static Py_ssize_t build_work_items(const AttentionArgs *a, WorkItem *items) {
+    Py_ssize_t count = 0;
+    int tile = a->queries_per_tile;
+    for (int s = 0; s < a->num_seqs; s++) {
+        int qlen = seq_query_len(a, s);
+        for (int q_begin = ((qlen - 1) / tile) * tile; qlen > 0 && q_begin >= 0; q_begin -= tile)
+            for (int g = 0; g < a->num_kv_heads; g++, count++)
+                if (items) {
+                    int q_end = q_begin + tile < qlen ? q_begin + tile : qlen;
+                    items[count] = (WorkItem){s, g, q_begin, q_end};
+                }
+    }
+    return count;
+}
+
+/* ----------------------------------------------------------------------------------------
+ * Paged attention: one work item
+ */
+
+/* Points scratch->k_rows / v_rows at keys key_begin .. key_begin + n - 1 of one kv head,
+ * decoding them into float32 scratch (one run per cache block) unless the cache is float32. */
+static void load_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head,
+                           int key_begin, int n, Scratch *scratch) {
+    int hd = a->head_dim, dtype = a->cache_dtype, block_size = a->block_size;
+    size_t slot_stride = (size_t)a->num_kv_heads * hd;  /* elements between consecutive slots */
+    size_t elem = (size_t)cache_elem_size[dtype];
+    for (int i = 0; i < n;) {
+        int pos = key_begin + i, offset = pos % block_size;
+        int run = block_size - offset < n - i ? block_size - offset : n - i;
+        size_t slot = (size_t)table[pos / block_size] * block_size + offset;
+        size_t at = (slot * slot_stride + (size_t)kv_head * hd) * elem;
+        const uint8_t *k_src = a->k_cache + at, *v_src = a->v_cache + at;
+        if (dtype == CACHE_F32) {
+            for (int r = 0; r < run; r++) {
+                scratch->k_rows[i + r] = (const float *)k_src + r * slot_stride;
+                scratch->v_rows[i + r] = (const float *)v_src + r * slot_stride;
+            }
+        } else {
+            float *k = scratch->k_decoded + (size_t)i * hd, *v = scratch->v_decoded + (size_t)i * hd;
+            decode_rows(k, k_src, run, slot_stride, hd, dtype, a->kv_scale);
+            decode_rows(v, v_src, run, slot_stride, hd, dtype, a->kv_scale);
+            for (int r = 0; r < run; r++) {
+                scratch->k_rows[i + r] = k + (size_t)r * hd;
+                scratch->v_rows[i + r] = v + (size_t)r * hd;
+            }
+        }
+        i += run;
+    }
+}
+
+/* Streaming-softmax update of one (query, head) row with the first n keys of the chunk. */
+static void attend_chunk_row(const float *q, int n, float scale, int hd, Scratch *scratch,
+                             float *acc, float *row_max, float *row_sum) {
+    float *scores = scratch->scores;
+    float chunk_max = score_keys(q, scratch->k_rows, n, hd, scale, scores);
+    if (chunk_max > *row_max) {
+        float correction = expf(*row_max - chunk_max);
+        scale_row(acc, correction, hd);
+        *row_sum *= correction;
+        *row_max = chunk_max;
+    }
+    *row_sum += exp_shifted(scores, n, *row_max);
+    accumulate_values(acc, scores, scratch->v_rows, n, hd);
+}
+
+static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch *scratch) {
+    int hd = a->head_dim, ratio = a->num_heads / a->num_kv_heads;
+    int rows = (w->q_end - w->q_begin) * ratio;
+    int token0 = a->query_start_loc[w->seq];
+    int first_pos = a->context_lens[w->seq] - seq_query_len(a, w->seq);  /* position of query 0 */
+    int num_keys = first_pos + w->q_end;  /* keys seen by the tile's last query */
+    const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
+
+    memset(scratch->acc, 0, sizeof(float) * (size_t)rows * hd);
+    for (int r = 0; r < rows; r++) {
+        scratch->row_max[r] = -INFINITY;
+        scratch->row_sum[r] = 0.0f;
+    }
+    for (int key_begin = 0; key_begin < num_keys; key_begin += KEY_CHUNK) {
+        int chunk = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK;
+        load_key_chunk(a, table, w->kv_head, key_begin, chunk, scratch);
+        for (int r = 0; r < rows; r++) {
+            int j = w->q_begin + r / ratio, head = w->kv_head * ratio + r % ratio;
+            int visible = first_pos + j + 1 - key_begin;  /* causal limit within the chunk */
+            if (visible <= 0)
+                continue;
+            const float *q = a->query + ((size_t)(token0 + j) * a->num_heads + head) * hd;
+            attend_chunk_row(q, visible < chunk ? visible : chunk, a->scale, hd, scratch,
+                             scratch->acc + (size_t)r * hd, &scratch->row_max[r], &scratch->row_sum[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int j = w->q_begin + r / ratio, head = w->kv_head * ratio + r % ratio;
+        float *o = a->out + ((size_t)(token0 + j) * a->num_heads + head) * hd;
+        float inv_sum = 1.0f / scratch->row_sum[r];
+        for (int d = 0; d < hd; d++)
+            o[d] = scratch->acc[(size_t)r * hd + d] * inv_sum;
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int paged_attention_compute(const AttentionArgs *a, int num_threads) {
+    Py_ssize_t num_items = build_work_items(a, NULL);
+    if (num_items == 0)
+        return 0;
+    int ratio = a->num_heads / a->num_kv_heads;
+    WorkItem *items = malloc(sizeof(WorkItem) * (size_t)num_items);
+    Scratch *scratch = build_scratch(num_threads, a->queries_per_tile * ratio, a->head_dim);
+    if (!items || !scratch) {
+        free(items);
+        if (scratch) free_scratch(scratch, num_threads);
+        return -1;
+    }
+    build_work_items(a, items);
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic)
+    for (Py_ssize_t i = 0; i < num_items; i++)
+        attend_work_item(a, &items[i], &scratch[omp_get_thread_num()]);
+    free_scratch(scratch, num_threads);
+    free(items);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------------------
+ * Fused step of one attention layer: rotary embedding, KV write and paged attention, reading
+ * q, k and v straight from the fused qkv projection [T, (nh + 2 nkv) * hd].
+ */
+
+/* out[d] = x[d] cos[d] - x[d + h] sin[d], out[d + h] = x[d + h] cos[d] + x[d] sin[d]: the
+ * rotate-half form of Hugging Face Llama, evaluated in the same order (no contraction in c11). */
+static void rotate_head(float *out, const float *x, const float *cs, int hd) {
+    int half = hd / 2;
+    const float *c = cs, *sn = cs + half;
+    for (int d = 0; d < half; d++) {
+        float x0 = x[d], x1 = x[d + half];
+        out[d] = x0 * c[d] + (-x1) * sn[d];
+        out[d + half] = x1 * c[d] + x0 * sn[d];
+    }
+}
+
+/* Rotates q into query [T, nh, hd], rotates k and writes it and v into their cache slots. */
+static int rope_kv_write_compute(const RopeKVArgs *r, const AttentionArgs *a, float *query, int num_threads) {
+    int nh = a->num_heads, nkv = a->num_kv_heads, hd = a->head_dim, dtype = a->cache_dtype;
+    size_t row = (size_t)(nh + 2 * nkv) * hd, kv_row = (size_t)nkv * hd;
+    size_t row_bytes = kv_row * cache_elem_size[dtype];
+    float *k_rot = malloc(sizeof(float) * kv_row * (size_t)num_threads);
+    if (!k_rot)
+        return -1;
+    int parallel = r->num_tokens * (Py_ssize_t)row >= (1 << 15);
+    uint8_t *k_cache = (uint8_t *)a->k_cache, *v_cache = (uint8_t *)a->v_cache;
+    #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (Py_ssize_t t = 0; t < r->num_tokens; t++) {
+        const float *x = r->qkv + (size_t)t * row;
+        const float *cs = r->rope + (size_t)r->positions[t] * hd;
+        float *k = k_rot + kv_row * (size_t)omp_get_thread_num();
+        for (int h = 0; h < nh; h++)
+            rotate_head(query + ((size_t)t * nh + h) * hd, x + (size_t)h * hd, cs, hd);
+        int64_t slot = r->slot_mapping[t];
+        if (slot < 0)
+            continue;
+        for (int h = 0; h < nkv; h++)
+            rotate_head(k + (size_t)h * hd, x + (size_t)(nh + h) * hd, cs, hd);
+        encode_row(k_cache + slot * row_bytes, k, (int)kv_row, dtype, a->kv_scale);
+        encode_row(v_cache + slot * row_bytes, x + (size_t)(nh + nkv) * hd, (int)kv_row, dtype, a->kv_scale);
+    }
+    free(k_rot);
+    return 0;
+}
+
+int qkv_attention_compute(const RopeKVArgs *r, AttentionArgs *a, int num_threads) {
+    float *query = malloc(sizeof(float) * (size_t)r->num_tokens * a->num_heads * a->head_dim + 1);
+    if (!query)
+        return -1;
+    a->query = query;
+    int status = rope_kv_write_compute(r, a, query, num_threads);
+    if (status == 0)
+        status = paged_attention_compute(a, num_threads);
+    free(query);
+    return status;
+}
