@@ -19,7 +19,8 @@ from builder.plan import Plan, load_devices
 from builder.trace import trace
 from passes.context import PassContext
 from passes.pack_weights import LAYOUTS
-from runtime import ENGINE_FORMAT, FORMAT_VERSION, __version__
+from runtime import __version__
+from runtime.engine_format import CPU_FLAGS, manifest_header
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -58,9 +59,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
 
     manifest = {
-        "format": ENGINE_FORMAT,
-        "format_version": FORMAT_VERSION,
-        "kiln_version": __version__,
+        **manifest_header(__version__),
         "build_id": build_id,
         "model": dict(identity, source=str(model.source)),
         "plan": plan.to_dict(),
@@ -134,6 +133,6 @@ def _quantization_summary(plan: Plan, graph) -> dict:
 
 def _target_requirements(plan: Plan) -> dict:
     if plan.target == "cpu":
-        return {"name": "cpu", "requires": {"cpu_flags": emit.CPU_FLAGS}}
+        return {"name": "cpu", "requires": {"cpu_flags": list(CPU_FLAGS)}}
     device = load_devices()[plan.device]
     return {"name": plan.target, "requires": {"gpu_arch": device.arch}}

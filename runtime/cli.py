@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from runtime import cli_errors
-from runtime.engine_dir import EngineError
+from runtime.engine_format import EngineError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.chat import ChatTemplateError
 from runtime.engine import LLMEngine, RequestOutput
-from runtime.engine_dir import EngineError
+from runtime.engine_format import EngineError
 from runtime.metrics import ServerMetrics
 from runtime.protocol import (
     MAX_CHOICES, APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -347,12 +347,12 @@ def create_app(engine: EngineLoop, model_name: str | None = None) -> FastAPI:
     metrics = engine.metrics
 
     def served_model_name() -> str:
-        return model_name or engine.llm.engine.manifest["model"]["name"]
+        return model_name or engine.llm.engine.manifest.model_name
 
     app.state.served_model_name = served_model_name
 
     def context_len(llm: LLMEngine) -> int:
-        return min(llm.limits["max_seq_len"], llm.num_blocks * llm.block_size)
+        return min(llm.limits.max_seq_len, llm.num_blocks * llm.block_size)
 
     def admit(body) -> LLMEngine:
         if app.state.draining:

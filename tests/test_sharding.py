@@ -13,7 +13,7 @@ from builder.build import build_engine
 from builder.errors import KilnError
 from builder.ir import verify
 from builder.lazy_tensors import LazyTensors
-from builder.mapping import Mapping, Span, balanced_stages
+from runtime.mapping import Mapping, Span, balanced_stages
 from builder.model import load_model
 from builder.pipeline import run_pipeline
 from builder.plan import Plan
