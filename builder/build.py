@@ -19,8 +19,9 @@ from builder.plan import Plan, load_devices
 from builder.trace import trace
 from passes.context import PassContext
 from passes.pack_weights import LAYOUTS
-from runtime import ENGINE_FORMAT, FORMAT_VERSION, __version__
+from runtime import __version__
 from runtime._native import required_cpu_flags
+from runtime.engine_format import manifest_header
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -59,9 +60,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
 
     manifest = {
-        "format": ENGINE_FORMAT,
-        "format_version": FORMAT_VERSION,
-        "kiln_version": __version__,
+        **manifest_header(__version__),
         "build_id": build_id,
         "model": dict(identity, source=str(model.source)),
         "plan": plan.to_dict(),

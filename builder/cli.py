@@ -95,8 +95,8 @@ def inspect(
     rank: int = typer.Option(0, "--rank", "-r", help="Which rank's program to print with --ir."),
 ):
     """Show an engine's manifest and, with --ir, a rank's program."""
-    from builder.emit import read_rank_program
     from builder.ir import Graph
+    from runtime.engine_format import map_rank_file
 
     manifest = _read_manifest(engine)
     typer.echo(json.dumps({k: v for k, v in manifest.items() if k != "ranks"}, indent=2, sort_keys=True))
@@ -105,7 +105,7 @@ def inspect(
     if ir:
         if not 0 <= rank < len(manifest["ranks"]):
             raise KilnError(f"--rank {rank}: the engine has ranks 0..{len(manifest['ranks']) - 1}")
-        program, _ = read_rank_program(engine / manifest["ranks"][rank]["file"])
+        program, _ = map_rank_file(engine / manifest["ranks"][rank]["file"])
         typer.echo(Graph.from_json(program).format())
 
 
@@ -123,8 +123,8 @@ def verify(
     """Check the engine's logits against Hugging Face transformers on a few prompts."""
     from builder.verify import verify_engine
 
-    manifest = _read_manifest(engine)
-    report = verify_engine(engine, manifest, model, prompt or None)
+    _read_manifest(engine)  # its errors, before the reference model loads
+    report = verify_engine(engine, model, prompt or None)
     for line in report.lines:
         typer.echo(line)
     if tolerance is not None or not report.int8_activations:

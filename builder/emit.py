@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import jinja2
-import torch
 from importlib import resources
 from tqdm import tqdm
 
 from builder.errors import KilnError
-from builder.ir import TORCH_DTYPES, Graph
-from runtime import FORMAT_VERSION, RANK_FORMAT, __version__
-from runtime.engine_dir import sha256_file
+from builder.ir import Graph
+from runtime import __version__
+from runtime.engine_format import FORMAT_VERSION, EngineError, Manifest, sha256_file, write_rank_file
 
 
 def build_id(model_identity: dict, plan: dict, passes: list[dict]) -> str:
@@ -35,13 +33,12 @@ def build_id(model_identity: dict, plan: dict, passes: list[dict]) -> str:
 def is_up_to_date(out: Path, expected_id: str) -> bool:
     """True when `out` holds an intact engine with this build id (so the build can be skipped)."""
     try:
-        manifest = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
+        manifest = Manifest.read(out)
+    except (EngineError, OSError):
         return False
-    if manifest.get("build_id") != expected_id:
+    if manifest.build_id != expected_id:
         return False
-    return all((out / r["file"]).is_file() and sha256_file(out / r["file"]) == r["sha256"]
-               for r in manifest.get("ranks", []))
+    return all((out / r.file).is_file() and sha256_file(out / r.file) == r.sha256 for r in manifest.ranks)
 
 
 def check_output_dir(out: Path, force: bool) -> None:
@@ -95,68 +92,11 @@ def _rank_share(rank: int, graph: Graph) -> dict:
 
 def _write_rank(path: Path, rank: int, graph: Graph) -> None:
     """Stream one rank's weights into its file: each tensor is loaded, written and released in turn."""
-    metadata = {"kiln.format": RANK_FORMAT, "kiln.format_version": str(FORMAT_VERSION),
-                "kiln.rank": str(rank), "kiln.program": graph.to_json()}
-    specs = {name: (TORCH_DTYPES[w.dtype], w.shape) for name, w in graph.weights.items()}
-    with SafetensorsWriter(path, specs, metadata) as writer:
-        for name in sorted(specs):
-            writer.write(name, graph.tensors[name])
-
-
-SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
-    torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3",
-}
-
-
-class SafetensorsWriter:
-    """A safetensors file written one tensor at a time, in sorted name order, from a header of types.
-
-    The header is sorted (the library's own writer orders metadata by hash), so equal inputs give
-    equal bytes.
-    """
-
-    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple]], metadata: dict[str, str]):
-        self.specs, self.order = specs, sorted(specs)
-        header: dict = {"__metadata__": metadata}
-        offset = 0
-        for name in self.order:
-            dtype, shape = specs[name]
-            size = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + size]}
-            offset += size
-        blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # tensor data starts 8-byte aligned
-        self.file = open(path, "wb")
-        self.file.write(len(blob).to_bytes(8, "little"))
-        self.file.write(blob)
-        self.written = 0
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        if self.written >= len(self.order) or name != self.order[self.written]:
-            raise KilnError(f"rank file: tensor {name!r} written out of order")
-        dtype, shape = self.specs[name]
-        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise KilnError(f"rank file: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)} but the "
-                            f"program declares {dtype} {tuple(shape)} (a pass recorded the wrong type)")
-        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-        self.written += 1
-
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.file.close()
-        if exc_type is None and self.written != len(self.order):
-            raise KilnError(f"rank file: {len(self.order) - self.written} tensor(s) were never written")
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
-    with SafetensorsWriter(path, specs, metadata) as writer:
-        for name in sorted(tensors):
-            writer.write(name, tensors[name])
+    weights = {name: (w.dtype, w.shape) for name, w in graph.weights.items()}
+    try:
+        write_rank_file(path, rank, graph.to_json(), weights, lambda name: graph.tensors[name])
+    except ValueError as exc:  # a tensor other than the program declares
+        raise KilnError(str(exc)) from None
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -184,13 +124,3 @@ def _flatten(doc: dict, prefix: str = "") -> list[tuple[str, str]]:
         else:
             rows.append((f"{prefix}{key}", json.dumps(value) if not isinstance(value, str) else value))
     return rows
-
-
-def read_rank_program(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
-    """(program JSON, tensors) of a rank file, for inspect and verify."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        program = f.metadata()["kiln.program"]
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return program, tensors

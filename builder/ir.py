@@ -8,14 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-DTYPES = ("f32", "bf16", "f16", "i8", "u8", "i32", "i64", "f8e4m3")
-SYMBOLS = ("T", "N")  # T: packed tokens of the step; N: tokens whose logits are wanted
+from runtime.engine_format import DTYPE_NAMES, TORCH_DTYPES
 
-TORCH_DTYPES = {
-    "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i8": torch.int8,
-    "u8": torch.uint8, "i32": torch.int32, "i64": torch.int64, "f8e4m3": torch.float8_e4m3fn,
-}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPES = tuple(TORCH_DTYPES)
+SYMBOLS = ("T", "N")  # T: packed tokens of the step; N: tokens whose logits are wanted
 
 # op -> (number of inputs (min, max), number of outputs)
 OPS = {

@@ -10,9 +10,10 @@ from importlib import resources
 from pathlib import Path
 
 from builder.errors import KilnError
+from runtime.engine_format import KV_CACHE_DTYPES
 
 TARGETS = ("cpu", "tensorrt")
-KV_DTYPES = ("f32", "bf16", "f16", "fp8", "int8")
+KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
 ACTIVATIONS = ("f32", "int8")

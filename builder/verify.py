@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from builder.emit import read_rank_program
 from builder.errors import KilnError
 from builder.interpret import Interpreter
+from runtime.engine_format import EngineError, Manifest, map_rank_file
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -47,15 +47,18 @@ def load_tokenizer(engine: Path):
 
 
 @torch.inference_mode()
-def verify_engine(engine: Path, manifest: dict, model_source: str | None,
-                  prompts: list[str] | None) -> VerifyReport:
-    if manifest["world_size"] != 1:
-        raise KilnError("verify: the reference interpreter runs single-rank engines; this one has "
-                        f"{manifest['world_size']} ranks (run `engine-run generate` to check it)")
-    program, tensors = read_rank_program(engine / manifest["ranks"][0]["file"])
+def verify_engine(engine: Path, model_source: str | None, prompts: list[str] | None) -> VerifyReport:
+    try:
+        manifest = Manifest.read(engine)
+        if manifest.world_size != 1:
+            raise KilnError("verify: the reference interpreter runs single-rank engines; this one has "
+                            f"{manifest.world_size} ranks (run `engine-run generate` to check it)")
+        program, tensors = map_rank_file(engine / manifest.ranks[0].file)
+    except EngineError as exc:
+        raise KilnError(str(exc)) from None
     interpreter = Interpreter(program, tensors)
     report = VerifyReport(int8_activations=any(n["attrs"].get("act") == "int8" for n in json.loads(program)["nodes"]))
-    reference = load_transformers_model(model_source or manifest["model"]["source"])
+    reference = load_transformers_model(model_source or manifest.model_source)
     tokenizer = load_tokenizer(engine)
     for text in prompts or DEFAULT_PROMPTS:
         ids = tokenizer.encode(text).ids

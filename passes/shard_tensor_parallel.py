@@ -15,9 +15,9 @@ import torch
 from builder.errors import KilnError
 from builder.ir import Graph, Node, Value
 from builder.lazy_tensors import LazyTensors
-from builder.mapping import HeadShare, Mapping, Span
 from passes.context import PassContext
 from passes.rewrite import consumers
+from runtime.mapping import HeadShare, Mapping, Span
 
 
 def shard_tensor_parallel(graph: Graph, ctx: PassContext) -> Graph:

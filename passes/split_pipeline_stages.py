@@ -8,8 +8,8 @@ import re
 from builder.errors import KilnError
 from builder.ir import TORCH_DTYPES, Graph, Node
 from builder.lazy_tensors import LazyTensors
-from builder.mapping import Mapping
 from passes.context import PassContext
+from runtime.mapping import Mapping
 
 LAYER_NODE = re.compile(r"layers\.(\d+)\.")
 MATMUL_OPS = ("linear", "logits")

@@ -13,7 +13,3 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 __version__ = "0.1.0"
-
-ENGINE_FORMAT = "kiln-engine"
-RANK_FORMAT = "kiln-rank"
-FORMAT_VERSION = 1  # bump when the runtime can no longer read older engines the same way

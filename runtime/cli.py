@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from runtime import cli_errors
-from runtime.engine_dir import EngineError
+from runtime.engine_format import EngineError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -115,7 +115,7 @@ def serve(
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
     from runtime.launcher import open_llm_engine
-    from runtime.server import serve as run_server
+    from runtime.serving.app import serve as run_server
 
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout)
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,

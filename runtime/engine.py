@@ -1,13 +1,14 @@
 """LLMEngine: requests in, tokens out; one `step()` returns one batch of the in-flight scheduler.
 
-The executor runs a step: `execute(meta) -> logits`. One that can hold several steps at once (a
-multi-rank engine with pp > 1 stages) also has `max_in_flight` > 1 and `submit(meta) -> handle`,
-`collect(handle) -> logits`: then step() keeps up to max_in_flight batches in flight, so every
-stage computes one, and returns them in the order they were submitted.
+The executor (runtime.backend.Executor) runs a step: `execute(meta) -> logits`. One that can hold
+several steps at once (a multi-rank engine with pp > 1 stages) has `max_in_flight` > 1: then step()
+keeps up to max_in_flight batches in flight through `submit` / `collect`, so every stage computes
+one, and returns them in the order they were submitted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -19,8 +20,9 @@ import torch
 from tokenizers import Tokenizer
 
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.engine_dir import EngineDir, EngineError, open_engine
-from runtime.executor import Executor, attention_layers, kv_bytes_per_token
+from runtime.backend import Executor
+from runtime.engine_format import EngineDir, EngineError, PlanLimits, open_engine
+from runtime.executor import CpuExecutor
 from runtime.sampler import Sampler
 from runtime.sampling import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -81,28 +83,27 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, engine: EngineDir, options: EngineOptions = EngineOptions(), executor=None):
+    def __init__(self, engine: EngineDir, options: EngineOptions = EngineOptions(), executor: Executor | None = None):
         self.engine = engine
         self.options = options
-        plan = engine.plan
-        self.limits = _lowered(plan["limits"], options)
-        self.block_size = plan["kv_cache"]["block_size"]
+        manifest = engine.manifest
+        self.limits = _lowered(manifest.limits, options)
+        self.block_size = manifest.block_size
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
         self.tokenizer = Tokenizer.from_file(str(engine.path / "tokenizer.json"))
         self.tokenizer_config = _read_json(engine.path / "tokenizer_config.json")
         self.generation_config = _read_json(engine.path / "generation_config.json")
-        self.eos_token_ids = tuple(engine.manifest["model"]["config"]["eos_token_ids"])
+        self.eos_token_ids = manifest.eos_token_ids
         if executor is None:
-            rank = engine.load_rank(0)
-            num_blocks = self._num_blocks(attention_layers(rank.program))
-            executor = Executor(rank, num_blocks, self.block_size, plan["kv_cache"]["dtype"])
+            executor = CpuExecutor(engine.load_rank(0), manifest.shared_kv_blocks(options.kv_cache_gib),
+                                   self.block_size, manifest.kv_dtype)
         self.executor = executor
-        self.max_in_flight = getattr(executor, "max_in_flight", 1)
+        self.max_in_flight = executor.max_in_flight
         self.num_blocks = executor.cache.num_blocks
         self.scheduler = Scheduler(SchedulerConfig(
-            max_batch_size=self.limits["max_batch_size"], max_num_tokens=self.limits["max_num_tokens"],
-            max_seq_len=self.limits["max_seq_len"], num_blocks=self.num_blocks, block_size=self.block_size,
+            max_batch_size=self.limits.max_batch_size, max_num_tokens=self.limits.max_num_tokens,
+            max_seq_len=self.limits.max_seq_len, num_blocks=self.num_blocks, block_size=self.block_size,
             enable_prefix_caching=options.enable_prefix_caching, max_batches_in_flight=self.max_in_flight),
             self.eos_token_ids)
         self.sampler = Sampler()
@@ -116,17 +117,6 @@ class LLMEngine:
     def from_dir(cls, path: str | Path, options: EngineOptions = EngineOptions()) -> LLMEngine:
         return cls(open_engine(path, world_size=None, check_hashes=options.check_hashes), options)
 
-    def _num_blocks(self, layers: list[dict]) -> int:
-        kv = self.engine.plan["kv_cache"]
-        if self.options.kv_cache_gib is not None:
-            per_block = kv_bytes_per_token(layers, kv["dtype"]) * self.block_size
-            blocks = int(self.options.kv_cache_gib * (1 << 30) // per_block)
-            if blocks < 1:
-                raise EngineError(f"kv_cache_gib={self.options.kv_cache_gib} holds no KV block "
-                                  f"({per_block} bytes each); raise it")
-            return blocks
-        return self.engine.manifest["memory"]["ranks"][0]["kv_blocks"]
-
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt: str) -> list[int]:
@@ -137,7 +127,7 @@ class LLMEngine:
         """Queue a request; ValueError (before it takes any KV blocks) if it can never run."""
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.engine.manifest["model"]["config"]["vocab_size"]
+        vocab = self.engine.manifest.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -259,19 +249,20 @@ class LLMEngine:
             peak_batches_in_flight=self.peak_in_flight)
 
 
-def _lowered(plan_limits: dict, options: EngineOptions) -> dict:
-    limits = dict(plan_limits)
+def _lowered(plan_limits: PlanLimits, options: EngineOptions) -> PlanLimits:
+    limits = {}
     for key in ("max_batch_size", "max_num_tokens", "max_seq_len"):
-        wanted = getattr(options, key)
+        wanted, allowed = getattr(options, key), getattr(plan_limits, key)
         if wanted is None:
             continue
-        if not 1 <= wanted <= plan_limits[key]:
+        if not 1 <= wanted <= allowed:
             raise EngineError(f"{key}={wanted}: must be between 1 and the engine's plan limit "
-                              f"{plan_limits[key]}; rebuild with a larger [limits] {key} to go higher")
+                              f"{allowed}; rebuild with a larger [limits] {key} to go higher")
         limits[key] = wanted
-    if limits["max_num_tokens"] < limits["max_batch_size"]:
-        limits["max_batch_size"] = limits["max_num_tokens"]
-    return limits
+    lowered = dataclasses.replace(plan_limits, **limits)
+    if lowered.max_num_tokens < lowered.max_batch_size:
+        lowered = dataclasses.replace(lowered, max_batch_size=lowered.max_num_tokens)
+    return lowered
 
 
 def _read_json(path: Path) -> dict:

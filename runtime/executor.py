@@ -1,4 +1,4 @@
-"""Executor: runs one rank's program over a packed batch, with a paged KV cache per attention layer."""
+"""CpuExecutor: runs one rank's program over a packed batch, with a paged KV cache per attention layer."""
 
 from __future__ import annotations
 
@@ -10,21 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from runtime import attention, kernels, native_ops
-from runtime.engine_dir import RankFile
+from runtime.backend import Executor
+from runtime.engine_format import KV_CACHE_DTYPES, RankFile
 from runtime.program import Hooks, Program
 from runtime.step import StepMetadata
-
-KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "int8": torch.int8,
-             "fp8": torch.float8_e4m3fn}
-KV_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "fp8": 1, "int8": 1}
 
 
 def attention_layers(program_json: str) -> list[dict]:
     return [n["attrs"] for n in json.loads(program_json)["nodes"] if n["op"] == "attention"]
-
-
-def kv_bytes_per_token(layers: list[dict], dtype: str) -> int:
-    return sum(2 * a["num_kv_heads"] * a["head_dim"] for a in layers) * KV_BYTES[dtype]
 
 
 def recycle_large_allocations() -> bool:
@@ -62,9 +55,9 @@ class KVCacheStorage:
     """K and V of every attention layer on this rank: [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, layers: list[dict], num_blocks: int, block_size: int, dtype: str):
-        if dtype not in KV_DTYPES:
+        if dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype {dtype!r} is not supported by this runtime "
-                             f"(supported: {', '.join(KV_DTYPES)})")
+                             f"(supported: {', '.join(KV_CACHE_DTYPES)})")
         self.num_blocks, self.block_size = num_blocks, block_size
         # Uninitialised on purpose: attention reads only slots this run has written, and untouched
         # pages cost no memory until used.
@@ -72,8 +65,8 @@ class KVCacheStorage:
         self.v: dict[int, torch.Tensor] = {}
         for a in layers:
             shape = (num_blocks, block_size, a["num_kv_heads"], a["head_dim"])
-            self.k[a["layer"]] = torch.empty(shape, dtype=KV_DTYPES[dtype])
-            self.v[a["layer"]] = torch.empty(shape, dtype=KV_DTYPES[dtype])
+            self.k[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype])
+            self.v[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype])
 
 
 @dataclass
@@ -88,7 +81,7 @@ class RecordedStep:
     rope: list[torch.Tensor]             # the rope tables the tape reads (a grown table needs a new tape)
 
 
-class Executor:
+class CpuExecutor(Executor):
     """Runs a rank's program; `execute(meta)` returns the logits rows named by meta.logits_indices.
 
     Step replay: when a step has the shape (tokens, sequences, logits rows) of the step before it,

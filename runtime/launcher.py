@@ -11,12 +11,12 @@ import contextlib
 from pathlib import Path
 
 from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_dir import EngineError, open_engine
+from runtime.engine_format import EngineError, open_engine
 
 
 @contextlib.contextmanager
 def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
-    from runtime.distributed import Rendezvous
+    from runtime.ranks.rendezvous import Rendezvous
 
     if options.rank_timeout <= 0:
         raise EngineError(f"--rank-timeout {options.rank_timeout:g}: must be a positive number of seconds")
@@ -24,17 +24,18 @@ def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
     if rdzv is None or rdzv.world_size == 1:
         # Every bad input is found here, before a rank process starts: missing rank files, world size, hashes.
         engine_dir = open_engine(path, world_size=1 if rdzv else None, check_hashes=options.check_hashes)
-        if engine_dir.world_size == 1:
+        if engine_dir.manifest.world_size == 1:
             yield LLMEngine(engine_dir, options)
             return
-        world_size = engine_dir.world_size
+        world_size = engine_dir.manifest.world_size
     else:
         world_size = rdzv.world_size
     yield from _multi_rank(Path(path), world_size, options, rdzv)
 
 
 def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
-    from runtime.distributed import start_ranks
+    from runtime.ranks.driver import RankDriver
+    from runtime.ranks.launch import start_ranks
 
     worker = rdzv is not None and rdzv.rank != 0
     try:
@@ -42,7 +43,7 @@ def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
                          num_threads=options.num_threads, check_hashes=options.check_hashes, rdzv=rdzv) as rank:
             if worker:  # torchrun: this process is only ever a rank worker
                 raise SystemExit(rank.serve())
-            yield LLMEngine(rank.engine, options, executor=rank)
+            yield LLMEngine(rank.engine, options, executor=RankDriver(rank))
     except EngineError:
         if worker:
             raise SystemExit(1) from None  # rank 0 reports the same problem, in one line

@@ -4,19 +4,19 @@ import json
 
 import torch
 
-from builder.emit import read_rank_program
 from builder.interpret import Interpreter
+from runtime.engine_format import map_rank_file
 
 
 def test_int8_activations_are_recorded_and_stay_close(tiny_llama_dir, build_tiny_engine):
     exact = build_tiny_engine(tiny_llama_dir, "int8-f32", method="int8")
     fast = build_tiny_engine(tiny_llama_dir, "int8-int8", method="int8", activations="int8")
-    program, tensors = read_rank_program(fast / "rank0.engine")
+    program, tensors = map_rank_file(fast / "rank0.engine")
     acts = {n["name"]: n["attrs"].get("act") for n in json.loads(program)["nodes"] if n["op"] == "linear"}
     assert acts["layers.0.self_attn.qkv_proj"] == "int8" and acts["layers.0.mlp.down_proj"] == "int8"
     ids = [3, 17, 99, 4, 250, 8, 41, 7]
     ours = Interpreter(program, tensors, all_logits=True).logits(ids)
-    reference = Interpreter(*read_rank_program(exact / "rank0.engine"), all_logits=True).logits(ids)
+    reference = Interpreter(*map_rank_file(exact / "rank0.engine"), all_logits=True).logits(ids)
     assert not torch.equal(ours, reference)  # a different kernel really ran
     assert (ours - reference).abs().max() < 0.05 * reference.abs().max()
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
@@ -28,6 +28,6 @@ def test_default_plan_on_the_embedded_model_is_measured_within_one_percent(smoll
     accuracy = manifest["accuracy"]
     assert (accuracy["activations"], accuracy["kv_cache_dtype"]) == ("int8", "f16")
     assert 0 < accuracy["ppl_increase_pct"] < 1.0 and 0 < accuracy["kl_mean"] < 0.01
-    program, _ = read_rank_program(smollm2_default_engine / "rank0.engine")
+    program, _ = map_rank_file(smollm2_default_engine / "rank0.engine")
     nodes = json.loads(program)["nodes"]
     assert {n["attrs"].get("act") for n in nodes if n["op"] in ("linear", "logits")} == {"int8"}

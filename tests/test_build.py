@@ -10,16 +10,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builder.build import build_engine
-from builder.emit import read_rank_program
 from builder.interpret import Interpreter
 from builder.verify import load_transformers_model
 from conftest import exact_plan
+from runtime.engine_format import map_rank_file
 
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 40))]
 
 
 def engine_logits(engine: Path, ids: list[int]) -> torch.Tensor:
-    program, tensors = read_rank_program(engine / "rank0.engine")
+    program, tensors = map_rank_file(engine / "rank0.engine")
     return Interpreter(program, tensors, all_logits=True).logits(ids)
 
 
@@ -42,7 +42,7 @@ def test_tiny_llama_logits_match_transformers(fixture, request, tmp_path):
 
 def test_tied_engine_stores_the_embedding_once(tiny_llama_tied_dir, tmp_path):
     build(tiny_llama_tied_dir, tmp_path / "engine")
-    program, tensors = read_rank_program(tmp_path / "engine" / "rank0.engine")
+    program, tensors = map_rank_file(tmp_path / "engine" / "rank0.engine")
     assert "lm_head.weight" not in tensors
     logits_node = [n for n in json.loads(program)["nodes"] if n["op"] == "logits"][0]
     assert logits_node["inputs"][1] == "embed_tokens.weight"
@@ -70,7 +70,7 @@ def test_manifest_records_identity_plan_passes_and_hashes(tiny_llama_dir, tmp_pa
     result = build(tiny_llama_dir, tmp_path / "engine")
     m = json.loads((tmp_path / "engine" / "manifest.json").read_text())
     assert m == result.manifest
-    assert m["format"] == "kiln-engine" and m["format_version"] == 1
+    assert m["format"] == "kiln-engine" and m["format_version"] == 2
     assert len(m["model"]["weights_sha256"]) == 64 and m["model"]["config"]["num_kv_heads"] == 2
     assert m["plan"]["quant"]["method"] == "source" and [p["name"] for p in m["passes"]][0] == "canonicalize"
     assert m["target"] == {"name": "cpu", "requires": {"cpu_flags": ["avx2", "fma", "f16c"]}}
@@ -78,6 +78,36 @@ def test_manifest_records_identity_plan_passes_and_hashes(tiny_llama_dir, tmp_pa
     assert m["ranks"][0]["sha256"] == hashlib.sha256((tmp_path / "engine" / "rank0.engine").read_bytes()).hexdigest()
     chat = json.loads((tmp_path / "engine" / "tokenizer_config.json").read_text())
     assert chat["chat_template"]
+
+
+def test_an_engine_of_another_format_version_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+    from runtime.engine_format import FORMAT_VERSION, EngineError, open_engine
+
+    engine = tmp_path / "engine"
+    build(tiny_llama_dir, engine)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    (engine / "manifest.json").write_text(json.dumps(dict(manifest, format_version=1)))
+    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "generate", str(engine), "-p", "hi"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"engine-run: error: {engine}: engine format version 1 is older than this "
+                                  f"runtime reads ({FORMAT_VERSION}); rebuild it with `engine-build build --force ")
+    (engine / "manifest.json").write_text(json.dumps(dict(manifest, format_version=FORMAT_VERSION + 1)))
+    with pytest.raises(EngineError, match=f"engine format version {FORMAT_VERSION + 1} is newer than this runtime "
+                                          f"supports \\({FORMAT_VERSION}\\); upgrade Kiln"):
+        open_engine(engine)
+
+
+def test_the_cpu_flags_engines_require_are_the_ones_the_kernels_are_compiled_for():
+    import re
+    import tomllib
+
+    from runtime._native import required_cpu_flags
+
+    doc = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    for ext in doc["tool"]["setuptools"]["ext-modules"]:
+        flags = [m.group(1) for a in ext["extra-compile-args"] if (m := re.fullmatch(r"-m(\w+)", a))]
+        assert flags == required_cpu_flags(), ext["name"]
 
 
 def test_unchanged_inputs_reuse_the_engine(tiny_llama_dir, tmp_path):

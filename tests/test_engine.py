@@ -167,7 +167,7 @@ def test_a_pipelined_executor_keeps_two_batches_in_flight_and_a_failed_batch_end
 
 
 def test_limits_can_be_lowered_not_raised(tiny_engine_dir):
-    from runtime.engine_dir import EngineError
+    from runtime.engine_format import EngineError
 
     assert engine(tiny_engine_dir, max_batch_size=4).scheduler.config.max_batch_size == 4
     with pytest.raises(EngineError, match="max_batch_size=999"):
@@ -203,12 +203,12 @@ def test_executor_fuses_attention_chains_and_matches_the_reference_interpreter(t
     """The executor binds each layer's split -> rope -> attention as one C call (qkv_attention); its
     logits over a paged prefill equal the reference interpreter's (op by op, dense attention)."""
     from builder.interpret import Interpreter
-    from runtime.engine_dir import open_engine
-    from runtime.executor import Executor
+    from runtime.engine_format import open_engine
+    from runtime.executor import CpuExecutor
     from runtime.step import StepMetadata
 
     rank = open_engine(tiny_engine_dir).load_rank(0)
-    executor = Executor(rank, num_blocks=8, block_size=16)
+    executor = CpuExecutor(rank, num_blocks=8, block_size=16)
     nodes = executor.program.doc["nodes"]
     layers = sum(n["op"] == "attention" for n in nodes)
     assert layers >= 2 and len(executor.program.calls) == len(nodes) - 2 * layers  # split and rope folded in

@@ -13,9 +13,9 @@ import torch
 
 from builder.build import build_engine
 from conftest import exact_plan
-from runtime.distributed import RankError
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.launcher import open_llm_engine
+from runtime.ranks import RankError
 from runtime.sampling import SamplingParams
 from runtime.step import StepMetadata
 
@@ -107,7 +107,7 @@ def test_pp_rank_lost_with_batches_in_flight_is_named_and_reaped(engine):
     options = dataclasses.replace(OPTIONS, rank_timeout=5)
     with pytest.raises(RankError, match=r"^rank 1 died \(killed by SIGKILL\)"):
         with open_llm_engine(engine("tiny_llama_dir", 1, 2), options) as llm:
-            rank1 = llm.executor.children[1]
+            rank1 = llm.executor.rank.children[1]
             for prompt in PROMPTS + [[7, 8, 9, 10]]:
                 llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
             llm.step()

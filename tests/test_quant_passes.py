@@ -11,7 +11,6 @@ import torch
 
 from builder.build import build_engine
 from builder.calibration import GraphRunner, shipped_text, windows
-from builder.emit import read_rank_program
 from builder.errors import KilnError
 from builder.interpret import Interpreter
 from builder.ir import verify
@@ -25,6 +24,7 @@ from passes.fold_awq_scales import fold_awq_scales
 from passes.pack_weights import pack_graph
 from passes.quantize_int4 import quantize_int4
 from passes.quantize_int8 import quantize_int8 as quantize_int8_pass
+from runtime.engine_format import map_rank_file
 
 
 def plan_for(method: str, **quant):
@@ -209,8 +209,7 @@ def test_fp8_needs_a_device_that_has_it():
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_cache_uses_the_calibrated_scales(tiny_llama_dir, tmp_path, kv_dtype):
-    from runtime.engine_dir import map_rank_file
-    from runtime.executor import Executor
+    from runtime.executor import CpuExecutor
     from runtime.step import StepMetadata
 
     plan = plan_for("none").with_overrides("kv_cache", dtype=kv_dtype)
@@ -225,8 +224,8 @@ def test_quantized_kv_cache_uses_the_calibrated_scales(tiny_llama_dir, tmp_path,
     meta = StepMetadata(token_ids=torch.tensor(ids), positions=torch.arange(t), slot_mapping=torch.arange(t),
                         block_tables=torch.arange(3, dtype=torch.int32)[None], context_lens=torch.tensor([t]).int(),
                         query_start_loc=torch.tensor([0, t]).int(), logits_indices=torch.arange(t))
-    served = Executor(rank, num_blocks=3, block_size=16, kv_dtype=kv_dtype).execute(meta)
-    program, tensors = read_rank_program(tmp_path / "e" / "rank0.engine")
+    served = CpuExecutor(rank, num_blocks=3, block_size=16, kv_dtype=kv_dtype).execute(meta)
+    program, tensors = map_rank_file(tmp_path / "e" / "rank0.engine")
     float_logits = Interpreter(program, tensors, all_logits=True).logits(ids)
     graph, _ = float_graph(tiny_llama_dir)
     for node, scale in zip([n for n in graph.nodes if n.op == "attention"], scales):
@@ -244,7 +243,7 @@ def test_source_method_keeps_the_gguf_blocks_and_matches_transformers(smollm2_ex
     manifest = json.loads((smollm2_exact_engine / "manifest.json").read_text())
     assert manifest["quantization"]["nodes"] == {"int4 g32": 120, "int8 g32": 2}  # fused q/k/v and gate/up
     assert manifest["accuracy"]["method"] == "source" and manifest["accuracy"]["evaluated"] is False
-    program, tensors = read_rank_program(smollm2_exact_engine / "rank0.engine")
+    program, tensors = map_rank_file(smollm2_exact_engine / "rank0.engine")
     nodes = json.loads(program)["nodes"]
     embedding, logits = (next(n for n in nodes if n["op"] == op) for op in ("embedding", "logits"))
     assert embedding["inputs"][1:] == logits["inputs"][1:] and logits["attrs"]["quant"] == "int8"

@@ -264,7 +264,8 @@ def test_sigterm_drains_running_requests_then_exits_zero(engine_dir, tmp_path):
 def test_failures_answer_for_that_request_only(engine_dir):
     """In-process (ASGI) on the real engine: /health is 503 until it is loaded; a failing step is a 500 and a
     template error a 400, for that request only."""
-    from runtime.server import EngineLoop, create_app
+    from runtime.serving.app import create_app
+    from runtime.serving.engine_loop import EngineLoop
 
     llm = LLMEngine.from_dir(engine_dir, EngineOptions(kv_cache_gib=0.02))
     llm.tokenizer_config = {**llm.tokenizer_config, "chat_template": "{{ raise_exception('roles must alternate') }}"}

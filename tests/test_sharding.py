@@ -13,7 +13,7 @@ from builder.build import build_engine
 from builder.errors import KilnError
 from builder.ir import verify
 from builder.lazy_tensors import LazyTensors
-from builder.mapping import Mapping, Span, balanced_stages
+from runtime.mapping import Mapping, Span, balanced_stages
 from builder.model import load_model
 from builder.pipeline import run_pipeline
 from builder.plan import Plan
@@ -65,6 +65,7 @@ def test_mapping_numbers_ranks_stage_major():
     assert (m.tp_rank, m.pp_rank, m.world_size) == (1, 1, 4)
     assert m.tp_group() == [2, 3] and m.pp_group() == [1, 3]
     assert m.is_last_pp_rank() and not m.is_first_pp_rank() and m.prev_pp_rank() == 1
+    assert Mapping(tp=2, pp=3, rank=0).tp_groups() == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_mapping_splits_whole_kv_groups_and_replicates_kv_heads_beyond_them():

@@ -68,6 +68,10 @@ class Mapping:
         """The ranks of this rank's pipeline stage, which split its layers' tensors between them."""
         return [self.pp_rank * self.tp + t for t in range(self.tp)]
 
+    def tp_groups(self) -> list[list[int]]:
+        """Every pipeline stage's ranks, in stage order."""
+        return [Mapping(self.tp, self.pp, p * self.tp).tp_group() for p in range(self.pp)]
+
     def pp_group(self) -> list[int]:
         """The ranks holding the same tensor share in every stage, in stage order."""
         return [p * self.tp + self.tp_rank for p in range(self.pp)]

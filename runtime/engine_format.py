@@ -1,0 +1,293 @@
+"""The engine format: what `engine-build` writes and `engine-run` reads, in one place.
+
+An engine is a directory: manifest.json (format id and version, model, plan, per-rank memory plan
+and file hashes) and one rank{r}.engine per rank, a safetensors file whose metadata holds the rank's
+program. The builder writes both with this module and the runtime parses them once into a frozen
+`Manifest`; nothing else reads the manifest's JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+ENGINE_FORMAT = "kiln-engine"
+RANK_FORMAT = "kiln-rank"
+# Bump when this runtime can no longer read older engines the same way. 2: IR nodes carry their
+# layer, and the weight formats were reorganised.
+FORMAT_VERSION = 2
+
+GIB = 1 << 30
+
+# IR dtype name -> (torch dtype, safetensors dtype name)
+_DTYPES = {
+    "f32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "f16": (torch.float16, "F16"),
+    "i8": (torch.int8, "I8"), "u8": (torch.uint8, "U8"), "i32": (torch.int32, "I32"),
+    "i64": (torch.int64, "I64"), "f8e4m3": (torch.float8_e4m3fn, "F8_E4M3"),
+}
+TORCH_DTYPES = {name: dtype for name, (dtype, _) in _DTYPES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+SAFETENSORS_NAMES = {dtype: st for dtype, st in _DTYPES.values()}
+SAFETENSORS_DTYPES = {st: dtype for dtype, st in _DTYPES.values()}
+
+# KV cache dtype (plan [kv_cache] dtype) -> the torch dtype it is stored in; int8/fp8 store k / kv_scale.
+KV_CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16,
+                   "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+class EngineError(Exception):
+    """An engine this runtime cannot run; the message says why and what to do."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+# ---------------------------------------------------------------------- KV cache sizes
+
+def kv_bytes_per_token(attention_layers: Iterable[dict], kv_dtype: str) -> int:
+    """Bytes one token takes in the K and V caches of these attention layers (their node attrs)."""
+    elements = sum(2 * a["num_kv_heads"] * a["head_dim"] for a in attention_layers)
+    return elements * KV_CACHE_DTYPES[kv_dtype].itemsize
+
+
+def kv_blocks(budget_bytes: float, bytes_per_token: int, block_size: int) -> int:
+    """KV blocks of block_size tokens that fit in budget_bytes; 0 when nothing is cached or nothing fits."""
+    block_bytes = bytes_per_token * block_size
+    return int(budget_bytes // block_bytes) if block_bytes and budget_bytes > 0 else 0
+
+
+# ---------------------------------------------------------------------- the manifest
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    file: str       # relative to the engine directory
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory plan (passes/plan_memory.py)."""
+
+    kv_blocks: int            # blocks the build's budget left room for
+    kv_bytes_per_token: int   # 0 on a rank without attention layers
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    build_id: str
+    model_name: str
+    model_source: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    target: str
+    cpu_flags: tuple[str, ...]        # the target's required instruction sets
+    world_size: int
+    tp: int
+    pp: int
+    limits: PlanLimits
+    block_size: int                   # tokens per KV block
+    kv_dtype: str                     # a key of KV_CACHE_DTYPES
+    ranks: tuple[RankEntry, ...]
+    memory: tuple[RankMemory, ...]    # per rank
+
+    @staticmethod
+    def read(path: Path) -> Manifest:
+        """The manifest of engine directory `path`, checked for this runtime's format and version."""
+        try:
+            doc = json.loads((path / "manifest.json").read_text())
+        except FileNotFoundError:
+            raise EngineError(f"{path}: no manifest.json; not a Kiln engine directory") from None
+        except ValueError as exc:
+            raise EngineError(f"{path}/manifest.json: corrupt ({exc}); rebuild the engine") from None
+        if doc.get("format") != ENGINE_FORMAT:
+            raise EngineError(f"{path}: manifest format {doc.get('format')!r} is not {ENGINE_FORMAT!r}")
+        version = doc.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise EngineError(f"{path}: engine format version {version} is newer than this runtime supports "
+                              f"({FORMAT_VERSION}); upgrade Kiln or rebuild the engine with this version")
+        if version < FORMAT_VERSION:
+            raise EngineError(f"{path}: engine format version {version} is older than this runtime reads "
+                              f"({FORMAT_VERSION}); rebuild it with `engine-build build --force --out {path} ...` "
+                              f"(the same model and plan)")
+        try:
+            return Manifest._from_doc(doc)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{path}/manifest.json: corrupt (bad or missing {exc}); rebuild the engine") from None
+
+    @staticmethod
+    def _from_doc(doc: dict) -> Manifest:
+        model, plan, kv = doc["model"], doc["plan"], doc["plan"]["kv_cache"]
+        limits = plan["limits"]
+        return Manifest(
+            format_version=doc["format_version"], build_id=doc["build_id"], model_name=model["name"],
+            model_source=model["source"], vocab_size=int(model["config"]["vocab_size"]),
+            eos_token_ids=tuple(model["config"]["eos_token_ids"]), target=doc["target"]["name"],
+            cpu_flags=tuple(doc["target"].get("requires", {}).get("cpu_flags", [])),
+            world_size=int(doc["world_size"]), tp=int(plan["tp"]), pp=int(plan["pp"]),
+            limits=PlanLimits(int(limits["max_batch_size"]), int(limits["max_num_tokens"]),
+                              int(limits["max_seq_len"])),
+            block_size=int(kv["block_size"]), kv_dtype=kv["dtype"],
+            ranks=tuple(RankEntry(int(r["rank"]), r["file"], int(r["bytes"]), r["sha256"]) for r in doc["ranks"]),
+            memory=tuple(RankMemory(int(m["kv_blocks"]), int(m["kv_bytes_per_token"]))
+                         for m in doc["memory"]["ranks"]))
+
+    def shared_kv_blocks(self, kv_cache_gib: float | None) -> int:
+        """KV blocks every rank allocates (the scheduler hands out one block id space): the build's
+        memory plan, or what kv_cache_gib holds, on the rank that fits the fewest."""
+        if kv_cache_gib is None:
+            return min(m.kv_blocks for m in self.memory)
+        blocks = min((kv_blocks(kv_cache_gib * GIB, m.kv_bytes_per_token, self.block_size)
+                      for m in self.memory if m.kv_bytes_per_token), default=0)
+        if blocks < 1:
+            where = (f"({self.memory[0].kv_bytes_per_token * self.block_size} bytes each)" if self.world_size == 1
+                     else "on some rank")
+            raise EngineError(f"kv_cache_gib={kv_cache_gib} holds no KV block {where}; raise it")
+        return blocks
+
+
+def manifest_header(kiln_version: str) -> dict:
+    """The keys that open every manifest: what format it is and which Kiln wrote it."""
+    return {"format": ENGINE_FORMAT, "format_version": FORMAT_VERSION, "kiln_version": kiln_version}
+
+
+# ---------------------------------------------------------------------- an engine directory
+
+class RankFile(NamedTuple):
+    program: str                      # the rank's IR as JSON
+    tensors: dict[str, torch.Tensor]  # views into the memory-mapped file
+
+
+@dataclass(frozen=True)
+class EngineDir:
+    path: Path
+    manifest: Manifest
+
+    def load_rank(self, rank: int) -> RankFile:
+        return map_rank_file(self.path / self.manifest.ranks[rank].file)
+
+
+def open_engine(path: str | Path, world_size: int | None = None, check_hashes: bool = True) -> EngineDir:
+    """Open an engine directory for this runtime: format, target, world size and rank files checked."""
+    path = Path(path)
+    if not path.is_dir():
+        raise EngineError(f"{path}: no such engine directory (build one with `engine-build build --out {path}`)")
+    manifest = Manifest.read(path)
+    check_target(path, manifest)
+    ranks = manifest.ranks
+    if world_size is not None and world_size != len(ranks):
+        raise EngineError(f"{path}: the engine has {len(ranks)} rank(s) but was started with world size "
+                          f"{world_size}; start it with {len(ranks)} rank(s)")
+    for entry in ranks:
+        file = path / entry.file
+        if not file.is_file():
+            raise EngineError(f"{path}: rank {entry.rank} file {entry.file} is missing; rebuild the engine")
+        if check_hashes and sha256_file(file) != entry.sha256:
+            raise EngineError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the engine")
+    return EngineDir(path, manifest)
+
+
+def check_target(path: Path, manifest: Manifest) -> None:
+    if manifest.target != "cpu":
+        raise EngineError(f"{path}: built for the {manifest.target!r} target; this runtime runs 'cpu' engines")
+    missing = sorted(set(manifest.cpu_flags) - cpu_flags())
+    if missing:
+        raise EngineError(f"{path}: this CPU lacks {', '.join(missing)}, which the engine's kernels need; "
+                          "run it on a CPU that has them")
+
+
+def cpu_flags() -> set[str]:
+    """The instruction sets this CPU reports (empty where /proc/cpuinfo is not readable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------- rank files
+
+def write_rank_file(path: Path, rank: int, program: str, weights: dict[str, tuple[str, tuple]],
+                    load: Callable[[str], torch.Tensor]) -> None:
+    """Stream one rank's program and weights ({name: (IR dtype, shape)}) into a rank file.
+
+    The tensors are loaded with `load(name)`, written and released one at a time, in sorted name
+    order. The header is sorted too (the safetensors library orders metadata by hash), so equal
+    inputs give equal bytes. ValueError when a loaded tensor is not what `weights` declares.
+    """
+    metadata = {"kiln.format": RANK_FORMAT, "kiln.format_version": str(FORMAT_VERSION),
+                "kiln.rank": str(rank), "kiln.program": program}
+    order = sorted(weights)
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        dtype, shape = TORCH_DTYPES[weights[name][0]], weights[name][1]
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # tensor data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name in order:
+            dtype, shape = TORCH_DTYPES[weights[name][0]], tuple(weights[name][1])
+            tensor = load(name)
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(f"rank file: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)} but the "
+                                 f"program declares {dtype} {shape} (a pass recorded the wrong type)")
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def map_rank_file(path: Path) -> RankFile:
+    """Parse a rank file and return zero-copy tensors over a private memory map."""
+    with open(path, "rb") as f:
+        try:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        except (struct.error, ValueError) as exc:
+            raise EngineError(f"{path}: not a readable rank file ({exc}); rebuild the engine") from None
+        # ACCESS_COPY: pages are shared with the page cache until written, and nothing is ever written.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    meta = header.pop("__metadata__", {})
+    if meta.get("kiln.format") != RANK_FORMAT:
+        raise EngineError(f"{path}: not a Kiln rank file (format {meta.get('kiln.format')!r})")
+    base = 8 + header_len
+    tensors = {}
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        count = (end - start) // dtype.itemsize
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) if count else \
+            torch.empty(0, dtype=dtype)
+        tensors[name] = flat.view(info["shape"])
+    return RankFile(meta["kiln.program"], tensors)

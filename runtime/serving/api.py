@@ -1,0 +1,304 @@
+"""The OpenAI API: /v1/models, and /v1/completions and /v1/chat/completions on one shared path.
+
+The two generation endpoints differ only in how a request becomes prompts and in the shapes of
+their answers (an `_Answer` each); admission, sampling parameters, streaming, disconnects and usage
+are the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from runtime.chat import ChatTemplateError
+from runtime.engine import LLMEngine, RequestOutput
+from runtime.sampling import SamplingParams
+from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
+from runtime.serving.protocol import (
+    MAX_CHOICES, APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ModelCard, ModelList,
+    Usage, chat_logprobs, completion_logprobs,
+)
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected; its requests were aborted."""
+
+
+class _Run:
+    """One HTTP request's engine requests (one per choice) and the queue their outputs arrive on."""
+
+    def __init__(self, engine: EngineLoop, request_ids: list[str], outputs: asyncio.Queue):
+        self.engine = engine
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.unfinished = set(request_ids)
+        self._outputs = outputs
+
+    async def outputs(self, request: Request | None = None):
+        """(choice index, output) as they come; given the request, raises ClientGone once its client left."""
+        next_check = time.monotonic() + DISCONNECT_POLL_S
+        while self.unfinished:
+            if request is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    raise ClientGone()
+            try:
+                out = await asyncio.wait_for(self._outputs.get(), DISCONNECT_POLL_S if request else None)
+            except TimeoutError:
+                continue
+            if out is ABORTED:
+                self.unfinished.clear()
+                raise APIError(503, "the server shut down before this request finished", type="unavailable")
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+                if out.finish_reason == "error":
+                    raise APIError(500, f"generation failed: {out.error}", type="server_error")
+            yield self.index[out.request_id], out
+
+    async def final_outputs(self, request: Request) -> list[RequestOutput]:
+        final = {}
+        try:
+            async for i, out in self.outputs(request):
+                if out.finished:
+                    final[i] = out
+        finally:
+            self.close()
+        return [final[i] for i in range(len(self.index))]
+
+    def close(self) -> None:
+        """Abort what is still running (the client left, or a sibling choice failed)."""
+        self.engine.abort(list(self.unfinished))
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose run is closed however the response ends (a client that left included)."""
+
+    def __init__(self, events, run: _Run):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.close()
+
+
+def _sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def _events(run: _Run, first: list[str], chunk_for, usage_for=None):
+    """SSE: `first`, then chunk_for(index, output, tokens sent before) per output, usage_for(finals), [DONE]."""
+    for event in first:
+        yield event
+    sent = [0] * len(run.index)
+    last: list[RequestOutput | None] = [None] * len(run.index)
+    try:
+        async for i, out in run.outputs():
+            event = chunk_for(i, out, sent[i])
+            sent[i], last[i] = len(out.token_ids), out
+            if event:
+                yield event
+        if usage_for is not None:
+            yield usage_for(last)
+    except APIError as exc:
+        yield _sse(exc.body())
+    yield "data: [DONE]\n\n"
+
+
+def context_len(llm: LLMEngine) -> int:
+    return min(llm.limits.max_seq_len, llm.num_blocks * llm.block_size)
+
+
+def _usage(prompt_lens: list[int], n: int, finals: list[RequestOutput | None]) -> Usage:
+    completion = sum(len(o.token_ids) for o in finals if o is not None)
+    cached = sum(o.num_cached_tokens for o in finals[::n] if o is not None)
+    return Usage(prompt_tokens=sum(prompt_lens), completion_tokens=completion,
+                 total_tokens=sum(prompt_lens) + completion, prompt_tokens_details={"cached_tokens": cached})
+
+
+# ---------------------------------------------------------------------- what differs between the endpoints
+
+class _Answer:
+    """How one endpoint reads its request and shapes its answers; `sent` counts the tokens streamed before."""
+
+    id_prefix: str
+
+    def __init__(self, llm: LLMEngine, body, rid: str, created: int, model: str):
+        self.llm, self.body, self.rid, self.created, self.model = llm, body, rid, created, model
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+class _CompletionAnswer(_Answer):
+    id_prefix = "cmpl"
+
+    @staticmethod
+    def prompts(llm: LLMEngine, body: CompletionRequest) -> list[list[int]]:
+        return [llm.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.body.max_tokens
+
+    @property
+    def logprobs(self) -> bool:
+        return self.body.logprobs is not None
+
+    def _choice(self, i: int, out: RequestOutput, sent: int, text: str) -> CompletionChoice:
+        lp = None
+        if self.logprobs:
+            lp = completion_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:],
+                                     len(out.text) - len(text))
+        return CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=out.finish_reason)
+
+    def first_chunks(self) -> list[BaseModel]:
+        return []
+
+    def chunk(self, i: int, out: RequestOutput, sent: int) -> BaseModel:
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                  choices=[self._choice(i, out, sent, out.delta)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def response(self, finals: list[RequestOutput], usage: Usage) -> BaseModel:
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage,
+                                  choices=[self._choice(i, o, 0, o.text) for i, o in enumerate(finals)])
+
+
+class _ChatAnswer(_Answer):
+    id_prefix = "chatcmpl"
+
+    @staticmethod
+    def prompts(llm: LLMEngine, body: ChatCompletionRequest) -> list[list[int]]:
+        try:
+            prompt = llm.apply_chat_template([m.for_template() for m in body.messages], body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            message = str(exc) if "chat template" in str(exc) else f"the chat template refused the messages: {exc}"
+            raise APIError(400, message, param="messages", code="chat_template_error") from None
+        return [llm.encode(prompt)]
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.body.completion_limit()
+
+    @property
+    def logprobs(self) -> bool:
+        return self.body.logprobs
+
+    def _logprobs(self, out: RequestOutput, sent: int):
+        return chat_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:]) if self.logprobs else None
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def first_chunks(self) -> list[BaseModel]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
+                             for i in range(self.body.n)])]
+
+    def chunk(self, i: int, out: RequestOutput, sent: int) -> BaseModel:
+        return self._chunk([ChatChunkChoice(index=i, delta=Delta(content=out.delta), logprobs=self._logprobs(out, sent),
+                                            finish_reason=out.finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+    def response(self, finals: list[RequestOutput], usage: Usage) -> BaseModel:
+        return ChatCompletionResponse(
+            id=self.rid, created=self.created, model=self.model, usage=usage,
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), logprobs=self._logprobs(o, 0),
+                                finish_reason=o.finish_reason) for i, o in enumerate(finals)])
+
+
+# ---------------------------------------------------------------------- the routes
+
+def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Callable[[], str]) -> None:
+    """The /v1 endpoints; app.state.draining refuses new requests."""
+    started = int(time.time())
+
+    def admit(body) -> LLMEngine:
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", type="unavailable")
+        if not engine.ready:
+            raise APIError(503, "the engine is not loaded yet; retry when /health answers 200", type="unavailable",
+                           headers={"Retry-After": "1"})
+        if body.model != served_model_name():
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves "
+                                f"{served_model_name()!r}", param="model", code="model_not_found")
+        body.check_supported()
+        return engine.llm
+
+    async def start(llm: LLMEngine, body, prompts: list[list[int]], answer: _Answer, arrival: float) -> _Run:
+        """Submit body.n choices per prompt (choice index = prompt index * n + i)."""
+        requests = []
+        for p, ids in enumerate(prompts):
+            for i in range(body.n):
+                try:
+                    params = SamplingParams(
+                        temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=1.0 if body.top_p is None else body.top_p,
+                        top_k=-1 if body.top_k is None else body.top_k,
+                        seed=None if body.seed is None else body.seed + i,
+                        max_tokens=(answer.max_tokens if answer.max_tokens is not None
+                                    else max(1, context_len(llm) - len(ids))),
+                        stop=body.stop_strings(), logprobs=answer.logprobs)
+                except ValueError as exc:
+                    raise APIError(400, str(exc)) from None
+                requests.append((f"{answer.rid}-{p * body.n + i}", ids, params))
+        if len(requests) > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} is over {MAX_CHOICES} choices", param="n")
+        try:
+            outputs = await engine.submit(requests, arrival)
+        except Overloaded:
+            raise APIError(429, f"the server is at capacity ({engine.max_waiting} requests waiting); retry later",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        return _Run(engine, [rid for rid, _, _ in requests], outputs)
+
+    async def generate(body, request: Request, kind: type[_CompletionAnswer] | type[_ChatAnswer]):
+        arrival = time.monotonic()
+        llm = admit(body)
+        prompts = kind.prompts(llm, body)
+        answer = kind(llm, body, f"{kind.id_prefix}-{uuid.uuid4().hex}", int(time.time()), served_model_name())
+        run = await start(llm, body, prompts, answer, arrival)
+        prompt_lens = [len(p) for p in prompts]
+        if body.stream:
+            def chunk_for(i, out, sent):
+                if out.delta or out.finished or answer.logprobs:
+                    return _sse(answer.chunk(i, out, sent))
+
+            def usage_for(finals):
+                return _sse(answer.usage_chunk(_usage(prompt_lens, body.n, finals)))
+
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            first = [_sse(chunk) for chunk in answer.first_chunks()]
+            return _EventStream(_events(run, first, chunk_for, usage_for if include_usage else None), run)
+        finals = await run.final_outputs(request)
+        return answer.response(finals, _usage(prompt_lens, body.n, finals))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        if not engine.ready:
+            raise APIError(503, "the engine is not loaded yet", type="unavailable", headers={"Retry-After": "1"})
+        return ModelList(data=[ModelCard(id=served_model_name(), created=started, max_model_len=context_len(
+            engine.llm))])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request):
+        return await generate(body, request, _CompletionAnswer)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await generate(body, request, _ChatAnswer)

@@ -1,0 +1,152 @@
+"""The server app: FastAPI wiring (errors, /health, /metrics, the OpenAI routes) and the process that drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Callable, ContextManager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.engine import LLMEngine
+from runtime.serving.api import ClientGone, add_openai_routes
+from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.protocol import APIError, validation_error
+
+log = logging.getLogger("kiln.server")
+
+
+def create_app(engine: EngineLoop, model_name: str | None = None) -> FastAPI:
+    """The HTTP API; `engine` must be started (EngineLoop.start) on the loop that serves the app."""
+    app = FastAPI(title="Kiln", summary="OpenAI-compatible server for a Kiln engine")
+    app.state.draining = False
+    metrics = engine.metrics
+
+    def served_model_name() -> str:
+        return model_name or engine.llm.engine.manifest.model_name
+
+    app.state.served_model_name = served_model_name
+
+    # ------------------------------------------------------------------ errors
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        metrics.http_errors.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, validation_error(list(exc.errors()), exc.body))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        message = f"{exc.detail}: {exc.__cause__}" if exc.__cause__ else str(exc.detail)  # e.g. bad UTF-8
+        return await api_error(request, APIError(exc.status_code, message, type=kind))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s", request.url.path)
+        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                 type="server_error"))
+
+    # ------------------------------------------------------------------ endpoints
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = ("draining" if app.state.draining else "ok" if engine.ready
+                  else "failed" if engine.failure is not None else "loading")
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    add_openai_routes(app, engine, served_model_name)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- process
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except that signals drain first and the exit code stays 0.
+
+    on_signal(sig, repeat) schedules the drain; a third signal stops at once, whatever is running.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int, bool], None]):
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._num_signals = 0
+
+    def handle_exit(self, sig: int, frame) -> None:  # a signal handler: only flag and schedule
+        self._num_signals += 1
+        if self._num_signals > 2:
+            self.force_exit = self.should_exit = True
+        else:
+            self._on_signal(sig, self._num_signals > 1)
+
+
+def serve(open_engine: Callable[[], ContextManager[LLMEngine]], *, host: str = "127.0.0.1", port: int = 8000,
+          max_waiting: int = 64, drain_timeout: float = 30.0, model_name: str | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT (or the engine fails); returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    engine = EngineLoop(open_engine, max_waiting)
+    app = create_app(engine, model_name)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="off")
+
+    async def drain(timeout: float) -> None:
+        app.state.draining = True
+        log.info("draining %d request(s) for up to %gs", engine.num_unfinished, timeout)
+        deadline = time.monotonic() + timeout
+        while engine.num_unfinished and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_unfinished:
+            log.warning("drain timeout: aborting %d request(s)", engine.num_unfinished)
+            engine.abort_all()
+            await asyncio.sleep(0.1)  # let the handlers answer
+        server.should_exit = True
+
+    def on_signal(sig: int, repeat: bool) -> None:  # SIGTERM drains; SIGINT or a second signal aborts all now
+        timeout = drain_timeout if sig == signal.SIGTERM and not repeat else 0.0
+        loop.call_soon_threadsafe(lambda: loop.create_task(drain(timeout)))
+
+    server = _DrainingServer(config, on_signal)
+
+    def on_ready() -> None:
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        name = app.state.served_model_name()
+        print(f"Kiln is serving {name} at http://{shown}:{port}/v1  (metrics: /metrics, health: /health)\n"
+              f"Try:\n  curl http://{shown}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+              flush=True)
+
+    def on_exit() -> None:
+        server.should_exit = True  # the engine thread ended: nothing left to serve
+
+    async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        engine.start(loop, on_ready, on_exit)
+        try:
+            await server.serve()
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    loop: asyncio.AbstractEventLoop
+    asyncio.run(main())
+    if engine.failure is not None:
+        raise engine.failure
+    return 0
