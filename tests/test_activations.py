@@ -27,7 +27,9 @@ def test_default_plan_on_the_embedded_model_is_measured_within_one_percent(smoll
     manifest = json.loads((smollm2_default_engine / "manifest.json").read_text())
     accuracy = manifest["accuracy"]
     assert (accuracy["activations"], accuracy["kv_cache_dtype"]) == ("int8", "f16")
-    assert 0 < accuracy["ppl_increase_pct"] < 1.0 and 0 < accuracy["kl_mean"] < 0.01
+    # Rounding activations moves perplexity by a fraction of a percent either way (down by 0.14% on
+    # an AVX2-only CPU, up on AVX-512 VNNI ones); the KL divergence shows it was measured.
+    assert abs(accuracy["ppl_increase_pct"]) < 1.0 and 0 < accuracy["kl_mean"] < 0.01
     program, _ = map_rank_file(smollm2_default_engine / "rank0.engine")
     nodes = json.loads(program)["nodes"]
     assert {n["attrs"].get("act") for n in nodes if n["op"] in ("linear", "logits")} == {"int8"}
