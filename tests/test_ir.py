@@ -5,7 +5,7 @@ import pytest
 from builder.errors import KilnError
 from builder.ir import Graph, IRError, Node, Value, verify
 from builder.model import load_model
-from builder.pipeline import PIPELINE, Pass, run_pipeline
+from builder.pipeline import Pass, build_pipeline, run_pipeline
 from builder.plan import Plan
 from builder.trace import trace
 from passes.context import PassContext
@@ -70,16 +70,17 @@ def _breaks_graph(graph, ctx):
 
 
 @pytest.mark.parametrize("debug", [True, False])
-def test_pipeline_names_the_failing_pass(traced, monkeypatch, debug):
+def test_pipeline_names_the_failing_pass(traced, debug):
     from builder.pipeline import PipelineOptions
 
-    monkeypatch.setattr("builder.pipeline.PIPELINE", [PIPELINE[0], Pass("break_things", _breaks_graph)])
+    passes = [build_pipeline(Plan())[0], Pass("break_things", _breaks_graph)]
     with pytest.raises(KilnError, match=r"after pass 'break_things' \(after canonicalize\).*no_such_value"):
-        run_pipeline(traced, PassContext(plan=Plan()), PipelineOptions(debug=debug))
+        run_pipeline(traced, PassContext(plan=Plan()), passes, PipelineOptions(debug=debug))
 
 
 def test_print_after_unknown_pass_is_refused(traced):
     from builder.pipeline import PipelineOptions
 
     with pytest.raises(KilnError, match="no pass named 'fuse_everything'"):
-        run_pipeline(traced, PassContext(plan=Plan()), PipelineOptions(print_after="fuse_everything"))
+        run_pipeline(traced, PassContext(plan=Plan()), build_pipeline(Plan()),
+                     PipelineOptions(print_after="fuse_everything"))
