@@ -78,7 +78,8 @@ def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass
         (awq, Pass("fold_awq_scales", fold_awq_scales, {"method": quant.method, **calibrated})),
         # With gptq rounding, quantize_int4_gptq fits each group's range itself: no clipping first.
         (awq and quant.rounding != "gptq",
-         Pass("clip_awq_weights", clip_awq_weights, {"method": quant.method, **calibrated, "rounding": quant.rounding})),
+         Pass("clip_awq_weights", clip_awq_weights,
+              {"method": quant.method, **calibrated, "rounding": quant.rounding})),
         (quant.method == "int8", Pass("quantize_int8", quantize_int8, weights)),
         (awq and quant.rounding == "gptq",
          Pass("quantize_int4_gptq", quantize_int4_gptq, {**weights, "rounding": quant.rounding, **calibrated})),

@@ -1,5 +1,7 @@
 """IR: text and JSON round trip, and verify() catching broken graphs with the failing pass named."""
 
+import json
+
 import pytest
 
 from builder.errors import KilnError
@@ -38,6 +40,21 @@ def test_trace_has_one_node_per_leaf_call(traced):
     assert ops.count("attention") == layers
     assert ops.count("linear") == 7 * layers
     assert ops[0] == "embedding" and ops[-1] == "logits"
+
+
+def test_trace_records_each_nodes_layer(traced):
+    layers = {n.name: n.layer for n in traced.nodes}
+    assert layers["embed_tokens"] is None and layers["lm_head"] is None and layers["norm"] is None
+    assert layers["layers.0.self_attn.q_proj"] == 0 and layers["layers.3.mlp_residual"] == 3
+    assert all(n.layer == int(n.name.split(".")[1]) for n in traced.nodes if n.name.startswith("layers."))
+    assert "# layers.2.mlp.down_proj, layer 2" in traced.format()
+
+
+def test_a_program_written_before_nodes_had_layers_still_reads():
+    doc = json.loads(Graph([], [], [], {}, {}).to_json())
+    doc["nodes"] = [{"name": "r", "op": "recv", "inputs": [], "outputs": ["x"], "attrs": {},
+                     "types": [{"name": "x", "dtype": "f32", "shape": ["T", 4]}]}]
+    assert Graph.from_json(json.dumps(doc)).nodes[0].layer is None
 
 
 def test_verify_catches_use_before_define(traced):
