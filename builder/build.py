@@ -3,27 +3,23 @@
 from __future__ import annotations
 
 import functools
-import hashlib
+import json
 import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from builder import emit
-from builder.calibration import KV_MAX, shipped_text
 from builder.errors import KilnError
 from builder.lazy_tensors import LazyTensors
 from builder.model import load_model
-from builder.pipeline import PIPELINE, PipelineOptions, run_pipeline
+from builder.pipeline import PipelineOptions, build_pipeline, run_pipeline
 from builder.plan import Plan, load_devices
 from builder.trace import trace
 from passes.context import PassContext
-from passes.pack_weights import LAYOUTS
 from runtime import __version__
 from runtime._native import required_cpu_flags
 from runtime.engine_format import manifest_header
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass
@@ -41,13 +37,10 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
                 "config": model.config.to_dict(), "weights_sha256": model.weights_sha256()}
     if calibration_text is None and plan.quant.calib is not None:
         calibration_text = _read_calibration(plan.quant.calib)
-    texts = {"calibration": calibration_text if calibration_text is not None else shipped_text("calibration"),
-             "evaluation": shipped_text("evaluation")}
-    passes = [{"name": p.name, "params": _pass_params(p.name, plan, texts)} for p in PIPELINE]
+    pipeline = build_pipeline(plan, calibration_text)
+    passes = [step.record() for step in pipeline]
     build_id = emit.build_id(identity, plan.to_dict(), passes)
     if emit.is_up_to_date(out, build_id):
-        import json
-
         return BuildResult(out, json.loads((out / "manifest.json").read_text()), True)
     emit.check_output_dir(out, force)
 
@@ -55,7 +48,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     # Weights are read from the source when a pass or the emitter needs them, never all at once.
     graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
     ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text, show_progress=show_progress)
-    graphs = run_pipeline(graph, ctx, options)
+    graphs = run_pipeline(graph, ctx, pipeline, options)
     # The figures go into the manifest and report, not into every rank's program.
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
 
@@ -82,34 +75,6 @@ def _read_calibration(path: str) -> str:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise KilnError(f"[quant] calib {path}: cannot read the calibration text ({exc})") from None
-
-
-def _pass_params(name: str, plan: Plan, texts: dict[str, str]) -> dict:
-    """What each pass depends on besides the graph (in the build id: a change rebuilds)."""
-    digest = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in texts.items()}
-    quant = plan.quant
-    if name == "quantize_int4_gptq":
-        return {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude),
-                "rounding": quant.rounding, "calibration_sha256": digest["calibration"]} \
-            if quant.method == "int4-awq" else {}
-    if name.startswith("quantize") or name == "keep_source_quant":
-        return {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude)}
-    if name in ("fold_awq_scales", "clip_awq_weights"):
-        return {"method": quant.method, "calibration_sha256": digest["calibration"],
-                **({"rounding": quant.rounding} if name == "clip_awq_weights" else {})} \
-            if quant.method == "int4-awq" else {}
-    if name == "calibrate_kv_scales":
-        return {"kv_dtype": plan.kv_cache.dtype, "calibration_sha256": digest["calibration"]} \
-            if plan.kv_cache.dtype in KV_MAX else {}
-    if name == "measure_accuracy":
-        return {"max_ppl_increase": quant.max_ppl_increase, "evaluation_sha256": digest["evaluation"]}
-    if name == "pack_weights":
-        return {"layouts": dict(LAYOUTS)} if plan.target == "cpu" else {}
-    if name == "plan_memory":
-        return {"device": plan.device, "kv_cache": plan.to_dict()["kv_cache"]}
-    if name in ("shard_tensor_parallel", "split_pipeline_stages"):
-        return {"tp": plan.tp, "pp": plan.pp}
-    return {}
 
 
 def _quantization_summary(plan: Plan, graph) -> dict:

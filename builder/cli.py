@@ -59,7 +59,8 @@ def build(
     tp: Optional[int] = typer.Option(None, "--tp", help="Override the plan's tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Override the plan's pipeline-parallel degree."),
     print_after: Optional[str] = typer.Option(None, "--print-after",
-                                              help="Print the IR after this pass (a pass name, or 'all')."),
+                                              help="Print the IR after this pass of the build's pipeline (a pass "
+                                                   "name, or 'all')."),
     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write the IR after every pass into this directory."),
     debug: bool = typer.Option(False, "--debug", help="Verify the IR after every pass, not only at the boundaries."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),

@@ -54,6 +54,7 @@ class Node:
     inputs: list[str]
     outputs: list[str]
     attrs: dict = field(default_factory=dict)
+    layer: int | None = None  # the transformer layer the node computes (set by the trace); None outside the layers
 
 
 @dataclass
@@ -115,7 +116,8 @@ class Graph:
             args = ", ".join(("@" if i in self.weights else "%") + i for i in node.inputs)
             attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in sorted(node.attrs.items()))
             head = f"{outs} = " if outs else ""
-            lines.append(f"  {head}{node.op}({args}){' {' + attrs + '}' if attrs else ''}  # {node.name}")
+            where = node.name if node.layer is None else f"{node.name}, layer {node.layer}"
+            lines.append(f"  {head}{node.op}({args}){' {' + attrs + '}' if attrs else ''}  # {where}")
         lines.append("  return " + ", ".join("%" + o for o in self.outputs))
         lines.append("}")
         return "\n".join(lines)
@@ -125,7 +127,7 @@ class Graph:
             "inputs": [_value_json(v) for v in self.inputs],
             "weights": [_value_json(self.weights[k]) for k in sorted(self.weights)],
             "nodes": [
-                {"name": n.name, "op": n.op, "inputs": n.inputs, "outputs": n.outputs,
+                {"name": n.name, "op": n.op, "inputs": n.inputs, "outputs": n.outputs, "layer": n.layer,
                  "attrs": n.attrs, "types": [_value_json(self.values[o]) for o in n.outputs]}
                 for n in self.nodes
             ],
@@ -142,7 +144,9 @@ class Graph:
         values = {v.name: v for v in inputs}
         nodes = []
         for n in doc["nodes"]:
-            nodes.append(Node(n["name"], n["op"], list(n["inputs"]), list(n["outputs"]), dict(n["attrs"])))
+            # Programs written before nodes carried their layer have no "layer" key.
+            nodes.append(Node(n["name"], n["op"], list(n["inputs"]), list(n["outputs"]), dict(n["attrs"]),
+                              n.get("layer")))
             values.update((t["name"], _value_from_json(t)) for t in n["types"])
         return Graph(inputs, nodes, list(doc["outputs"]), weights, values, doc["meta"])
 

@@ -51,9 +51,6 @@ class LazyTensors(MutableMapping):
         self._loaders.pop(name)
         return None
 
-    def set_lazy(self, name: str, loader: Loader) -> None:
-        self._loaders[name] = loader
-
     def derive(self, name: str, sources: list[str], fn: Callable[..., torch.Tensor]) -> None:
         """`name` becomes fn(*source tensors), computed each time it is read."""
         loaders = [self._loaders[s] for s in sources]

@@ -1,16 +1,25 @@
-"""The pass pipeline: one ordered list, verification between passes, IR dumps on request."""
+"""The pass pipeline of one plan: the passes that apply to it, each with its parameters; verification
+between passes and IR dumps on request.
+
+`build_pipeline(plan)` is the one place that decides which passes a build runs. A pass that would
+do nothing for the plan (a quantizer of another method, KV calibration for a float cache) is left
+out, so the manifest's pass list, which records each pass with its parameters, is what ran.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from builder.calibration import KV_MAX, shipped_text
 from builder.errors import KilnError
 from builder.ir import Graph, IRError, verify
+from builder.plan import Plan
 from passes.calibrate_kv_scales import calibrate_kv_scales
 from passes.canonicalize import canonicalize
 from passes.clip_awq_weights import clip_awq_weights
@@ -21,7 +30,7 @@ from passes.fuse_gate_up import fuse_gate_up
 from passes.fuse_qkv import fuse_qkv
 from passes.keep_source_quant import keep_source_quant
 from passes.measure_accuracy import measure_accuracy
-from passes.pack_weights import pack_weights
+from passes.pack_weights import LAYOUTS, pack_weights
 from passes.plan_memory import plan_memory
 from passes.quantize_fp8 import quantize_fp8
 from passes.quantize_int4 import quantize_int4
@@ -33,48 +42,79 @@ from passes.split_pipeline_stages import split_pipeline_stages
 
 @dataclass(frozen=True)
 class Pass:
+    """One pass of a build, with what it depends on besides the graph: its params go into the
+    manifest and the build id, so a change of any of them rebuilds."""
+
     name: str
     run: Callable[[Graph, PassContext], Graph]
+    params: dict = field(default_factory=dict)
     per_rank: bool = False  # from sharding on, a pass runs once per rank on that rank's graph
 
-
-PIPELINE: list[Pass] = [
-    # Phase 1: clean the traced graph.
-    Pass("canonicalize", canonicalize),
-    # Phase 2: quantization. Before fusion, so each source weight is quantized as itself (its own
-    # GGUF blocks, its own exclusion glob); fusion then stacks quantized operands row-wise.
-    # Each pass acts for its plan method only. The calibration passes run on the float weights,
-    # and AWQ's scales are folded before INT4 rounds the scaled weights.
-    Pass("keep_source_quant", keep_source_quant),
-    Pass("calibrate_kv_scales", calibrate_kv_scales),
-    Pass("fold_awq_scales", fold_awq_scales),
-    Pass("clip_awq_weights", clip_awq_weights),
-    Pass("quantize_int8", quantize_int8),
-    Pass("quantize_int4_gptq", quantize_int4_gptq),
-    Pass("quantize_int4", quantize_int4),
-    Pass("quantize_fp8", quantize_fp8),
-    # Phase 3: fusion (exact rewrites): fewer, larger kernels per layer.
-    Pass("fuse_qkv", fuse_qkv),
-    Pass("fuse_gate_up", fuse_gate_up),
-    Pass("fuse_add_rms_norm", fuse_add_rms_norm),
-    # Analysis of the whole quantized program, before sharding splits it: perplexity and KL
-    # against the float model, and the max_ppl_increase gate (a failing build writes nothing).
-    Pass("measure_accuracy", measure_accuracy),
-    # Phase 4: sharding; from here on each rank has its own graph. Stages are cut first, so they are
-    # priced on whole layers and every tensor-parallel rank of a stage cuts at the same layers; the
-    # tensor-parallel pass then slices only the weights of the rank's own stage.
-    Pass("split_pipeline_stages", split_pipeline_stages, per_rank=True),
-    Pass("shard_tensor_parallel", shard_tensor_parallel, per_rank=True),
-    # Phase 5: kernel layouts. After sharding, which slices the logical [N, K] operands; before
-    # plan_memory, which counts the packed bytes.
-    Pass("pack_weights", pack_weights, per_rank=True),
-    # Phase 6: analysis of each rank's final program.
-    Pass("plan_memory", plan_memory, per_rank=True),
-]
+    def record(self) -> dict:
+        """The pass as the manifest lists it."""
+        return {"name": self.name, "params": self.params}
 
 
-def pass_names() -> list[str]:
-    return [p.name for p in PIPELINE]
+def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass]:
+    """The passes `plan` runs, in order. `calibration_text` defaults to the text shipped with Kiln."""
+    quant, kv_dtype = plan.quant, plan.kv_cache.dtype
+    awq = quant.method == "int4-awq"
+    if calibration_text is None:
+        calibration_text = shipped_text("calibration")
+    calibrated = {"calibration_sha256": _sha256(calibration_text)}
+    weights = {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude)}
+    sharding = {"tp": plan.tp, "pp": plan.pp}
+    candidates = [
+        # Phase 1: clean the traced graph.
+        (True, Pass("canonicalize", canonicalize)),
+        # Phase 2: quantization. Before fusion, so each source weight is quantized as itself (its own
+        # GGUF blocks, its own exclusion glob); fusion then stacks quantized operands row-wise.
+        # The calibration passes run on the float weights, and AWQ's scales are folded before INT4
+        # rounds the scaled weights. "source" and every requantization method keep the file's blocks
+        # (requantization: of the excluded weights).
+        (quant.method != "none", Pass("keep_source_quant", keep_source_quant, weights)),
+        (kv_dtype in KV_MAX,
+         Pass("calibrate_kv_scales", calibrate_kv_scales, {"kv_dtype": kv_dtype, **calibrated})),
+        (awq, Pass("fold_awq_scales", fold_awq_scales, {"method": quant.method, **calibrated})),
+        # With gptq rounding, quantize_int4_gptq fits each group's range itself: no clipping first.
+        (awq and quant.rounding != "gptq",
+         Pass("clip_awq_weights", clip_awq_weights,
+              {"method": quant.method, **calibrated, "rounding": quant.rounding})),
+        (quant.method == "int8", Pass("quantize_int8", quantize_int8, weights)),
+        (awq and quant.rounding == "gptq",
+         Pass("quantize_int4_gptq", quantize_int4_gptq, {**weights, "rounding": quant.rounding, **calibrated})),
+        # After GPTQ: rounds what it left (nothing, for llama) or, for int4 and nearest, everything.
+        (quant.method in ("int4", "int4-awq"), Pass("quantize_int4", quantize_int4, weights)),
+        (quant.method == "fp8", Pass("quantize_fp8", quantize_fp8, weights)),
+        # Phase 3: fusion (exact rewrites): fewer, larger kernels per layer.
+        (True, Pass("fuse_qkv", fuse_qkv)),
+        (True, Pass("fuse_gate_up", fuse_gate_up)),
+        (True, Pass("fuse_add_rms_norm", fuse_add_rms_norm)),
+        # Analysis of the whole quantized program, before sharding splits it: perplexity and KL
+        # against the float model, and the max_ppl_increase gate (a failing build writes nothing).
+        # A float build with a float cache (f32, f16) loses nothing to measure.
+        (quant.method != "none" or kv_dtype not in ("f32", "f16"),
+         Pass("measure_accuracy", measure_accuracy,
+              {"max_ppl_increase": quant.max_ppl_increase,
+               "evaluation_sha256": _sha256(shipped_text("evaluation"))})),
+        # Phase 4: sharding; from here on each rank has its own graph. Stages are cut first, so they
+        # are priced on whole layers and every tensor-parallel rank of a stage cuts at the same
+        # layers; the tensor-parallel pass then slices only the weights of the rank's own stage.
+        # Both run on one rank too: they record the rank's place (mapping, stage, share) in the program.
+        (True, Pass("split_pipeline_stages", split_pipeline_stages, sharding, per_rank=True)),
+        (True, Pass("shard_tensor_parallel", shard_tensor_parallel, sharding, per_rank=True)),
+        # Phase 5: kernel layouts of the cpu target. After sharding, which slices the logical [N, K]
+        # operands; before plan_memory, which counts the packed bytes.
+        (plan.target == "cpu", Pass("pack_weights", pack_weights, {"layouts": dict(LAYOUTS)}, per_rank=True)),
+        # Phase 6: analysis of each rank's final program.
+        (True, Pass("plan_memory", plan_memory, {"device": plan.device, "kv_cache": plan.to_dict()["kv_cache"]},
+                    per_rank=True)),
+    ]
+    return [step for applies, step in candidates if applies]
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
@@ -85,17 +125,19 @@ class PipelineOptions:
     echo: Callable[[str], None] = print
 
 
-def run_pipeline(graph: Graph, ctx: PassContext, options: PipelineOptions | None = None) -> list[Graph]:
-    """Run every pass in order; returns one graph per rank."""
+def run_pipeline(graph: Graph, ctx: PassContext, passes: list[Pass],
+                 options: PipelineOptions | None = None) -> list[Graph]:
+    """Run `passes` in order; returns one graph per rank."""
     options = options or PipelineOptions()
-    if options.print_after not in (None, "all") and options.print_after not in pass_names():
-        raise KilnError(f"--print-after: no pass named {options.print_after!r} "
-                        f"(passes: {', '.join(pass_names())}, or all)")
+    names = [p.name for p in passes]
+    if options.print_after not in (None, "all") and options.print_after not in names:
+        raise KilnError(f"--print-after: no pass named {options.print_after!r} in this build's pipeline "
+                        f"(passes that run: {', '.join(names)}, or all)")
     _verify(graph, "trace", [])
     world = ctx.plan.world_size
     graphs = [graph]
     done: list[str] = []
-    bar = tqdm(PIPELINE, desc="passes", unit="pass", disable=not ctx.show_progress)
+    bar = tqdm(passes, desc="passes", unit="pass", disable=not ctx.show_progress)
     for index, step in enumerate(bar):
         bar.set_postfix_str(step.name)
         if step.per_rank and len(graphs) == 1 and world > 1:

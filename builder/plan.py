@@ -1,4 +1,8 @@
-"""Build plans: a TOML file validated once into frozen dataclasses; errors name the key and the fix."""
+"""Build plans: a TOML file validated once into frozen dataclasses; errors name the key and the fix.
+
+The dataclass defaults are the default plan: plans/cpu.toml writes the same values out with their
+reasons, and a plan file that leaves a key out gets the default.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from builder.errors import KilnError
 from runtime.engine_format import KV_CACHE_DTYPES
 
 TARGETS = ("cpu", "tensorrt")
+BUILDABLE_TARGETS = ("cpu",)  # tensorrt: the plan is validated, but nothing emits it yet
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
@@ -44,7 +49,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class KVCache:
-    dtype: str = "f32"
+    dtype: str = "f16"
     block_size: int = 16
     memory_fraction: float = 0.5
 
@@ -56,7 +61,7 @@ class Quant:
     exclude: tuple[str, ...] = ("*lm_head*", "embed_tokens")
     calib: str | None = None
     max_ppl_increase: float | None = None
-    activations: str = "f32"  # int8: int4/int8 linears quantize activations per token (VNNI path)
+    activations: str = "int8"  # int8: int4/int8 linears quantize activations per token (VNNI path)
     rounding: str = "gptq"    # int4-awq: gptq (grids fitted, rounding errors compensated) or nearest (AWQ clip)
 
 
@@ -103,7 +108,11 @@ def load_plan(path: str | Path | None = None) -> Plan:
         doc = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise PlanError(f"plan {path}: not valid TOML: {exc}") from None
-    return plan_from_dict(doc, str(path))
+    plan = plan_from_dict(doc, str(path))
+    if plan.target not in BUILDABLE_TARGETS:
+        raise PlanError(f"plan {path}: target {plan.target!r} cannot be built yet (nothing emits it); "
+                        f"use target = \"cpu\"")
+    return plan
 
 
 def plan_from_dict(doc: dict, origin: str) -> Plan:

@@ -17,7 +17,8 @@ WEIGHT_OPS = ("linear", "logits", "embedding")
 
 
 def trace(model) -> Graph:
-    """ModelSpec -> Graph (weights attached lazily: `graph.tensors` is filled by `attach_weights`)."""
+    """ModelSpec -> Graph: the program's structure and types; `graph.tensors` is left empty (a build
+    fills it with loaders of the model's weights)."""
     cfg = model.config
     if cfg.architecture not in ARCHITECTURES:
         raise KilnError(f"trace: no reference module for architecture {cfg.architecture!r}")
@@ -32,6 +33,9 @@ def trace(model) -> Graph:
 
 def _convert(fx_graph: torch.fx.Graph, module: torch.nn.Module) -> Graph:
     params = dict(module.named_parameters())
+    # The reference module holds its decoder layers in `module.layers`: module path -> layer index.
+    index_of = {id(layer): index for index, layer in enumerate(module.layers)}
+    layer_paths = {path: index_of[id(sub)] for path, sub in module.named_modules() if id(sub) in index_of}
     inputs: list[Value] = []
     nodes: list[Node] = []
     values: dict[str, Value] = {}
@@ -53,6 +57,9 @@ def _convert(fx_graph: torch.fx.Graph, module: torch.nn.Module) -> Graph:
             env[fx_node] = env[source][index]
         elif fx_node.op == "call_function" and getattr(fx_node.target, "__name__", None) in LEAVES:
             node = _leaf_node(fx_node, env)
+            # The module stack records the modules the call ran inside: its layer, if any.
+            stack = fx_node.meta.get("nn_module_stack", {})
+            node.layer = next((layer_paths[path] for path in stack if path in layer_paths), None)
             types = _infer(node, [values.get(i) or weights[i] for i in node.inputs])
             for value in types:
                 values[value.name] = value
@@ -104,8 +111,3 @@ def _infer(node: Node, ins: list[Value]) -> list[Value]:
         shapes = [x.shape]
     return [Value(o, "f32", s) for o, s in zip(outs, shapes)]
 
-
-def attach_weights(graph: Graph, model) -> None:
-    """Load every weight the graph names from the model source as float32 tensors."""
-    for name in graph.weights:
-        graph.tensors[name] = model.load(name)

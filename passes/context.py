@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from builder.model import ModelSpec
+from builder.plan import Plan
+
 
 @dataclass(frozen=True)
 class PassContext:
-    plan: object                 # builder.plan.Plan
-    model: object = None         # builder.model.ModelSpec (raw quantized blocks, calibration)
+    plan: Plan
+    model: ModelSpec | None = None  # raw quantized blocks, calibration (None: a pass test's bare graph)
     rank: int = 0
     debug: bool = False
     calibration_text: str | None = None

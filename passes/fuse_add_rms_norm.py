@@ -20,8 +20,9 @@ def fuse_add_rms_norm(graph: Graph, ctx: PassContext) -> Graph:
             continue
         norm = norms[0]
         x, residual = node.inputs
+        # Named after the norm and in its layer: a pipeline cut keeps the add with the norm reading it.
         fused[node.name] = Node(f"{norm.name}", "add_rms_norm", [x, residual, norm.inputs[1]],
-                                [norm.outputs[0], node.outputs[0]], dict(norm.attrs))
+                                [norm.outputs[0], node.outputs[0]], dict(norm.attrs), norm.layer)
         dropped.add(norm.name)
     out.nodes = [fused.get(n.name, n) for n in out.nodes if n.name not in dropped]
     return out

@@ -22,7 +22,7 @@ def fuse_qkv(graph: Graph, ctx: PassContext) -> Graph:
         prefix = node.name.rsplit(".", 1)[0]
         linear = concat_linears(out, group, f"{prefix}.qkv_proj")
         split = Node(f"{prefix}.qkv_split", "split", [linear.outputs[0]], [n.outputs[0] for n in group],
-                     {"sizes": [n.attrs["out_features"] for n in group]})
+                     {"sizes": [n.attrs["out_features"] for n in group]}, node.layer)
         nodes += [linear, split]
         fused.update(n.name for n in group)
     out.nodes = nodes  # the fused linear stands where q_proj stood, after its input, before q/k/v's users

@@ -47,4 +47,4 @@ def concat_linears(graph: Graph, linears: list[Node], name: str) -> Node:
     attrs = dict(linears[0].attrs, out_features=out_features)
     rows = graph.values[linears[0].outputs[0]].shape[0]
     graph.values[name] = Value(name, "f32", (rows, out_features))
-    return Node(name, "linear", inputs, [name], attrs)
+    return Node(name, "linear", inputs, [name], attrs, linears[0].layer)

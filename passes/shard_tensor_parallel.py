@@ -206,7 +206,7 @@ class _Sharder:
         if op == "all_gather":  # the gathered value is as wide as every rank's share together
             self.g.values[full] = Value(full, dtype, (*shape[:-1], sum(attrs["sizes"])))
         node.outputs = [local]
-        self.collectives[node.name] = Node(f"{node.name}.{op}", op, [local], [full], attrs)
+        self.collectives[node.name] = Node(f"{node.name}.{op}", op, [local], [full], attrs, node.layer)
 
     def _set_heads(self, node: Node) -> None:
         node.attrs["num_heads"] = self.heads.q.count

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 from builder.errors import KilnError
 from builder.ir import TORCH_DTYPES, Graph, Node
@@ -11,7 +10,6 @@ from builder.lazy_tensors import LazyTensors
 from passes.context import PassContext
 from runtime.mapping import Mapping
 
-LAYER_NODE = re.compile(r"layers\.(\d+)\.")
 MATMUL_OPS = ("linear", "logits")
 
 
@@ -50,14 +48,13 @@ def split_pipeline_stages(graph: Graph, ctx: PassContext) -> Graph:
 
 
 def _segments(graph: Graph, num_layers: int) -> dict[str, int]:
-    """Each node's place in the layer list, from its name (`layers.<i>.` prefix; the others are
-    before the first layer or after the last)."""
+    """Each node's place in the layer list: its layer (set by the trace); the nodes outside the
+    layers are before the first layer or after the last."""
     segment: dict[str, int] = {}
     seen_layer = False
     for node in graph.nodes:
-        match = LAYER_NODE.match(node.name)
-        if match:
-            segment[node.name] = int(match[1])
+        if node.layer is not None:
+            segment[node.name] = node.layer
             seen_layer = True
         elif not seen_layer:
             segment[node.name] = -1

@@ -173,6 +173,15 @@ def test_print_after_and_dump_ir(tiny_llama_dir, tmp_path):
     assert dumps[0] == "00-canonicalize.txt" and len(dumps) >= 2
 
 
+def test_print_after_a_pass_this_build_does_not_run(tiny_llama_dir, tmp_path):
+    (tmp_path / "out").mkdir()
+    proc = engine_build("build", "--model", tiny_llama_dir, "--out", tmp_path / "out" / "e", "--no-progress",
+                        "--print-after", "quantize_int4")
+    assert_one_line_error(proc, r"no pass named 'quantize_int4' in this build's pipeline \(passes that run: "
+                                r"canonicalize, keep_source_quant, .*, plan_memory, or all\)")
+    assert_nothing_left(tmp_path / "out")
+
+
 @pytest.mark.parametrize("case", ["missing", "no_config", "truncated", "architecture"])
 def test_bad_model_sources(case, tiny_llama_dir, tmp_path):
     import shutil
@@ -217,6 +226,7 @@ def test_corrupt_gguf(smollm2_gguf, tmp_path):
     ('[quant]\nmethod = "int3"\n', r"\[quant\] method must be one of"),
     ('tp = "two"\n', "tp must be an integer"),
     ('[limits\n', "not valid TOML"),
+    ('target = "tensorrt"\ndevice = "nvidia-h100-80gb"\n', "target 'tensorrt' cannot be built yet"),
 ])
 def test_bad_plans(body, pattern, tiny_llama_dir, tmp_path):
     plan = tmp_path / "plan.toml"

@@ -191,11 +191,13 @@ def test_smollm2_greedy_matches_transformers(smollm2_exact_engine, smollm2_gguf)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = llm.generate(GOLDEN_PROMPTS, params)
     for prompt, out in zip(GOLDEN_PROMPTS, ours):
-        ids = llm.encode(prompt)
-        expected = []
-        with torch.inference_mode():  # plain greedy steps, EOS included (generate() would stop or mask it)
-            for _ in range(32):
-                expected.append(int(reference(torch.tensor([ids + expected])).logits[0, -1].argmax()))
+        ids, cache, expected = llm.encode(prompt), None, []
+        # Plain greedy steps on transformers' KV cache, EOS included (generate() would stop or mask it).
+        with torch.inference_mode():
+            while len(expected) < 32:
+                step = reference(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+                expected.append(int(step.logits[0, -1].argmax()))
+                ids, cache = expected[-1:], step.past_key_values
         assert out.token_ids == expected, prompt
 
 

@@ -76,6 +76,16 @@ def test_fuse_add_rms_norm(graph):
     torch.testing.assert_close(logits(after), logits(graph), atol=1e-5, rtol=0)
 
 
+def test_fused_nodes_keep_their_layer(graph):
+    after = fuse_add_rms_norm(fuse_gate_up(fuse_qkv(graph, CTX), CTX), CTX)
+    layer_of = {n.name: n.layer for n in after.nodes}
+    assert layer_of["layers.1.self_attn.qkv_proj"] == layer_of["layers.1.self_attn.qkv_split"] == 1
+    assert layer_of["layers.2.mlp.gate_up_proj"] == 2
+    # the residual add of layer 0 fused with layer 1's input norm belongs to the norm's layer
+    assert layer_of["layers.1.input_layernorm"] == 1 and layer_of["layers.0.post_attention_layernorm"] == 0
+    assert layer_of["lm_head"] is None
+
+
 def test_fusion_leaves_a_linear_with_other_users_alone(graph):
     g = graph.replace()
     gate = next(n for n in g.nodes if n.name == "layers.0.mlp.gate_proj")

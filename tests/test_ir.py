@@ -1,11 +1,13 @@
 """IR: text and JSON round trip, and verify() catching broken graphs with the failing pass named."""
 
+import json
+
 import pytest
 
 from builder.errors import KilnError
 from builder.ir import Graph, IRError, Node, Value, verify
 from builder.model import load_model
-from builder.pipeline import PIPELINE, Pass, run_pipeline
+from builder.pipeline import Pass, build_pipeline, run_pipeline
 from builder.plan import Plan
 from builder.trace import trace
 from passes.context import PassContext
@@ -40,6 +42,21 @@ def test_trace_has_one_node_per_leaf_call(traced):
     assert ops[0] == "embedding" and ops[-1] == "logits"
 
 
+def test_trace_records_each_nodes_layer(traced):
+    layers = {n.name: n.layer for n in traced.nodes}
+    assert layers["embed_tokens"] is None and layers["lm_head"] is None and layers["norm"] is None
+    assert layers["layers.0.self_attn.q_proj"] == 0 and layers["layers.3.mlp_residual"] == 3
+    assert all(n.layer == int(n.name.split(".")[1]) for n in traced.nodes if n.name.startswith("layers."))
+    assert "# layers.2.mlp.down_proj, layer 2" in traced.format()
+
+
+def test_a_program_written_before_nodes_had_layers_still_reads():
+    doc = json.loads(Graph([], [], [], {}, {}).to_json())
+    doc["nodes"] = [{"name": "r", "op": "recv", "inputs": [], "outputs": ["x"], "attrs": {},
+                     "types": [{"name": "x", "dtype": "f32", "shape": ["T", 4]}]}]
+    assert Graph.from_json(json.dumps(doc)).nodes[0].layer is None
+
+
 def test_verify_catches_use_before_define(traced):
     broken = traced.replace()
     broken.nodes[1], broken.nodes[2] = broken.nodes[2], broken.nodes[1]
@@ -70,16 +87,17 @@ def _breaks_graph(graph, ctx):
 
 
 @pytest.mark.parametrize("debug", [True, False])
-def test_pipeline_names_the_failing_pass(traced, monkeypatch, debug):
+def test_pipeline_names_the_failing_pass(traced, debug):
     from builder.pipeline import PipelineOptions
 
-    monkeypatch.setattr("builder.pipeline.PIPELINE", [PIPELINE[0], Pass("break_things", _breaks_graph)])
+    passes = [build_pipeline(Plan())[0], Pass("break_things", _breaks_graph)]
     with pytest.raises(KilnError, match=r"after pass 'break_things' \(after canonicalize\).*no_such_value"):
-        run_pipeline(traced, PassContext(plan=Plan()), PipelineOptions(debug=debug))
+        run_pipeline(traced, PassContext(plan=Plan()), passes, PipelineOptions(debug=debug))
 
 
 def test_print_after_unknown_pass_is_refused(traced):
     from builder.pipeline import PipelineOptions
 
     with pytest.raises(KilnError, match="no pass named 'fuse_everything'"):
-        run_pipeline(traced, PassContext(plan=Plan()), PipelineOptions(print_after="fuse_everything"))
+        run_pipeline(traced, PassContext(plan=Plan()), build_pipeline(Plan()),
+                     PipelineOptions(print_after="fuse_everything"))

@@ -15,7 +15,7 @@ from builder.ir import verify
 from builder.lazy_tensors import LazyTensors
 from runtime.mapping import Mapping, Span, balanced_stages
 from builder.model import load_model
-from builder.pipeline import run_pipeline
+from builder.pipeline import build_pipeline, run_pipeline
 from builder.plan import Plan
 from builder.trace import trace
 from conftest import exact_plan
@@ -47,7 +47,7 @@ def rank_graphs(model_dir, tp=1, pp=1, **quant):
     graph, model = traced(model_dir)
     # A short evaluation text: measure_accuracy's perplexity of a quantized build is not under test here.
     ctx = PassContext(plan=plan(tp, pp, **quant), model=model, evaluation_text="The quick brown fox. " * 4)
-    return run_pipeline(graph, ctx)
+    return run_pipeline(graph, ctx, build_pipeline(ctx.plan))
 
 
 def ops(graph, prefix):
