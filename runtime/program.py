@@ -183,6 +183,10 @@ class Site:
         return linear.operands_of(self.node["inputs"], self.attrs, self.tensors)
 
 
+def _linear(site: Site):
+    return linear.bind_linear(site.attrs, site.operands(), site.reuse)
+
+
 def _silu_mul(site: Site):
     if len(site.node["inputs"]) == 1:  # the fused gate | up projection
         return rowops.bind_silu_mul(site.node["types"][0]["shape"][-1], site.reuse)
@@ -212,8 +216,8 @@ def _recv(site: Site):
 
 # op -> binder: (site) -> the node's callable over its activation inputs (None: the runner lacks the hook)
 BINDERS: dict[str, Callable[[Site], Callable | None]] = {
-    "linear": lambda site: linear.bind_linear(site.attrs, site.operands(), site.reuse),
-    "logits": lambda site: linear.bind_linear(site.attrs, site.operands(), site.reuse),
+    "linear": _linear,
+    "logits": _linear,
     "embedding": lambda site: linear.bind_embedding(site.attrs, site.operands()),
     "rms_norm": lambda site: rowops.bind_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"],
                                                   site.reuse),
