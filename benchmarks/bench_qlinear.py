@@ -20,7 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from runtime import qlinear as ql
+from runtime.ops import linear
+from runtime.weights import bf16, fp8, int4, int8
 
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LM_HEAD = (49152, 576)
@@ -59,8 +60,8 @@ def methods(group: int, threads: int) -> list[Method]:
 
     def kiln_int4(act):
         def make(n, k):
-            packed = ql.pack_int4(*random_int4(n, k, group), group)
-            bound = ql.bind_int4(packed, n, k, group, act=act)
+            packed = int4.pack(*random_int4(n, k, group), group)
+            bound = linear.bind(int4.FORMAT, packed, n, k, group, act=act)
             return (lambda x: bound(x, num_threads=threads)), tensor_bytes(packed.values())
         return make
 
@@ -68,19 +69,19 @@ def methods(group: int, threads: int) -> list[Method]:
         def make(n, k):
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
             s = (torch.rand(n) if g is None else torch.rand(n, k // g)).half().float() * 1e-3
-            packed = ql.pack_int8(q, s, g)
-            bound = ql.bind_int8(packed, n, k, g, act=act)
+            packed = int8.pack(q, s, g)
+            bound = linear.bind(int8.FORMAT, packed, n, k, g, act=act)
             return (lambda x: bound(x, num_threads=threads)), tensor_bytes(packed.values())
         return make
 
     def kiln_fp8(n, k):
-        packed = ql.pack_fp8((torch.randn(n, k) * 8).to(torch.float8_e4m3fn), torch.rand(n) * 1e-3)
-        bound = ql.bind_fp8(packed, n, k)
+        packed = fp8.pack((torch.randn(n, k) * 8).to(torch.float8_e4m3fn), torch.rand(n) * 1e-3)
+        bound = linear.bind(fp8.FORMAT, packed, n, k)
         return (lambda x: bound(x, num_threads=threads)), tensor_bytes(packed.values())
 
     def kiln_bf16(n, k):
-        packed = ql.pack_bf16(torch.randn(n, k) * 0.02)
-        bound = ql.bind_bf16(packed, n, k)
+        packed = bf16.pack(torch.randn(n, k) * 0.02)
+        bound = linear.bind(bf16.FORMAT, packed, n, k)
         return (lambda x: bound(x, num_threads=threads)), tensor_bytes(packed.values())
 
     return [
@@ -153,7 +154,7 @@ def bench_interleaved(args, group: int) -> None:
     for _ in range(args.layers):
         bound = {}
         for name, (n, k) in LAYER_SHAPES.items():
-            bound[name] = ql.bind_int4(ql.pack_int4(*random_int4(n, k, group), group), n, k, group)
+            bound[name] = linear.bind(int4.FORMAT, int4.pack(*random_int4(n, k, group), group), n, k, group)
         layers.append(bound)
     h, norm_w, keys = torch.randn(1, 576), torch.rand(576), torch.randn(9, 64, 256)
     query, act = torch.randn(9, 1, 64), torch.randn(1, 1536)
@@ -209,7 +210,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"threads={args.threads} layers={args.layers} kernels={ql.isa()} torch={torch.__version__}")
+    print(f"threads={args.threads} layers={args.layers} kernels={linear.isa()} torch={torch.__version__}")
     chosen = [m for m in methods(args.group, args.threads)
               if not args.only or any(s in m.name for s in args.only.split(","))]
     rows = {m.name: bench_layers(args, m) for m in chosen}

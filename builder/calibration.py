@@ -15,8 +15,9 @@ import torch
 
 from builder.errors import KilnError
 from builder.ir import Graph
-from runtime import kernels
-from runtime.program import Hooks, Program
+from builder.packing import pack_graph, runs_int8_activations
+from runtime.ops import reference
+from runtime.program import Program, dense_hooks
 
 WINDOW = 512
 MAX_TOKENS = 1024          # calibration and evaluation read at most this many tokens
@@ -86,11 +87,9 @@ class GraphRunner:
     """
 
     def __init__(self, graph: Graph, kv_dtype: str = "f32", activations: str = "f32"):
-        from passes.pack_weights import pack_graph, runs_int8_activations
-
         runnable = pack_graph(graph, "f32")
         doc = json.loads(runnable.to_json())
-        hooks = Hooks(self._attention, lambda x: x)
+        hooks = dense_hooks(self._attention, all_logits=True)
         self.kv_dtype = self._kv_now = kv_dtype
         self.exact_program = Program(doc, runnable.tensors, hooks)
         self.program = self.exact_program
@@ -108,7 +107,7 @@ class GraphRunner:
 
         def run(q, k, v):
             k, v = fake_quantize_kv(k, self._kv_now, scale), fake_quantize_kv(v, self._kv_now, scale)
-            return kernels.dense_causal_attention(q, k, v, attrs)
+            return reference.dense_causal_attention(q, k, v, attrs)
 
         return run
 
@@ -120,19 +119,21 @@ class GraphRunner:
         remaining = set(wanted or ())
         program = self.exact_program if exact else self.program
         self._kv_now = "f32" if exact else self.kv_dtype
-        for index, call in enumerate(program.calls):
-            result = call.fn(*[env[i] for i in call.inputs])
-            env.update(zip(call.outputs, result) if len(call.outputs) > 1 else [(call.outputs[0], result)])
+
+        def observe(index: int, call, env: dict) -> bool:
             for name in call.outputs:
                 if name in remaining:
                     capture(name, env[name])
                     remaining.discard(name)
             if wanted is not None and not remaining:
-                return None
+                return True
             for name in call.inputs:  # free activations no later call reads
                 if self.last_use.get(name) == index:
                     env.pop(name, None)
-        return None if wanted is not None else env[program.outputs[0]]
+            return False
+
+        outputs = program.run(env, observe)
+        return None if wanted is not None else outputs[0]
 
 
 def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]],

@@ -251,3 +251,7 @@ def gguf_blocks_to_int8(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
     return torch.from_numpy(q), torch.from_numpy(d)
+
+
+# GGUF block type -> (the Kiln weight format it maps to exactly, its conversion to that format's logical operands)
+BLOCK_FORMATS = {"Q4_1": ("int4", gguf_blocks_to_int4), "Q8_0": ("int8", gguf_blocks_to_int8)}

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from runtime import kernels
-from runtime.program import Hooks, Program
-
-
-def _dense_attention(attrs: dict):
-    return lambda q, k, v: kernels.dense_causal_attention(q, k, v, attrs)
+from runtime.program import Program, dense_hooks
 
 
 class Interpreter:
     """Runs a single-rank program over one sequence; `all_logits` keeps every position's logits."""
 
     def __init__(self, program_json: str, tensors: dict[str, torch.Tensor], all_logits: bool = False):
-        gather = (lambda x: x) if all_logits else (lambda x: x[-1:])
-        self.program = Program.from_json(program_json, tensors, Hooks(_dense_attention, gather))
+        self.program = Program.from_json(program_json, tensors, dense_hooks(all_logits=all_logits))
         if any(n["op"] in ("all_reduce", "all_gather", "send", "recv") for n in self.program.doc["nodes"]):
             raise ValueError("the reference interpreter runs single-rank programs only")
 

@@ -276,7 +276,7 @@ def _check_logical_operands(node: Node, operands: list[Value], n: int, k: int, e
     """qweight [N, K]; scales (and zeros) f32 [N] per channel or [N, K/G] per group; bias f32 [N]."""
     a = node.attrs
     if a.get("layout") != "logical":
-        return  # packed: runtime.qlinear checks its own layouts when it binds the node
+        return  # packed: runtime.ops.linear checks its own layouts when it binds the node
     expect(a.get("quant") in LOGICAL_DTYPES, f"quant must be one of {sorted(LOGICAL_DTYPES)}")
     group = a.get("group_size")
     expect(group is None or (group > 0 and k % group == 0), f"group_size {group} must divide in_features {k}")

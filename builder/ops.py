@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from runtime import kernels
+from runtime.ops import reference
 
 
 def embedding(tokens, weight, *, name: str, hidden_size: int, vocab_size: int):
@@ -16,7 +16,7 @@ def embedding(tokens, weight, *, name: str, hidden_size: int, vocab_size: int):
 
 
 def rms_norm(x, weight, *, name: str, eps: float):
-    return kernels.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
 
 
 def linear(x, weight, bias=None, *, name: str, in_features: int, out_features: int):
@@ -27,17 +27,17 @@ def rope(q, k, positions, *, name: str, head_dim: int, num_heads: int, num_kv_he
          theta: float, scaling: dict | None):
     attrs = dict(head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, theta=theta,
                  scaling=scaling)
-    return kernels.make_rope(attrs)(q, k, positions)
+    return reference.make_rope(attrs)(q, k, positions)
 
 
 def attention(q, k, v, *, name: str, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
               scale: float):
     attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale)
-    return kernels.dense_causal_attention(q, k, v, attrs)
+    return reference.dense_causal_attention(q, k, v, attrs)
 
 
 def silu_mul(gate, up, *, name: str):
-    return kernels.silu_mul(gate, up)
+    return reference.silu_mul(gate, up)
 
 
 def add(a, b, *, name: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from builder.calibration import calibration_windows, capture_activations
 from builder.ir import Graph
-from builder.quant import awq_clip
+from builder.quant.awq import awq_clip
 from passes.context import PassContext
 from passes.quant_rewrite import requant_targets
 

@@ -18,10 +18,11 @@ import torch
 
 from builder.calibration import calibration_windows, capture_activations
 from builder.ir import Graph, Node
-from builder.quant import awq_search, fake_quantize
+from builder.quant.awq import awq_search
 from passes.context import PassContext
 from passes.quant_rewrite import is_float_weight_node, requant_targets
 from passes.rewrite import consumers
+from runtime.weights import int4
 
 
 @dataclass
@@ -49,7 +50,7 @@ def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
         if any(out.weights[n.inputs[1]].shape[1] % group_size for n in scale_set.searched):
             continue  # quantize_int4 reports the group size that does not divide
         weights = [out.tensors[n.inputs[1]] for n in scale_set.searched]
-        found = awq_search(activations[scale_set.input], weights, lambda w: fake_quantize(w, "int4", group_size),
+        found = awq_search(activations[scale_set.input], weights, lambda w: int4.fake_quantize(w, group_size),
                            channel_map=scale_set.channel_map)
         _fold(out, scale_set, found.scales)
         alphas.update((n.name, found.alpha) for n in scale_set.searched)

@@ -6,10 +6,11 @@ excluded ones (for them "higher precision" means what the file ships); "none" ke
 
 from __future__ import annotations
 
-from builder.gguf_source import BLOCK, gguf_blocks_to_int4, gguf_blocks_to_int8
+from builder.gguf_source import BLOCK, BLOCK_FORMATS
 from builder.ir import Graph
 from passes.context import PassContext
 from passes.quant_rewrite import REQUANT_METHODS, is_excluded, is_float_weight_node, quantize_node
+from runtime.weights import FORMATS
 
 
 def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
@@ -27,19 +28,7 @@ def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
         raw = ctx.model.raw_blocks(node.inputs[1])
         if raw is None:
             continue
-        if raw.ggml_type == "Q4_1":
-            quantize_node(out, node, "int4", BLOCK, lambda _: _int4(raw), cache)
-        else:
-            quantize_node(out, node, "int8", BLOCK, lambda _: _int8(raw), cache)
+        quant, convert = BLOCK_FORMATS[raw.ggml_type]
+        quantize_node(out, node, quant, BLOCK, lambda _: (dict(zip(FORMATS[quant].roles, convert(raw))), None), cache)
     out.drop_unused_weights()
     return out
-
-
-def _int4(raw):
-    q, scales, zeros = gguf_blocks_to_int4(raw)
-    return {"qweight": q, "scales": scales, "zeros": zeros}, None
-
-
-def _int8(raw):
-    q, scales = gguf_blocks_to_int8(raw)
-    return {"qweight": q, "scales": scales}, None

@@ -3,7 +3,8 @@
 A quantized linear/logits/embedding node keeps its op; attrs quant ("int8" | "int4" | "fp8"),
 group_size (None: one scale per output channel), layout "logical" until pack_weights, and
 operands = the roles of inputs[1:] with the quantized roles first (then "bias"). Logical operands
-are named after the float weight they replace, `<name minus .weight>.qweight` / `.scales` / `.zeros`:
+are named after the float weight they replace, `<name minus .weight>.qweight` / `.scales` / `.zeros`
+(the roles of the format in runtime.weights.FORMATS):
   qweight  [N, K]  int8 | uint8 codes 0..15 (int4) | float8_e4m3fn
   scales   [N] f32 per channel, or [N, K/G] per group
   zeros    [N, K/G] f32 (int4: w = (q - 8) * scale + zero)
@@ -18,9 +19,10 @@ import torch
 
 from builder.errors import KilnError
 from builder.ir import Graph, Node
+from runtime.weights import FORMATS
+from runtime.weights.format import Quantized
 
 WEIGHT_OPS = ("linear", "logits", "embedding")
-QUANT_ROLES = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros"), "fp8": ("qweight", "scales")}
 # plan method -> the weight format it rewrites to (int4-awq is int4 after fold_awq_scales)
 REQUANT_METHODS = {"int8": "int8", "int4": "int4", "int4-awq": "int4", "fp8": "fp8"}
 
@@ -77,7 +79,7 @@ def quantize_node(graph: Graph, node: Node, quant: str, group_size: int | None,
         if f"{base}.qweight" in graph.weights:  # the same weight under another scheme already
             base = f"{base}.{quant}" + (f"g{group_size}" if group_size else "")
         names = []
-        for role in QUANT_ROLES[quant]:
+        for role in FORMATS[quant].roles:
             graph.add_weight(f"{base}.{role}", parts[role].contiguous())
             names.append(f"{base}.{role}")
         cache[key] = (names, error)
@@ -85,19 +87,29 @@ def quantize_node(graph: Graph, node: Node, quant: str, group_size: int | None,
     roles = node.attrs.get("operands", ["weight"])
     node.inputs = [node.inputs[0], *names, *node.inputs[2:]]
     node.attrs.update(quant=quant, group_size=group_size, layout="logical",
-                      operands=[*QUANT_ROLES[quant], *roles[1:]])
+                      operands=[*FORMATS[quant].roles, *roles[1:]])
     if error is not None:
         graph.meta.setdefault("quant_error", {})[node.name] = round(error, 6)
 
 
+def logical_operands(quant: str, quantized: Quantized) -> dict[str, torch.Tensor]:
+    """Role -> tensor of a format's quantize() result (q, scales[, zeros])."""
+    return dict(zip(FORMATS[quant].roles, quantized))
+
+
 def requantize(graph: Graph, plan, quant: str, group_size: int | None,
-               make: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], float]]) -> Graph:
-    """The body of quantize_int8/int4/fp8: rewrite every requantization target with `make`."""
+               quantize: Callable[[torch.Tensor], Quantized]) -> Graph:
+    """The body of quantize_int8/int4/fp8: rewrite every requantization target with the format's `quantize`."""
     out = graph.replace()
     nodes = requant_targets(out, plan)
     # The int8 and fp8 kernels read K in steps of 8; int4 needs whole groups.
     check_divisible(out, nodes, group_size or 8, "[quant] group_size" if group_size else "the kernels' step of")
     cache: dict = {}
+
+    def make(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
+        quantized = quantize(weight)
+        return logical_operands(quant, quantized), quantized.error
+
     for node in nodes:
         quantize_node(out, node, quant, group_size, make, cache)
     out.drop_unused_weights()

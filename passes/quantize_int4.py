@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 from builder.ir import Graph
-from builder.quant import quantize_int4 as quantize
 from passes.context import PassContext
 from passes.quant_rewrite import requantize
+from runtime.weights import int4
 
 
 def quantize_int4(graph: Graph, ctx: PassContext) -> Graph:
     if ctx.plan.quant.method not in ("int4", "int4-awq"):
         return graph
     group_size = ctx.plan.quant.group_size
-
-    def int4(weight):
-        q, scales, zeros, error = quantize(weight, group_size)
-        return {"qweight": q, "scales": scales, "zeros": zeros}, error
-
-    return requantize(graph, ctx.plan, "int4", group_size, int4)
+    return requantize(graph, ctx.plan, "int4", group_size, lambda weight: int4.quantize(weight, group_size))

@@ -7,7 +7,7 @@ After fold_awq_scales has scaled the weights, each linear int4-awq rewrites gets
      rounded after it, through the second moments of the linear's inputs on the calibration text.
 Layers go in order, and each layer's inputs are captured with the layers before it already rounded,
 so a layer also makes up for the error that reaches it. Linears reading one input (q/k/v, gate/up)
-are rounded as one stacked matrix. quantize_int4 then rounds whatever is left (nothing, for llama).
+are rounded as one stacked matrix. quantize_int4 (the pass) then rounds whatever is left (nothing, for llama).
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from tqdm import tqdm
 
 from builder.calibration import MAX_TOKENS, calibration_windows, capture_activations
 from builder.ir import Graph, Node
-from builder.quant import dequantize_int4, fit_int4_grid, gptq_int4, relative_error
+from builder.quant.gptq import fit_int4_grid, gptq_int4
 from passes.context import PassContext
 from passes.quant_rewrite import quantize_node, requant_targets
 from passes.rewrite import consumers
+from runtime.weights import int4
+from runtime.weights.format import relative_error
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -52,7 +54,7 @@ def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
                 rows = slice(start, start + weight.shape[0])
                 start = rows.stop
                 parts = {"qweight": found.q[rows], "scales": found.scales[rows], "zeros": found.zeros[rows]}
-                approx = dequantize_int4(*parts.values())
+                approx = int4.dequantize(*parts.values())
                 working.tensors[node.inputs[1]] = approx
                 rounded[node.name] = (node, parts, relative_error(weight, approx))
     for node, parts, error in rounded.values():

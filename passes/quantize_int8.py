@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 from builder.ir import Graph
-from builder.quant import quantize_int8 as quantize
 from passes.context import PassContext
 from passes.quant_rewrite import requantize
+from runtime.weights import int8
 
 
 def quantize_int8(graph: Graph, ctx: PassContext) -> Graph:
     if ctx.plan.quant.method != "int8":
         return graph
-    return requantize(graph, ctx.plan, "int8", None, _int8)
-
-
-def _int8(weight):
-    q, scales, _, error = quantize(weight)
-    return {"qweight": q, "scales": scales}, error
+    return requantize(graph, ctx.plan, "int8", None, int8.quantize)

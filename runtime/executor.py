@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import attention, kernels, native_ops
 from runtime.backend import Executor
 from runtime.engine_format import KV_CACHE_DTYPES, RankFile
+from runtime.ops import attention, reference, rowops, tape
 from runtime.program import Hooks, Program
 from runtime.step import StepMetadata
 
@@ -86,13 +86,13 @@ class CpuExecutor(Executor):
 
     Step replay: when a step has the shape (tokens, sequences, logits rows) of the step before it,
     at most REPLAY_MAX_TOKENS tokens, and every op of the program is one C call, that step's calls
-    are recorded on a tape (native_ops.Recording); later steps of the same shape copy their inputs
+    are recorded on a tape (tape.Recording); later steps of the same shape copy their inputs
     into the recorded step's buffers and replay the tape in one C call, with no Python per op. The
     returned logits are then the recorded step's buffer: valid until the next step (callers sample
     before they step again). KILN_STEP_REPLAY=0 turns replay off.
     """
 
-    REPLAY_MAX_TOKENS = native_ops.REUSE_ROWS
+    REPLAY_MAX_TOKENS = tape.REUSE_ROWS
 
     def __init__(self, rank_file: RankFile, num_blocks: int, block_size: int, kv_dtype: str = "f32",
                  collectives: dict | None = None):
@@ -100,8 +100,8 @@ class CpuExecutor(Executor):
         self.meta: StepMetadata | None = None
         self.arrays: attention.StepArrays | None = None
         self.cache = KVCacheStorage(attention_layers(rank_file.program), num_blocks, block_size, kv_dtype)
-        self.rope_tables: dict[tuple, kernels.RopeTable] = {}  # one per distinct rope, shared by its layers
-        hooks = Hooks(attention=self._attention, gather_last=native_ops.recordable(lambda x: self._gather_last(x)),
+        self.rope_tables: dict[tuple, reference.RopeTable] = {}  # one per distinct rope, shared by its layers
+        hooks = Hooks(attention=self._attention, gather_last=tape.recordable(lambda x: self._gather_last(x)),
                       qkv_attention=self._qkv_attention,
                       **(collectives or {}))
         self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks, reuse_outputs=True)
@@ -126,7 +126,7 @@ class CpuExecutor(Executor):
                 and meta.block_tables.shape[1] <= recorded.meta.block_tables.shape[1]
                 and all(a is b for a, b in zip(recorded.rope, self._rope_buffers()))):
             _copy_step(recorded.meta, meta)
-            native_ops.replay(recorded.tape)
+            tape.replay(recorded.tape)
             self.replayed_steps += 1
             return recorded.output
         if shape != self.last_shape:  # record a shape only once it repeats (decode), not every prefill chunk
@@ -153,7 +153,7 @@ class CpuExecutor(Executor):
         own = StepMetadata(**{name: getattr(meta, name).clone() for name in _STEP_FIELDS}, block_tables=tables)
         _copy_step(own, meta)
         env: dict[str, torch.Tensor] = {}
-        with native_ops.Recording() as recording:
+        with tape.Recording() as recording:
             output = self._run(own, env, None)
         if recording.tape is not None:
             self.recorded_steps += 1
@@ -164,7 +164,7 @@ class CpuExecutor(Executor):
         return [table.packed for table in self.rope_tables.values()]
 
     def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return native_ops.gather_rows(x, self.meta.logits_indices)
+        return rowops.gather_rows(x, self.meta.logits_indices)
 
     def _kv_scale(self, attrs: dict) -> float:
         # int8/fp8 caches store k / kv_scale (calibrated per layer at build time); wider ones store k.
@@ -175,11 +175,11 @@ class CpuExecutor(Executor):
         scaling = rope.get("scaling")
         key = (rope["head_dim"], float(rope["theta"]), tuple(sorted(scaling.items())) if scaling else None)
         if key not in self.rope_tables:
-            self.rope_tables[key] = kernels.RopeTable(rope["head_dim"], rope["theta"], scaling)
+            self.rope_tables[key] = reference.RopeTable(rope["head_dim"], rope["theta"], scaling)
         layer = attention.LayerAttention(self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]],
                                          attrs["num_heads"], attrs["scale"], self._kv_scale(attrs),
                                          self.rope_tables[key], reuse_outputs=True)
-        return native_ops.recordable(lambda qkv, positions: layer(qkv, self.arrays))
+        return tape.recordable(lambda qkv, positions: layer(qkv, self.arrays))
 
     def _attention(self, attrs: dict):
         k_cache, v_cache = self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]]

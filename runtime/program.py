@@ -9,7 +9,11 @@ A runner that has a fused attention kernel (`Hooks.qkv_attention`) gets each lay
 when nothing else reads the chain's intermediate values; the IR itself stays op by op.
 
 A call whose function is marked `recordable` is exactly one C kernel call; when every call is,
-the executor can record a step on a tape and replay it (native_ops.Recording).
+the executor can record a step on a tape and replay it (runtime.ops.tape.Recording).
+
+`Program.run` is the one runner of a program: the executor (paged attention through its KV cache),
+the builder's reference interpreter and calibration (dense attention) differ only by their hooks,
+and calibration watches the run through an observer.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import kernels, native_ops
+from runtime.ops import linear, reference, rowops
 
 
 @dataclass
@@ -35,6 +39,13 @@ class Hooks:
     qkv_attention: Callable[[dict, dict], Callable] | None = None
 
 
+def dense_hooks(attention: Callable[[dict], Callable] | None = None, all_logits: bool = False) -> Hooks:
+    """Hooks of a single-rank run over whole sequences with no cache: dense causal attention (or
+    `attention`), and every position's logits with all_logits, else the last one's."""
+    dense = attention or (lambda attrs: lambda q, k, v: reference.dense_causal_attention(q, k, v, attrs))
+    return Hooks(dense, (lambda x: x) if all_logits else (lambda x: x[-1:]))
+
+
 @dataclass
 class Call:
     name: str
@@ -44,13 +55,17 @@ class Call:
 
     @property
     def recordable(self) -> bool:
-        """Each call is one C kernel call a step tape records (native_ops.Recording)."""
+        """Each call is one C kernel call a step tape records (runtime.ops.tape.Recording)."""
         return getattr(self.fn, "recordable", False)
+
+
+# (call index, call, env after the call) -> True to end the run there
+Observer = Callable[[int, Call, dict], bool]
 
 
 class Program:
     def __init__(self, program: dict, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False):
-        """reuse_outputs: nodes keep their output buffers from step to step (native_ops.Outputs), so a
+        """reuse_outputs: nodes keep their output buffers from step to step (runtime.ops.tape.Outputs), so a
         value is valid until its node runs again; for runners that consume each step's values within
         the step (the executor), never for callers that keep them (calibration)."""
         self.doc = program
@@ -83,13 +98,28 @@ class Program:
     def attention_layers(self) -> list[dict]:
         return [n["attrs"] for n in self.doc["nodes"] if n["op"] == "attention"]
 
-    def run(self, env: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        for call in self.calls:
+    def run(self, env: dict[str, torch.Tensor], observer: Observer | None = None) -> list[torch.Tensor] | None:
+        """Every call in order over env (value name -> tensor, holding the inputs); the program's outputs.
+
+        An observer sees env after each call and may end the run there (None is returned then); without
+        one the loop does nothing else, which keeps the executor's per-step cost one Python call per op.
+        """
+        if observer is None:
+            for call in self.calls:
+                result = call.fn(*[env[i] for i in call.inputs])
+                if len(call.outputs) == 1:
+                    env[call.outputs[0]] = result
+                elif call.outputs:  # send has none
+                    env.update(zip(call.outputs, result))
+            return [env[o] for o in self.outputs]
+        for index, call in enumerate(self.calls):
             result = call.fn(*[env[i] for i in call.inputs])
             if len(call.outputs) == 1:
                 env[call.outputs[0]] = result
-            elif call.outputs:  # send has none
+            elif call.outputs:
                 env.update(zip(call.outputs, result))
+            if observer(index, call, env):
+                return None
         return [env[o] for o in self.outputs]
 
     def _fusible_attention(self, nodes: list[dict]) -> dict[int, tuple[int, int, int]]:
@@ -125,41 +155,82 @@ class Program:
         return chains
 
     def _bind(self, node: dict, tensors: dict, hooks: Hooks) -> Call:
-        op, attrs, inputs = node["op"], node["attrs"], node["inputs"]
-        reuse = self.reuse_outputs and not set(node["outputs"]) & set(self.outputs)
-        acts = [i for i in inputs if i not in self.weight_names]
-        weights = [tensors[i] for i in inputs if i in self.weight_names]
-        if op in ("linear", "logits"):
-            fn = kernels.make_linear(attrs, kernels.operands_of(inputs, attrs, tensors), reuse)
-        elif op == "embedding":
-            fn = kernels.make_embedding(attrs, kernels.operands_of(inputs, attrs, tensors))
-        elif op == "rms_norm":
-            fn = native_ops.bind_rms_norm(weights[0].float().contiguous(), attrs["eps"], reuse)
-        elif op == "add_rms_norm":
-            fn = native_ops.bind_add_rms_norm(weights[0].float().contiguous(), attrs["eps"], reuse)
-        elif op == "split":
-            sizes = attrs["sizes"]
-            fn = lambda x: kernels.split(x, sizes)  # noqa: E731
-        elif op == "rope":
-            fn = kernels.make_rope(attrs)
-        elif op == "attention":
-            fn = hooks.attention(attrs)
-        elif op == "silu_mul":
-            width = node["types"][0]["shape"][-1]
-            fn = native_ops.bind_silu_mul(width, reuse) if len(acts) == 1 else kernels.silu_mul
-        elif op == "add":
-            fn = native_ops.bind_add(reuse)
-        elif op == "gather_last":
-            fn = hooks.gather_last
-        elif op in ("all_reduce", "all_gather"):
-            collective = getattr(hooks, op)
-            fn = collective and (lambda x: collective(x, attrs))
-        elif op == "send":
-            fn = lambda x: hooks.send(x, attrs)  # noqa: E731
-        elif op == "recv":
-            fn = lambda: hooks.recv(attrs)  # noqa: E731
-        else:
-            raise ValueError(f"program: op {op!r} of node {node['name']!r} has no kernel")
+        if node["op"] not in BINDERS:
+            raise ValueError(f"program: op {node['op']!r} of node {node['name']!r} has no kernel")
+        inputs = node["inputs"]
+        site = Site(node, node["attrs"], [tensors[i] for i in inputs if i in self.weight_names], tensors, hooks,
+                    self.reuse_outputs and not set(node["outputs"]) & set(self.outputs))
+        fn = BINDERS[node["op"]](site)
         if fn is None:
-            raise ValueError(f"program: node {node['name']!r} ({op}) needs a multi-rank runner")
-        return Call(node["name"], fn, acts, node["outputs"])
+            raise ValueError(f"program: node {node['name']!r} ({node['op']}) needs a multi-rank runner")
+        return Call(node["name"], fn, [i for i in inputs if i not in self.weight_names], node["outputs"])
+
+
+# ---------------------------------------------------------------------------------------- binders
+
+@dataclass(frozen=True)
+class Site:
+    """What a binder sees of one node: its weights are bound into the callable it returns."""
+
+    node: dict
+    attrs: dict
+    weights: list[torch.Tensor]          # the node's weight inputs, in order
+    tensors: dict[str, torch.Tensor]     # every weight of the program, by name
+    hooks: Hooks
+    reuse: bool                          # the node may keep its output buffers (runtime.ops.tape.Outputs)
+
+    def operands(self) -> dict[str, torch.Tensor]:
+        return linear.operands_of(self.node["inputs"], self.attrs, self.tensors)
+
+
+def _linear(site: Site):
+    return linear.bind_linear(site.attrs, site.operands(), site.reuse)
+
+
+def _silu_mul(site: Site):
+    if len(site.node["inputs"]) == 1:  # the fused gate | up projection
+        return rowops.bind_silu_mul(site.node["types"][0]["shape"][-1], site.reuse)
+    return reference.silu_mul
+
+
+def _split(site: Site):
+    sizes = site.attrs["sizes"]
+    return lambda x: reference.split(x, sizes)
+
+
+def _collective(op: str):
+    def bind(site: Site):
+        collective = getattr(site.hooks, op)
+        return collective and (lambda x: collective(x, site.attrs))
+
+    return bind
+
+
+def _send(site: Site):
+    return lambda x: site.hooks.send(x, site.attrs)
+
+
+def _recv(site: Site):
+    return lambda: site.hooks.recv(site.attrs)
+
+
+# op -> binder: (site) -> the node's callable over its activation inputs (None: the runner lacks the hook)
+BINDERS: dict[str, Callable[[Site], Callable | None]] = {
+    "linear": _linear,
+    "logits": _linear,
+    "embedding": lambda site: linear.bind_embedding(site.attrs, site.operands()),
+    "rms_norm": lambda site: rowops.bind_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"],
+                                                  site.reuse),
+    "add_rms_norm": lambda site: rowops.bind_add_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"],
+                                                          site.reuse),
+    "split": _split,
+    "rope": lambda site: reference.make_rope(site.attrs),
+    "attention": lambda site: site.hooks.attention(site.attrs),
+    "silu_mul": _silu_mul,
+    "add": lambda site: rowops.bind_add(site.reuse),
+    "gather_last": lambda site: site.hooks.gather_last,
+    "all_reduce": _collective("all_reduce"),
+    "all_gather": _collective("all_gather"),
+    "send": _send,
+    "recv": _recv,
+}

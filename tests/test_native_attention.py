@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from runtime import kernels
-from runtime.attention import kv_write, paged_attention, qkv_attention
+from runtime.ops import reference
+from runtime.ops.attention import kv_write, paged_attention, qkv_attention
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
 QUANT_SCALE = {torch.int8: 0.03, torch.float8_e4m3fn: 0.01}  # kv_scale per quantized cache dtype
@@ -288,13 +288,13 @@ def test_qkv_attention_equals_rope_kv_write_then_paged_attention(dtype, num_head
     positions = torch.cat([torch.arange(c - (int(qsl[s + 1]) - int(qsl[s])), c) for s, c in enumerate(ctx.tolist())])
     seq_of_token = torch.repeat_interleave(torch.arange(len(MIXED_STEP)), qsl[1:] - qsl[:-1])
     slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
-    table = kernels.RopeTable(head_dim, 10000.0, None)
+    table = reference.RopeTable(head_dim, 10000.0, None)
     table.ensure(int(ctx.max()) + 1)
     scale = 1.0 / math.sqrt(head_dim)
 
     # op by op: split, rope, kv_write, paged_attention on copies of the caches
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
-    rope = kernels.make_rope({"head_dim": head_dim, "theta": 10000.0, "num_heads": num_heads,
+    rope = reference.make_rope({"head_dim": head_dim, "theta": 10000.0, "num_heads": num_heads,
                               "num_kv_heads": num_kv_heads})
     q, k = rope(q, k, positions)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()

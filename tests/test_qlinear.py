@@ -9,7 +9,10 @@ int8 step (block amax / 127) per element times |w|.
 import pytest
 import torch
 
-from runtime import qlinear as ql
+from runtime.ops import linear as ql
+from runtime.weights import bf16 as bf16_weights
+from runtime.weights import fp8 as fp8_weights
+from runtime.weights import int4, int8
 
 EPS32 = 2.0 ** -24
 SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -102,8 +105,8 @@ def test_int4_matches_reference(isa, g, act):
         if k % g:
             continue
         q, s, z = random_int4(n, k, g, seed=idx, f16=idx % 2 == 0)
-        packed = ql.pack_int4(q, s, z, g)
-        w = ql.dequantize_int4(packed, n, k, g)
+        packed = int4.pack(q, s, z, g)
+        w = int4.dequantize_packed(packed, n, k, g)
         bias = torch.randn(n, generator=gen(idx))
         x, y = per_batch(k, lambda xt: ql.linear_int4(xt, packed, n, k, g, bias, act=act), seed=idx)
         ref = x.double() @ w.double().T + bias.double()
@@ -118,8 +121,8 @@ def test_int4_matches_reference(isa, g, act):
 def test_int8_matches_reference(isa, g, act):
     for idx, (n, k) in enumerate(run_shapes(isa, g == 32).values()):
         q, s = random_int8(n, k, g, seed=idx)
-        packed = ql.pack_int8(q, s, g)
-        w = ql.dequantize_int8(packed, n, k, g)
+        packed = int8.pack(q, s, g)
+        w = int8.dequantize_packed(packed, n, k, g)
         x, y = per_batch(k, lambda xt: ql.linear_int8(xt, packed, n, k, g, act=act), seed=idx)
         ref = x.double() @ w.double().T
         if act == "f32":
@@ -132,10 +135,10 @@ def test_int8_matches_reference(isa, g, act):
 def test_fp8_and_bf16_match_reference(isa):
     for idx, (n, k) in enumerate(run_shapes(isa).values()):
         codes = (torch.randn(n, k, generator=gen(idx)) * 30).to(torch.float8_e4m3fn)
-        fp8 = ql.pack_fp8(codes, torch.rand(n, generator=gen(idx)) + 0.01)
-        bf16 = ql.pack_bf16(torch.randn(n, k, generator=gen(idx)))
-        for packed, linear, w in ((fp8, ql.linear_fp8, ql.dequantize_fp8(fp8, n, k)),
-                                  (bf16, ql.linear_bf16, ql.dequantize_bf16(bf16, n, k))):
+        fp8 = fp8_weights.pack(codes, torch.rand(n, generator=gen(idx)) + 0.01)
+        bf16 = bf16_weights.pack(torch.randn(n, k, generator=gen(idx)))
+        for packed, linear, w in ((fp8, ql.linear_fp8, fp8_weights.dequantize_packed(fp8, n, k)),
+                                  (bf16, ql.linear_bf16, bf16_weights.dequantize_packed(bf16, n, k))):
             x, y = per_batch(k, lambda xt: linear(xt, packed, n, k), seed=idx)
             check_f32(y, x, w.abs(), x.double() @ w.double().T, k, k)
 
@@ -143,9 +146,9 @@ def test_fp8_and_bf16_match_reference(isa):
 def test_fp8_decodes_every_finite_code():
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].reshape(1, -1)[:, :248]  # 254 finite codes -> 248 (K % 8)
-    packed = ql.pack_fp8(codes, torch.tensor([1.0]))
+    packed = fp8_weights.pack(codes, torch.tensor([1.0]))
     expected = codes.view(torch.float8_e4m3fn).float()
-    assert torch.equal(ql.dequantize_fp8(packed, 1, 248), expected)
+    assert torch.equal(fp8_weights.dequantize_packed(packed, 1, 248), expected)
     x = torch.eye(248)
     assert torch.equal(ql.linear_fp8(x, packed, 1, 248)[:, 0], expected[0])  # one product each: exact
 
@@ -154,7 +157,7 @@ def test_avx512_and_portable_agree_on_int8_activations():
     if "avx512" not in ISAS:
         pytest.skip("no AVX-512")
     n, k, g = 40, 320, 64
-    packed = ql.pack_int4(*random_int4(n, k, g), g)
+    packed = int4.pack(*random_int4(n, k, g), g)
     x = torch.randn(17, k, generator=gen(3))
     ys = {}
     for name in ISAS:
@@ -166,7 +169,7 @@ def test_avx512_and_portable_agree_on_int8_activations():
 
 def test_threads_give_identical_results():
     n, k, g = 576, 576, 32
-    packed = ql.pack_int4(*random_int4(n, k, g), g)
+    packed = int4.pack(*random_int4(n, k, g), g)
     for t in (1, 17):
         x = torch.randn(t, k, generator=gen(t))
         for act in ("f32", "int8"):
@@ -182,13 +185,13 @@ def test_threads_give_identical_results():
 def test_int4_pack_round_trip_is_exact(f16):
     n, k, g = 40, 96, 32
     q, s, z = random_int4(n, k, g, f16=f16)
-    packed = ql.pack_int4(q, s, z, g)
+    packed = int4.pack(q, s, z, g)
     assert ("mins" in packed) == f16 and packed["scales"].dtype == (torch.float16 if f16 else torch.float32)
     assert packed["qweight"].shape == (3, k // 8, 64)
-    q2, s2, z2 = ql.unpack_int4(packed, n, k, g)
+    q2, s2, z2 = int4.unpack(packed, n, k, g)
     assert torch.equal(q2, q) and torch.equal(s2, s) and torch.equal(z2, z)
     expected = ((q.double() - 8) * s.double().repeat_interleave(g, 1) + z.double().repeat_interleave(g, 1)).float()
-    assert torch.equal(ql.dequantize_int4(packed, n, k, g), expected)
+    assert torch.equal(int4.dequantize_packed(packed, n, k, g), expected)
 
 
 @pytest.mark.parametrize("g", [None, 32])
@@ -196,15 +199,15 @@ def test_int8_pack_round_trip_is_exact(g):
     n, k = 33, 96
     q, s = random_int8(n, k, g)
     for scales in (s, s.half().float()):  # f32 kept as f32; f16-exact stored as f16
-        packed = ql.pack_int8(q, scales, g)
+        packed = int8.pack(q, scales, g)
         assert packed["scales"].dtype == (torch.float16 if scales is not s else torch.float32)
-        q2, s2 = ql.unpack_int8(packed, n, k, g)
+        q2, s2 = int8.unpack(packed, n, k, g)
         assert torch.equal(q2, q) and torch.equal(s2, scales)
 
 
 def test_bf16_pack_round_trip_is_exact():
     w = torch.randn(17, 64).to(torch.bfloat16)
-    assert torch.equal(ql.dequantize_bf16(ql.pack_bf16(w), 17, 64), w.float())
+    assert torch.equal(bf16_weights.dequantize_packed(bf16_weights.pack(w), 17, 64), w.float())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,8 +222,8 @@ def test_outliers_and_zero_scales(isa, act):
     s[4], z[4] = 0.0, 0.0  # row 4: all zero
     s[7] *= 1e4          # outlier row
     z[:, 2] = -8 * s[:, 2]  # group 2 symmetric (zero point cancels)
-    packed = ql.pack_int4(q, s, z, g)
-    w = ql.dequantize_int4(packed, n, k, g)
+    packed = int4.pack(q, s, z, g)
+    w = int4.dequantize_packed(packed, n, k, g)
     x = torch.randn(5, k, generator=gen(9))
     x[:, 11] *= 1e4      # outlier channel
     x[2] = 0.0           # an all-zero token (int8 step 0)
@@ -238,12 +241,12 @@ def test_outliers_and_zero_scales(isa, act):
 
 def test_empty_batch_and_out_argument():
     n, k, g = 40, 96, 32
-    packed = ql.pack_int4(*random_int4(n, k, g), g)
+    packed = int4.pack(*random_int4(n, k, g), g)
     assert ql.linear_int4(torch.empty(0, k), packed, n, k, g).shape == (0, n)
     out = torch.full((2, n), float("nan"))
     x = torch.randn(2, k)
     assert ql.linear_int4(x, packed, n, k, g, out=out) is out
-    torch.testing.assert_close(out, x @ ql.dequantize_int4(packed, n, k, g).T, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, x @ int4.dequantize_packed(packed, n, k, g).T, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,28 +256,28 @@ def test_empty_batch_and_out_argument():
 def test_make_linear_and_embedding_rows():
     n, k, g = 40, 96, 32
     q, s = random_int8(n, k, g)
-    packed = ql.pack_int8(q, s, g)
-    w = ql.dequantize_int8(packed, n, k, g)
+    packed = int8.pack(q, s, g)
+    w = int8.dequantize_packed(packed, n, k, g)
     bias = torch.randn(n)
-    attrs = {"quant": "int8", "layout": ql.LAYOUT_INT8, "out_features": n, "in_features": k, "group_size": g}
-    fn = ql.make_linear(attrs, dict(packed, bias=bias))
+    attrs = {"quant": "int8", "layout": int8.LAYOUT, "out_features": n, "in_features": k, "group_size": g}
+    fn = ql.bind_linear(attrs, dict(packed, bias=bias))
     x = torch.randn(6, 2 * k)[:, ::2]  # non-contiguous activations are made contiguous
     torch.testing.assert_close(fn(x), x @ w.T + bias, rtol=1e-5, atol=1e-5)
-    rows = ql.make_embedding_rows(dict(attrs, vocab_size=n, hidden_size=k), packed)
+    rows = ql.bind_embedding(dict(attrs, vocab_size=n, hidden_size=k), packed)
     ids = torch.tensor([0, 39, 17, 17])
     assert torch.equal(rows(ids), w[ids])
-    q4 = ql.pack_int4(*random_int4(n, k, g, f16=True), g)
-    rows4 = ql.make_embedding_rows({"quant": "int4", "layout": ql.LAYOUT_INT4, "vocab_size": n, "hidden_size": k,
+    q4 = int4.pack(*random_int4(n, k, g, f16=True), g)
+    rows4 = ql.bind_embedding({"quant": "int4", "layout": int4.LAYOUT, "vocab_size": n, "hidden_size": k,
                                     "group_size": g}, q4)
-    assert torch.equal(rows4(ids), ql.dequantize_int4(q4, n, k, g)[ids])
+    assert torch.equal(rows4(ids), int4.dequantize_packed(q4, n, k, g)[ids])
     many = torch.randint(0, n, (1000,), generator=gen(3))  # enough rows to run threaded
-    assert torch.equal(rows4(many), ql.dequantize_int4(q4, n, k, g)[many])
+    assert torch.equal(rows4(many), int4.dequantize_packed(q4, n, k, g)[many])
     with pytest.raises(ValueError, match="id 40 at 1 is outside 0..39"):
         rows(torch.tensor([3, 40]))
     with pytest.raises(ValueError, match="tokens must be a contiguous int64"):
         rows(torch.tensor([3, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="layout"):
-        ql.make_linear(dict(attrs, layout="q8.other"), packed)
+        ql.bind_linear(dict(attrs, layout="q8.other"), packed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,18 +287,18 @@ def test_make_linear_and_embedding_rows():
 def test_wrapper_errors():
     n, k, g = 40, 96, 32
     q, s, z = random_int4(n, k, g)
-    packed = ql.pack_int4(q, s, z, g)
+    packed = int4.pack(q, s, z, g)
     x = torch.randn(2, k)
     cases = [
-        (lambda: ql.pack_int4(q.to(torch.int8), s, z, g), "q must be"),
-        (lambda: ql.pack_int4(q, s.double(), z, g), "scales must be"),
-        (lambda: ql.pack_int4(q, s[:, :2], z, g), "scales must be"),
-        (lambda: ql.pack_int4(q[:, :80], s, z, 64), "not divisible"),
-        (lambda: ql.pack_int4(q, s, z, 48), "group_size"),
-        (lambda: ql.pack_int4(q | 16, s, z, g), "0..15"),
-        (lambda: ql.pack_int8(q.to(torch.int8), s[:, :2].contiguous(), g), "scales must be"),
-        (lambda: ql.pack_int8(q.to(torch.int8), torch.rand(n, 2), None), "scales must be"),
-        (lambda: ql.pack_fp8(torch.full((2, 8), 0x7F, dtype=torch.uint8), torch.ones(2)), "NaN"),
+        (lambda: int4.pack(q.to(torch.int8), s, z, g), "q must be"),
+        (lambda: int4.pack(q, s.double(), z, g), "scales must be"),
+        (lambda: int4.pack(q, s[:, :2], z, g), "scales must be"),
+        (lambda: int4.pack(q[:, :80], s, z, 64), "not divisible"),
+        (lambda: int4.pack(q, s, z, 48), "group_size"),
+        (lambda: int4.pack(q | 16, s, z, g), "0..15"),
+        (lambda: int8.pack(q.to(torch.int8), s[:, :2].contiguous(), g), "scales must be"),
+        (lambda: int8.pack(q.to(torch.int8), torch.rand(n, 2), None), "scales must be"),
+        (lambda: fp8_weights.pack(torch.full((2, 8), 0x7F, dtype=torch.uint8), torch.ones(2)), "NaN"),
         (lambda: ql.linear_int4(x.double(), packed, n, k, g), "x must be"),
         (lambda: ql.linear_int4(x.bfloat16(), packed, n, k, g), "x must be"),
         (lambda: ql.linear_int4(torch.randn(2, 2 * k)[:, ::2], packed, n, k, g), "x must be"),
@@ -308,7 +311,7 @@ def test_wrapper_errors():
         (lambda: ql.linear_int4(x, packed, n, k, g, bias=torch.randn(n + 1)), "bias must be"),
         (lambda: ql.linear_int4(x, packed, n, k, g, act="int4"), "act must be"),
         (lambda: ql.linear_int4(x, packed, n, k, g, out=torch.empty(2, n + 1)), "out must be"),
-        (lambda: ql.linear_int8(torch.randn(2, 40), ql.pack_int8(torch.zeros(8, 40, dtype=torch.int8),
+        (lambda: ql.linear_int8(torch.randn(2, 40), int8.pack(torch.zeros(8, 40, dtype=torch.int8),
                                                                   torch.ones(8)), 8, 40, act="int8"), "int8"),
     ]
     for fn, message in cases:

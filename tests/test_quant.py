@@ -1,4 +1,4 @@
-"""Quantization tensor math (builder/quant.py) and the packed layouts through the executor's kernels.
+"""Quantization tensor math (runtime/weights, builder/quant) and the packed layouts through the executor's kernels.
 
 Error bounds follow from the formats: round-to-nearest moves each weight by at most half a step,
 the step being scale (int8: max|w|/127 per channel; int4: (max - min)/15 per group); e4m3 keeps 3
@@ -8,15 +8,18 @@ mantissa bits, so a normal value moves by at most 2^-4 of itself and a subnormal
 import pytest
 import torch
 
-from builder import quant
 from builder.ir import Graph, Node, Value, verify
+from builder.packing import pack_graph
 from builder.plan import load_plan
+from builder.quant.awq import awq_clip, awq_search
+from builder.quant.gptq import fit_int4_grid, gptq_int4
 from passes.context import PassContext
-from passes.pack_weights import pack_graph
 from passes.quantize_fp8 import quantize_fp8
 from passes.quantize_int4 import quantize_int4
 from passes.quantize_int8 import quantize_int8
-from runtime import kernels
+from runtime.ops import linear
+from runtime.weights import fp8, int4, int8
+from runtime.weights.format import expand_scales, relative_error
 
 F32_SLACK = 1e-6  # relative float32 rounding in the dequantized weights
 
@@ -38,13 +41,13 @@ CASES = [(64, 256, False), (48, 384, True)]
 @pytest.mark.parametrize("group_size", [None, 32])
 def test_int8_error_is_at_most_half_a_step(n, k, outliers, group_size):
     w = weights(n, k, 0, outliers)
-    q, scales, zeros, error = quant.quantize_int8(w, group_size)
+    q, scales, zeros, error = int8.quantize(w, group_size)
     assert q.dtype == torch.int8 and int(q.abs().max()) <= 127 and zeros is None
     assert scales.shape == ((n,) if group_size is None else (n, k // group_size))
-    approx = quant.dequantize_int8(q, scales)
-    step = quant._expand(scales, k).float()
+    approx = int8.dequantize(q, scales)
+    step = expand_scales(scales, k).float()
     assert bool(((w - approx).abs() <= step / 2 + F32_SLACK * w.abs()).all())
-    assert error == pytest.approx(quant.relative_error(w, approx)) and error <= (step / 2).norm() / w.norm()
+    assert error == pytest.approx(relative_error(w, approx)) and error <= (step / 2).norm() / w.norm()
     if outliers:
         assert bool((approx[1] == 0).all())
 
@@ -53,13 +56,13 @@ def test_int8_error_is_at_most_half_a_step(n, k, outliers, group_size):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_error_is_at_most_half_a_step(n, k, outliers, group_size):
     w = weights(n, k, 1, outliers)
-    q, scales, zeros, error = quant.quantize_int4(w, group_size)
+    q, scales, zeros, error = int4.quantize(w, group_size)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15
     assert scales.shape == zeros.shape == (n, k // group_size)
-    approx = quant.dequantize_int4(q, scales, zeros)
-    step = quant._expand(scales, k).float()
+    approx = int4.dequantize(q, scales, zeros)
+    step = expand_scales(scales, k).float()
     assert bool(((w - approx).abs() <= step / 2 + F32_SLACK * (w.abs() + step)).all())
-    assert error == pytest.approx(quant.relative_error(w, approx)) and 0 < error <= (step / 2).norm() / w.norm()
+    assert error == pytest.approx(relative_error(w, approx)) and 0 < error <= (step / 2).norm() / w.norm()
     if outliers:
         assert bool((approx[1] == 0).all())
 
@@ -68,19 +71,19 @@ def test_int4_error_is_at_most_half_a_step(n, k, outliers, group_size):
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_fp8_error_is_within_three_mantissa_bits(n, k, outliers, per_channel):
     w = weights(n, k, 2, outliers)
-    q, scales, _, error = quant.quantize_fp8(w, per_channel)
+    q, scales, _, error = fp8.quantize(w, per_channel)
     assert q.dtype == torch.float8_e4m3fn and scales.shape == ((n,) if per_channel else (1,))
     assert not bool(q.float().isnan().any()) and float(q.float().abs().max()) <= 448
-    approx = quant.dequantize_fp8(q, scales)
+    approx = fp8.dequantize(q, scales)
     scale = scales.reshape(-1, 1).expand(n, 1)
     bound = torch.maximum(w.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + F32_SLACK)
     assert bool(((w - approx).abs() <= bound).all())
-    assert error == pytest.approx(quant.relative_error(w, approx)) and error <= bound.norm() / w.norm()
+    assert error == pytest.approx(relative_error(w, approx)) and error <= bound.norm() / w.norm()
 
 
 def test_int4_error_exceeds_fp8_exceeds_int8_on_gaussian_weights():
     w = weights(96, 256, 3, False)
-    errors = [quant.quantize_int4(w, 32).error, quant.quantize_fp8(w).error, quant.quantize_int8(w).error]
+    errors = [int4.quantize(w, 32).error, fp8.quantize(w).error, int8.quantize(w).error]
     assert errors == sorted(errors, reverse=True)
 
 
@@ -89,10 +92,10 @@ def test_awq_search_beats_round_to_nearest_on_outlier_activations():
     x = torch.randn(256, 128, generator=g)
     x[:, [7, 50, 91]] *= 40  # a few activation channels carry most of the signal
     w = [torch.randn(64, 128, generator=g) * 0.05, torch.randn(32, 128, generator=g) * 0.05]
-    found = quant.awq_search(x, w, lambda t: quant.fake_quantize(t, "int4", 32))
+    found = awq_search(x, w, lambda t: int4.fake_quantize(t, 32))
     assert found.alpha > 0 and found.error < 0.7 * found.error_rtn
     assert found.scales.shape == (128,) and bool((found.scales[[7, 50, 91]] > found.scales.median()).all())
-    tied = quant.awq_search(x, w, lambda t: quant.fake_quantize(t, "int4", 32), channel_map=torch.arange(128) % 64)
+    tied = awq_search(x, w, lambda t: int4.fake_quantize(t, 32), channel_map=torch.arange(128) % 64)
     assert tied.scales.shape == (64,) and tied.error <= tied.error_rtn
 
 
@@ -101,11 +104,11 @@ def test_awq_clip_never_raises_a_group_error_and_helps_on_the_whole():
     x = torch.randn(64, 128, generator=g)
     x[:, 9] *= 30
     w = torch.randn(48, 128, generator=g) * 0.05
-    clipped = quant.awq_clip(x, w, 32)
+    clipped = awq_clip(x, w, 32)
     assert bool((clipped.abs() <= w.abs()).all()) and bool((clipped.sign() * w.sign() >= 0).all())
 
     def group_errors(v):  # [N, K/G] squared error of each group's partial products
-        d = (quant.fake_quantize(v, "int4", 32) - w).reshape(48, 4, 32)
+        d = (int4.fake_quantize(v, 32) - w).reshape(48, 4, 32)
         return (torch.einsum("ngj,tgj->ngt", d, x.reshape(64, 4, 32)) ** 2).mean(-1)
 
     assert bool((group_errors(clipped) <= group_errors(w) * (1 + 1e-5)).all())
@@ -118,12 +121,12 @@ def test_gptq_keeps_the_round_to_nearest_grid_and_lowers_the_output_error():
     x = torch.randn(512, 128, generator=g) @ mix
     x[:, [3, 70]] *= 10
     w = torch.randn(80, 128, generator=g) * 0.05
-    nearest, gptq = quant.quantize_int4(w, 32), quant.gptq_int4(w, x, 32)
+    nearest, gptq = int4.quantize(w, 32), gptq_int4(w, x, 32)
     assert torch.equal(gptq.scales, nearest.scales) and torch.equal(gptq.zeros, nearest.zeros)
     assert gptq.q.dtype == torch.uint8 and int(gptq.q.max()) <= 15 and not torch.equal(gptq.q, nearest.q)
 
     def output_error(found):
-        return float((x @ (quant.dequantize_int4(found.q, found.scales, found.zeros) - w).T).pow(2).mean())
+        return float((x @ (int4.dequantize(found.q, found.scales, found.zeros) - w).T).pow(2).mean())
 
     assert output_error(gptq) < 0.8 * output_error(nearest)
     assert gptq.error > nearest.error  # the weights themselves move further: the outputs are what it keeps
@@ -136,9 +139,9 @@ def test_fitted_grids_keep_an_exact_grid_and_lower_the_weighted_error():
     scales, lo = torch.rand(24, 4, generator=g) * 0.1 + 0.01, torch.randn(24, 4, generator=g) * 0.1
     on_grid = (codes.reshape(24, 4, 32) * scales[..., None] + lo[..., None]).reshape(24, 128)
     importance = torch.rand(128, generator=g) + 0.1
-    fit_scales, fit_lo = quant.fit_int4_grid(on_grid, importance, 32)
+    fit_scales, fit_lo = fit_int4_grid(on_grid, importance, 32)
     zeros = fit_lo + 8 * fit_scales
-    assert torch.allclose(quant.dequantize_int4(quant.gptq_int4(on_grid, torch.randn(64, 128, generator=g), 32,
+    assert torch.allclose(int4.dequantize(gptq_int4(on_grid, torch.randn(64, 128, generator=g), 32,
                                                                 (fit_scales, fit_lo)).q, fit_scales, zeros),
                           on_grid, atol=1e-6)  # a Q4_1-style block is kept as it is
 
@@ -151,8 +154,8 @@ def test_fitted_grids_keep_an_exact_grid_and_lower_the_weighted_error():
         deq = (q * scales[..., None] + low[..., None]).reshape(40, 128)
         return float((importance * (w - deq) ** 2).sum())
 
-    plain = quant.quantize_int4(w, 32)
-    fitted = quant.fit_int4_grid(w, importance, 32)
+    plain = int4.quantize(w, 32)
+    fitted = fit_int4_grid(w, importance, 32)
     assert weighted_error(*fitted) < 0.85 * weighted_error(plain.scales, plain.zeros - 8 * plain.scales)
 
 
@@ -206,7 +209,7 @@ def test_packed_layouts_match_the_float_product_within_the_bit_width(scheme, gro
     verify(packed)
     node = packed.nodes[0]
     assert node.attrs["layout"] != "logical"
-    fn = kernels.make_linear(node.attrs, kernels.operands_of(node.inputs, node.attrs, packed.tensors))
+    fn = linear.bind_linear(node.attrs, linear.operands_of(node.inputs, node.attrs, packed.tensors))
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(6))
     reference = x.double() @ w.double().T + (bias.double() if with_bias else 0)
     bound = x.double().abs() @ weight_bound(w, scheme, group_size).double().T

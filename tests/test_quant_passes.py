@@ -15,16 +15,16 @@ from builder.errors import KilnError
 from builder.interpret import Interpreter
 from builder.ir import verify
 from builder.model import load_model
+from builder.packing import pack_graph
 from builder.plan import PlanError, plan_from_dict
-from builder.quant import dequantize_int8, quantize_int8
 from builder.trace import trace
 from conftest import exact_plan, make_tiny_llama
 from passes.context import PassContext
 from passes.fold_awq_scales import fold_awq_scales
-from passes.pack_weights import pack_graph
 from passes.quantize_int4 import quantize_int4
 from passes.quantize_int8 import quantize_int8 as quantize_int8_pass
 from runtime.engine_format import map_rank_file
+from runtime.weights import int8
 
 
 def plan_for(method: str, **quant):
@@ -135,8 +135,8 @@ def direct_figures(model_dir: Path, quantized_linears: bool) -> tuple[float, flo
     with torch.no_grad():
         for module in quantized.model.layers.modules():
             if isinstance(module, torch.nn.Linear) and quantized_linears:
-                q, scales, _, _ = quantize_int8(module.weight)
-                module.weight.copy_(dequantize_int8(q, scales))
+                q, scales, _, _ = int8.quantize(module.weight)
+                module.weight.copy_(int8.dequantize(q, scales))
     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(shipped_text("evaluation"),
                                                                         add_special_tokens=False).ids
     nll_ref = nll_q = kl = count = 0.0

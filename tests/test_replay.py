@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from runtime import native_ops
+from runtime.ops import rowops, tape
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.sampling import SamplingParams
 
@@ -13,64 +13,64 @@ from runtime.sampling import SamplingParams
 def test_a_tape_replays_its_calls_on_what_the_buffers_hold_now():
     g = torch.Generator().manual_seed(0)
     weight, x, residual = torch.randn(64, generator=g), torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
-    norm = native_ops.bind_add_rms_norm(weight, 1e-5, reuse=True)
-    silu = native_ops.bind_silu_mul(32, reuse=True)
-    with native_ops.Recording() as recording:
+    norm = rowops.bind_add_rms_norm(weight, 1e-5, reuse=True)
+    silu = rowops.bind_silu_mul(32, reuse=True)
+    with tape.Recording() as recording:
         out, total = norm(x, residual)
         act = silu(out)
-    assert native_ops.tape_size(recording.tape) == 2
+    assert tape.tape_size(recording.tape) == 2
     x.copy_(torch.randn(3, 64, generator=g))  # a new step's input, in place
-    native_ops.replay(recording.tape)
-    fresh_out, fresh_total = native_ops.add_rms_norm(x, residual, weight, 1e-5)
+    tape.replay(recording.tape)
+    fresh_out, fresh_total = rowops.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(out, fresh_out) and torch.equal(total, fresh_total)
-    assert torch.equal(act, native_ops.bind_silu_mul(32)(fresh_out))
+    assert torch.equal(act, rowops.bind_silu_mul(32)(fresh_out))
 
 
 def test_a_replay_checks_indices_again_before_computing():
     x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     indices = torch.tensor([3, 0])
-    with native_ops.Recording() as recording:
-        out = native_ops.gather_rows(x, indices)
+    with tape.Recording() as recording:
+        out = rowops.gather_rows(x, indices)
     assert out.tolist() == [[9, 10, 11], [0, 1, 2]]
     indices[1] = 2
-    native_ops.replay(recording.tape)
+    tape.replay(recording.tape)
     assert out.tolist() == [[9, 10, 11], [6, 7, 8]]
     indices[0] = 4
     with pytest.raises(ValueError, match=r"gather_rows: indices\[0\] = 4 is outside x's 4 rows"):
-        native_ops.replay(recording.tape)
+        tape.replay(recording.tape)
     assert out.tolist() == [[9, 10, 11], [6, 7, 8]]  # nothing ran
 
 
 def test_work_outside_the_c_calls_leaves_no_tape():
-    add = native_ops.bind_add()
-    with native_ops.Recording() as recording:
+    add = rowops.bind_add()
+    with tape.Recording() as recording:
         add(torch.ones(2, 4), torch.ones(4))  # broadcasting goes to torch.add, which no tape records
     assert recording.tape is None
-    with pytest.raises(RuntimeError, match="boom"), native_ops.Recording() as recording:
+    with pytest.raises(RuntimeError, match="boom"), tape.Recording() as recording:
         add(torch.ones(2, 4), torch.ones(2, 4))
         raise RuntimeError("boom")
     assert recording.tape is None
-    with native_ops.Recording() as recording:  # a new recording may start after either
+    with tape.Recording() as recording:  # a new recording may start after either
         add(torch.ones(2, 4), torch.ones(2, 4))
-    assert native_ops.tape_size(recording.tape) == 1
+    assert tape.tape_size(recording.tape) == 1
 
 
 def test_a_tape_records_only_the_calls_of_its_own_thread():
-    add, a = native_ops.bind_add(), torch.ones(2, 4)
+    add, a = rowops.bind_add(), torch.ones(2, 4)
     seen = []
 
     def other_thread():
         add(a, a)  # runs, but is not part of the recording thread's step
-        with native_ops.Recording() as inner:  # one recording at a time: this one runs unrecorded
+        with tape.Recording() as inner:  # one recording at a time: this one runs unrecorded
             add(a, a)
         seen.append((inner.recording, inner.tape))
 
-    with native_ops.Recording() as recording:
+    with tape.Recording() as recording:
         add(a, a)
         thread = threading.Thread(target=other_thread)
         thread.start()
         thread.join()
-    assert native_ops.tape_size(recording.tape) == 1 and seen == [(False, None)]
+    assert tape.tape_size(recording.tape) == 1 and seen == [(False, None)]
 
 
 @pytest.fixture(scope="module", params=["f32", "int8"])

@@ -26,7 +26,7 @@ from passes.fuse_qkv import fuse_qkv
 from passes.quantize_int4 import quantize_int4
 from passes.shard_tensor_parallel import shard_tensor_parallel
 from passes.split_pipeline_stages import split_pipeline_stages
-from runtime import kernels
+from runtime.ops import reference
 from runtime.program import Hooks, Program
 
 IDS = [1, 5, 9, 2, 77, 31, 100, 200, 3, 41]
@@ -174,7 +174,7 @@ class ThreadRanks:
             return pieces
 
         return Hooks(
-            attention=lambda a: (lambda q, k, v: kernels.dense_causal_attention(q, k, v, a)),
+            attention=lambda a: (lambda q, k, v: reference.dense_causal_attention(q, k, v, a)),
             gather_last=lambda x: x,
             all_reduce=lambda x, a: functools.reduce(torch.add, exchange(x)),
             all_gather=lambda x, a: torch.cat(exchange(x), dim=-1),

@@ -1,7 +1,7 @@
 /* Row-wise float32 kernels of the Kiln CPU runtime: rms_norm, add + rms_norm, silu(gate) * up.
  *
  * They replace chains of 3-6 torch ops whose dispatch costs more than their arithmetic for the
- * few rows of a decode step. Plain C over the buffer protocol: runtime/native_ops.py checks
+ * few rows of a decode step. Plain C over the buffer protocol: runtime/ops/rowops.py checks
  * dtypes and shapes; this file checks buffer lengths under the GIL, then computes without it,
  * with OpenMP over rows only when there is enough work to pay for waking the threads.
  */

@@ -1,5 +1,5 @@
 /* The packed weight layout of the qlinear kernels: formats, panels, codes, scales and zeros.
- * This is the one description of the layout; runtime/qlinear.py packs weights into it and every
+ * This is the one description of the layout; runtime/weights/ packs weights into it and every
  * kernel path (portable.c, avx2.c, avx512.c) reads it.
  *
  * A linear computes y[T, N] = x[T, K] @ W[N, K]^T (+ bias[N]). W is stored in panels of

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from runtime._native import _attention as _C
-from runtime.native_ops import Outputs
+from runtime.ops.checks import buffer, expect_contiguous, threads
+from runtime.ops.tape import Outputs
 
 # torch dtype of a KV cache -> the C kernel's element code
 CACHE_DTYPE_CODES = {
@@ -28,9 +29,6 @@ CACHE_DTYPE_CODES = {
     torch.float8_e4m3fn: _C.DTYPE_F8E4M3,
 }
 QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # store x / kv_scale
-
-# dtypes numpy cannot hold, viewed as same-width integers to reach the buffer protocol
-_NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,9 +42,9 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     """
     if check:
         _check_kv_write(key, value, k_cache, v_cache, slot_mapping, kv_scale)
-    _C.kv_write(key.numpy(), value.numpy(), _buffer(k_cache), _buffer(v_cache), slot_mapping.numpy(),
+    _C.kv_write(key.numpy(), value.numpy(), buffer(k_cache), buffer(v_cache), slot_mapping.numpy(),
                 k_cache.shape[2], k_cache.shape[3], CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale),
-                _threads(num_threads))
+                threads(num_threads))
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -63,10 +61,10 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     if check:
         _check_paged_attention(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                kv_scale)
-    _C.paged_attention(out.numpy(), query.numpy(), _buffer(k_cache), _buffer(v_cache), block_tables.numpy(),
+    _C.paged_attention(out.numpy(), query.numpy(), buffer(k_cache), buffer(v_cache), block_tables.numpy(),
                        context_lens.numpy(), query_start_loc.numpy(), query.shape[1], k_cache.shape[2],
                        query.shape[2], k_cache.shape[1], float(scale), CACHE_DTYPE_CODES[k_cache.dtype],
-                       float(kv_scale), _threads(num_threads))
+                       float(kv_scale), threads(num_threads))
     return out
 
 
@@ -78,16 +76,16 @@ def qkv_attention(out: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, v
     """One attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32 = q | k | v.
 
     Rotates q and k by position (rope [rows, hd] f32 = cos | sin of the first half of the
-    frequencies, as kernels.RopeTable.packed; positions [T] int64 index its rows), writes k and v
+    frequencies, as reference.RopeTable.packed; positions [T] int64 index its rows), writes k and v
     to the caches at slot_mapping like kv_write, then runs paged_attention into out [T, nh, hd].
     """
     if check:
         _check_qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions,
                              rope, slot_mapping, num_heads, kv_scale)
-    _C.qkv_attention(out.numpy(), qkv.numpy(), _buffer(k_cache), _buffer(v_cache), block_tables.numpy(),
+    _C.qkv_attention(out.numpy(), qkv.numpy(), buffer(k_cache), buffer(v_cache), block_tables.numpy(),
                      context_lens.numpy(), query_start_loc.numpy(), positions.numpy(), rope.numpy(),
                      slot_mapping.numpy(), num_heads, k_cache.shape[2], k_cache.shape[3], k_cache.shape[1],
-                     float(scale), CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale), _threads(num_threads))
+                     float(scale), CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale), threads(num_threads))
     return out
 
 
@@ -117,7 +115,7 @@ class LayerAttention:
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
                  kv_scale: float, rope_table, reuse_outputs: bool = False):
         _check_caches("qkv_attention", k_cache, v_cache, kv_scale)
-        self.k, self.v = _buffer(k_cache), _buffer(v_cache)
+        self.k, self.v = buffer(k_cache), buffer(v_cache)
         _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
         self.num_heads, self.scale, self.kv_scale = num_heads, float(scale), float(kv_scale)
         self.dtype = CACHE_DTYPE_CODES[k_cache.dtype]
@@ -143,20 +141,20 @@ class LayerAttention:
 
 def _check_kv_write(key, value, k_cache, v_cache, slot_mapping, kv_scale) -> None:
     fn = "kv_write"
-    _expect(fn, "key", key, torch.float32, 3, "[T, num_kv_heads, head_dim]")
-    _expect(fn, "value", value, torch.float32, 3, "[T, num_kv_heads, head_dim]", shape=key.shape)
+    expect_contiguous(fn, "key", key, torch.float32, 3, "[T, num_kv_heads, head_dim]")
+    expect_contiguous(fn, "value", value, torch.float32, 3, "[T, num_kv_heads, head_dim]", shape=key.shape)
     _check_caches(fn, k_cache, v_cache, kv_scale)
     if key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"{fn}: key [T, num_kv_heads, head_dim] = {tuple(key.shape)} does not match "
                          f"cache [num_blocks, block_size, num_kv_heads, head_dim] = {tuple(k_cache.shape)}")
-    _expect(fn, "slot_mapping", slot_mapping, torch.int64, 1, "[T]", shape=key.shape[:1])
+    expect_contiguous(fn, "slot_mapping", slot_mapping, torch.int64, 1, "[T]", shape=key.shape[:1])
 
 
 def _check_paged_attention(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            kv_scale) -> None:
     fn = "paged_attention"
-    _expect(fn, "query", query, torch.float32, 3, "[T, num_heads, head_dim]")
-    _expect(fn, "out", out, torch.float32, 3, "[T, num_heads, head_dim]", shape=query.shape)
+    expect_contiguous(fn, "query", query, torch.float32, 3, "[T, num_heads, head_dim]")
+    expect_contiguous(fn, "out", out, torch.float32, 3, "[T, num_heads, head_dim]", shape=query.shape)
     _check_caches(fn, k_cache, v_cache, kv_scale)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -175,25 +173,25 @@ def _check_qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens,
     if num_heads <= 0 or num_heads % nkv or hd % 2:
         raise ValueError(f"{fn}: num_heads ({num_heads}) must be a positive multiple of the cache's num_kv_heads "
                          f"({nkv}) and head_dim ({hd}) even")
-    _expect(fn, "qkv", qkv, torch.float32, 2, "[T, (num_heads + 2 num_kv_heads) head_dim]")
+    expect_contiguous(fn, "qkv", qkv, torch.float32, 2, "[T, (num_heads + 2 num_kv_heads) head_dim]")
     t = qkv.shape[0]
     if qkv.shape[1] != (num_heads + 2 * nkv) * hd:
         raise ValueError(f"{fn}: qkv must be [T, {(num_heads + 2 * nkv) * hd}] for {num_heads} + 2 x {nkv} heads "
                          f"of {hd}, got {tuple(qkv.shape)}")
-    _expect(fn, "out", out, torch.float32, 3, "[T, num_heads, head_dim]", shape=(t, num_heads, hd))
-    _expect(fn, "positions", positions, torch.int64, 1, "[T]", shape=(t,))
-    _expect(fn, "slot_mapping", slot_mapping, torch.int64, 1, "[T]", shape=(t,))
-    _expect(fn, "rope", rope, torch.float32, 2, "[rows, head_dim]")
+    expect_contiguous(fn, "out", out, torch.float32, 3, "[T, num_heads, head_dim]", shape=(t, num_heads, hd))
+    expect_contiguous(fn, "positions", positions, torch.int64, 1, "[T]", shape=(t,))
+    expect_contiguous(fn, "slot_mapping", slot_mapping, torch.int64, 1, "[T]", shape=(t,))
+    expect_contiguous(fn, "rope", rope, torch.float32, 2, "[rows, head_dim]")
     if rope.shape[1] != hd:
         raise ValueError(f"{fn}: rope must be [rows, {hd}], got {tuple(rope.shape)}")
     _check_sequences(fn, block_tables, context_lens, query_start_loc)
 
 
 def _check_sequences(fn: str, block_tables, context_lens, query_start_loc) -> None:
-    _expect(fn, "context_lens", context_lens, torch.int32, 1, "[S]")
+    expect_contiguous(fn, "context_lens", context_lens, torch.int32, 1, "[S]")
     num_seqs = context_lens.shape[0]
-    _expect(fn, "query_start_loc", query_start_loc, torch.int32, 1, "[S + 1]", shape=(num_seqs + 1,))
-    _expect(fn, "block_tables", block_tables, torch.int32, 2, "[S, max_blocks]")
+    expect_contiguous(fn, "query_start_loc", query_start_loc, torch.int32, 1, "[S + 1]", shape=(num_seqs + 1,))
+    expect_contiguous(fn, "block_tables", block_tables, torch.int32, 2, "[S, max_blocks]")
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"{fn}: block_tables must be [S, max_blocks] with S = {num_seqs}, "
                          f"got {tuple(block_tables.shape)}")
@@ -204,43 +202,10 @@ def _check_caches(fn: str, k_cache, v_cache, kv_scale) -> None:
     if k_cache.dtype not in CACHE_DTYPE_CODES:
         raise ValueError(f"{fn}: k_cache dtype must be one of {sorted(map(str, CACHE_DTYPE_CODES))}, "
                          f"got {k_cache.dtype}")
-    _expect(fn, "k_cache", k_cache, k_cache.dtype, 4, layout)
-    _expect(fn, "v_cache", v_cache, k_cache.dtype, 4, layout + " like k_cache", shape=k_cache.shape)
+    expect_contiguous(fn, "k_cache", k_cache, k_cache.dtype, 4, layout)
+    expect_contiguous(fn, "v_cache", v_cache, k_cache.dtype, 4, layout + " like k_cache", shape=k_cache.shape)
     if k_cache.dtype not in QUANTIZED_CACHE_DTYPES and kv_scale != 1.0:
         raise ValueError(f"{fn}: kv_scale applies to int8/float8_e4m3fn caches only; got {kv_scale} "
                          f"with a {k_cache.dtype} cache (pass 1.0)")
     if not kv_scale > 0.0:
         raise ValueError(f"{fn}: kv_scale must be positive, got {kv_scale}")
-
-
-def _expect(fn: str, name: str, t, dtype: torch.dtype, ndim: int, layout: str, shape=None) -> None:
-    """Raise ValueError unless t is a contiguous CPU tensor of dtype with ndim dims (and shape if given)."""
-    ok = (isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == ndim and t.is_contiguous()
-          and t.is_cpu and (shape is None or t.shape == shape))
-    if not ok:
-        expected = f"{tuple(shape)} " if shape is not None else ""
-        raise ValueError(f"{fn}: {name} must be {_dtype_name(dtype)} contiguous CPU {layout} {expected}"
-                         f"got {_describe(t)}")
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    layout = "contiguous" if t.is_contiguous() else "non-contiguous"
-    return f"{_dtype_name(t.dtype)} {tuple(t.shape)} {layout} on {t.device}"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# ---------------------------------------------------------------------------------------- buffers
-
-def _buffer(t: torch.Tensor):
-    """A numpy view of t's memory, which exposes the buffer protocol (tensors do not)."""
-    view = _NUMPY_VIEW.get(t.dtype)
-    return (t.view(view) if view is not None else t).numpy()
-
-
-def _threads(num_threads: int | None) -> int:
-    return torch.get_num_threads() if num_threads is None else num_threads

@@ -1,11 +1,10 @@
-"""Row-wise ops in C (_native._ops): rms_norm, add + rms_norm, silu(gate) * up, add, gather_rows;
-and step tapes (`Recording`), which record the C calls of a whole step to replay them.
+"""Row-wise ops in C (_native._ops): rms_norm, add + rms_norm, silu(gate) * up, add, gather_rows.
 
-Same math as the torch versions in runtime.kernels (the reference the tests compare against),
-in one call instead of 3-6 dispatched torch ops: for the few rows of a decode step the dispatch
-is most of the cost. Inputs must be float32 CPU tensors of the right width (a ValueError naming
-the argument otherwise) and contiguous (a strided one cannot be exported as a buffer: ValueError
-before anything runs).
+Same math as the torch references in runtime.ops.reference (what the tests compare against), in
+one call instead of 3-6 dispatched torch ops: for the few rows of a decode step the dispatch is
+most of the cost. Inputs must be float32 CPU tensors of the right width (a ValueError naming the
+argument otherwise) and contiguous (a strided one cannot be exported as a buffer: ValueError before
+anything runs). Each `bind_*` is recordable on a step tape (runtime.ops.tape).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from runtime._native import _ops as _C
+from runtime.ops.tape import Outputs, recordable, unrecorded
 
 
 def _f32(fn: str, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -20,77 +20,6 @@ def _f32(fn: str, name: str, t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{fn}: {name} must be a contiguous float32 CPU tensor, got {t.dtype} "
                          f"{tuple(t.shape)} {'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
     return t
-
-
-REUSE_ROWS = 64  # outputs of at most this many rows are kept for reuse (decode and small batches)
-
-
-def recordable(fn):
-    """Marks a bound op whose every call is exactly one C call a tape records (see Recording)."""
-    fn.recordable = True
-    return fn
-
-
-class Recording:
-    """Records every Kiln C kernel call made inside the `with` block into a tape (`self.tape`).
-
-    A replay (`replay(tape)`) runs the same calls on the same buffers, so the caller must keep every
-    buffer the calls touched alive and unmoved, and write a new step's inputs into them in place.
-    A recordable op that had to take another path (a copy, a torch op) calls `unrecorded()`; the
-    tape is then None, as it is when the block raises.
-    """
-
-    active: Recording | None = None
-
-    def __enter__(self) -> Recording:
-        self.tape = None
-        self.recording = self.complete = _C.tape_begin()  # False: another thread records; run unrecorded
-        if self.recording:
-            Recording.active = self
-        return self
-
-    def __exit__(self, kind, *_) -> None:
-        if self.recording:
-            Recording.active = None
-            tape = _C.tape_end()
-            self.tape = tape if kind is None and self.complete else None
-
-
-def unrecorded() -> None:
-    """Called by a recordable op that did work outside its C call: a tape recording now is incomplete."""
-    if Recording.active is not None:
-        Recording.active.complete = False
-
-
-def replay(tape) -> None:
-    """Run a recorded tape again (the index checks of its calls first; a ValueError if one fails)."""
-    _C.replay(tape)
-
-
-def tape_size(tape) -> int:
-    return _C.tape_size(tape)
-
-
-class Outputs:
-    """Output buffers of one node, as (tensor, numpy view) pairs shaped like x with new last sizes.
-
-    Fresh per call; with reuse=True, 2-D outputs of at most REUSE_ROWS rows are kept while the row
-    count stays the same (decode steps repeat it), saving the allocation and the numpy view. A kept
-    output is overwritten when the node runs again: only for runners whose values live one step.
-    """
-
-    def __init__(self, widths: tuple[int, ...], reuse: bool = False):
-        self.widths, self.reuse = widths, reuse
-        self.rows, self.kept = -1, ()
-
-    def get(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, object], ...]:
-        rows = x.shape[0] if x.dim() == 2 else -1
-        if self.reuse and rows == self.rows:
-            return self.kept
-        made = tuple((t, t.numpy()) for t in (x.new_empty(x.shape[:-1] + (w,)) for w in self.widths))
-        if self.reuse and 0 <= rows <= REUSE_ROWS:
-            self.rows, self.kept = rows, made
-        return made
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,10 +1,8 @@
-"""Torch CPU kernels for the IR's dense ops, shared by the executor and the builder's interpreter.
+"""Torch reference kernels of the IR's dense ops: what the tracer's leaves compute and the C kernels are tested against.
 
-rms_norm, add_rms_norm and silu_mul here are the torch references (the tracer's leaf functions and
-the tests use them); programs bind the C versions in runtime.native_ops.
-
-Each `make_<op>(attrs, weights)` binds a node's attributes and weight tensors once and returns a
-callable over the node's activation inputs, so the per-step cost is one Python call per node.
+rms_norm, add_rms_norm and silu_mul here are the references; programs bind the C versions in
+runtime.ops.rowops. make_rope binds a rope node's table once and returns a callable over
+(q, k, positions); RopeTable is also the fused attention kernel's table.
 """
 
 from __future__ import annotations
@@ -85,44 +83,6 @@ def make_rope(attrs: dict):
     return rope
 
 
-def make_linear(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool = False):
-    """A float or quantized linear; `operands` maps roles (weight, bias, scales, ...) to tensors;
-    reuse keeps a quantized linear's output buffer from call to call (native_ops.Outputs)."""
-    quant = attrs.get("quant", "none")
-    bias = operands.get("bias")
-    if quant == "none":
-        weight = operands["weight"]
-        if weight.dtype != torch.float32:
-            return lambda x: F.linear(x.to(weight.dtype), weight, bias).float()
-        return lambda x: F.linear(x, weight, bias)
-    from runtime import qlinear  # the quantized kernels, imported only when a program needs them
-
-    return qlinear.make_linear(attrs, operands, reuse)
-
-
-def make_embedding(attrs: dict, operands: dict[str, torch.Tensor]):
-    start = attrs.get("vocab_start", 0)
-    quant = attrs.get("quant", "none")
-    if quant == "none":
-        weight = operands["weight"]
-        rows = lambda ids: weight[ids].float()  # noqa: E731
-    else:
-        from runtime import qlinear
-
-        rows = qlinear.make_embedding_rows(attrs, operands)
-    vocab = attrs["vocab_size"]
-    if start == 0 and vocab == attrs.get("full_vocab_size", vocab):
-        return rows
-
-    def sharded(tokens):
-        local = tokens - start
-        inside = (local >= 0) & (local < vocab)
-        out = rows(local.clamp(0, vocab - 1))
-        return out * inside[:, None]
-
-    return sharded
-
-
 def silu_mul(*xs: torch.Tensor) -> torch.Tensor:
     if len(xs) == 1:
         gate, up = xs[0].chunk(2, dim=-1)
@@ -149,9 +109,3 @@ def dense_causal_attention(q, k, v, attrs: dict) -> torch.Tensor:
     v = v.reshape(t, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attrs["scale"])
     return out.transpose(0, 1).reshape(t, nh * hd)
-
-
-def operands_of(node_inputs: list[str], attrs: dict, tensors: dict) -> dict[str, torch.Tensor]:
-    """Role -> tensor for a linear/logits/embedding node whose inputs[1:] are weights."""
-    roles = attrs.get("operands", ["weight"])
-    return {role: tensors[name] for role, name in zip(roles, node_inputs[1:])}

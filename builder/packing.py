@@ -1,0 +1,43 @@
+"""Packing a graph's logical quantized operands into the kernels' panel layout (each format's pack, by registry)."""
+
+from __future__ import annotations
+
+from builder.ir import Graph
+from runtime.weights import FORMATS
+
+
+def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
+    """A copy of `graph` whose logical quantized nodes read packed operands (layout = the kernel's id)."""
+    out = graph.replace()
+    packed: dict[tuple, tuple[list[str], list[str]]] = {}  # logical operand names -> (packed names, roles)
+    for node in out.nodes:
+        attrs = node.attrs
+        if attrs.get("quant", "none") == "none" or attrs.get("layout") != "logical":
+            continue
+        fmt = FORMATS[attrs["quant"]]
+        count = len(fmt.roles)
+        logical = tuple(node.inputs[1:1 + count])
+        if logical not in packed:
+            packed[logical] = _pack(out, attrs["quant"], attrs["group_size"], logical)
+        names, roles = packed[logical]
+        node.inputs = [node.inputs[0], *names, *node.inputs[1 + count:]]
+        node.attrs = dict(attrs, layout=fmt.layout, operands=[*roles, *attrs["operands"][count:]])
+        if runs_int8_activations(node.op, node.attrs, activations):
+            node.attrs["act"] = "int8"
+    out.drop_unused_weights()
+    return out
+
+
+def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, ...]):
+    parts = FORMATS[quant].pack([graph.tensors[name] for name in logical], group_size)
+    base = logical[0].removesuffix(".qweight")
+    for role, tensor in parts.items():
+        graph.add_weight(f"{base}.{role}", tensor)
+    return [f"{base}.{role}" for role in parts], list(parts)
+
+
+def runs_int8_activations(op: str, attrs: dict, activations: str) -> bool:
+    """The VNNI path takes int4/int8 linears (and logits) whose input width is a multiple of 32."""
+    quant = attrs.get("quant")
+    return (activations == "int8" and op in ("linear", "logits") and quant in FORMATS
+            and FORMATS[quant].int8_activations and attrs["in_features"] % 32 == 0)
