@@ -1,6 +1,6 @@
 """The kernels' panel layout, shared by every packed format: output rows in panels of 16.
 
-Rows are padded with zeros to P = ceil(N/16) panels. Per format (runtime/_native/qlinear.c reads them):
+Rows are padded with zeros to P = ceil(N/16) panels. Per format (runtime/_native/qlinear/layout.h describes them):
   "qweight" codes, panel-major: int4 uint8 [P, K/8, 64], int8 int8 [P, K/4, 64], fp8 uint8 [P, K, 16],
             bf16 [P, K, 16] (the byte order inside a panel is each format module's pack);
   "scales"  [P, K/G, 16] f32, or f16 when that is lossless (G = 1 group per channel: [P, 1, 16]);

@@ -1,5 +1,5 @@
 /* The _attention module: argument checks and Python bindings of the paged-attention and KV-write
- * kernels. runtime/attention.py checks dtypes and shapes and passes flat buffers plus sizes; this
+ * kernels. runtime/ops/attention.py checks dtypes and shapes and passes flat buffers plus sizes; this
  * file checks buffer lengths and the metadata values (slots, block ids, query offsets) while it
  * holds the GIL, before touching any data, then releases the GIL for the kernels. */
 #include "kernels.h"
