@@ -9,8 +9,6 @@ from passes.context import PassContext
 
 def calibrate_kv_scales(graph: Graph, ctx: PassContext) -> Graph:
     kv_dtype = ctx.plan.kv_cache.dtype
-    if kv_dtype not in KV_MAX:
-        return graph
     layers = [n for n in graph.nodes if n.op == "attention"]
     keys_values = {name for n in layers for name in n.inputs[1:3]}  # k after rope, v
     amax = dict.fromkeys(keys_values, 0.0)

@@ -19,8 +19,6 @@ UNCLIPPED = ("q_proj", "k_proj")
 
 
 def clip_awq_weights(graph: Graph, ctx: PassContext) -> Graph:
-    if ctx.plan.quant.method != "int4-awq" or ctx.plan.quant.rounding == "gptq":
-        return graph
     group_size = ctx.plan.quant.group_size
     out = graph.replace()
     nodes = [n for n in requant_targets(out, ctx.plan) if n.op == "linear" and not n.name.endswith(UNCLIPPED)

@@ -37,8 +37,6 @@ class ScaleSet:
 
 
 def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
-    if ctx.plan.quant.method != "int4-awq":
-        return graph
     out = graph.replace()
     sets = _scale_sets(out, {n.name for n in requant_targets(out, ctx.plan) if n.op == "linear"})
     if not sets:

@@ -9,13 +9,13 @@ from __future__ import annotations
 from builder.gguf_source import BLOCK, BLOCK_FORMATS
 from builder.ir import Graph
 from passes.context import PassContext
-from passes.quant_rewrite import REQUANT_METHODS, is_excluded, is_float_weight_node, quantize_node
+from passes.quant_rewrite import is_excluded, is_float_weight_node, quantize_node
 from runtime.weights import FORMATS
 
 
 def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
     method = ctx.plan.quant.method
-    if ctx.model is None or method not in ("source", *REQUANT_METHODS):
+    if ctx.model is None:  # a graph that did not come from a model source has no blocks to keep
         return graph
     out = graph.replace()
     names = set(ctx.model.weight_names())

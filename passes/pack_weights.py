@@ -12,6 +12,4 @@ LAYOUTS = {name: fmt.layout for name, fmt in QUANTIZED_FORMATS.items()}
 
 def pack_weights(graph: Graph, ctx: PassContext) -> Graph:
     # The panel layout is the cpu target's; the tensorrt target exports the logical operands (ONNX Q/DQ).
-    if ctx.plan.target != "cpu":
-        return graph
     return pack_graph(graph, ctx.plan.quant.activations)

@@ -9,6 +9,4 @@ from runtime.weights import fp8
 
 
 def quantize_fp8(graph: Graph, ctx: PassContext) -> Graph:
-    if ctx.plan.quant.method != "fp8":
-        return graph
     return requantize(graph, ctx.plan, "fp8", None, lambda weight: fp8.quantize(weight, per_channel=True))

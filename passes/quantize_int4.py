@@ -9,7 +9,5 @@ from runtime.weights import int4
 
 
 def quantize_int4(graph: Graph, ctx: PassContext) -> Graph:
-    if ctx.plan.quant.method not in ("int4", "int4-awq"):
-        return graph
     group_size = ctx.plan.quant.group_size
     return requantize(graph, ctx.plan, "int4", group_size, lambda weight: int4.quantize(weight, group_size))

@@ -30,8 +30,6 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
-    if ctx.plan.quant.method != "int4-awq" or ctx.plan.quant.rounding != "gptq":
-        return graph
     group_size = ctx.plan.quant.group_size
     out = graph.replace()
     users = consumers(out)

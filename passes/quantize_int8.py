@@ -9,6 +9,4 @@ from runtime.weights import int8
 
 
 def quantize_int8(graph: Graph, ctx: PassContext) -> Graph:
-    if ctx.plan.quant.method != "int8":
-        return graph
     return requantize(graph, ctx.plan, "int8", None, int8.quantize)
