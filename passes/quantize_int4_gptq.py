@@ -12,8 +12,6 @@ are rounded as one stacked matrix. quantize_int4 (the pass) then rounds whatever
 
 from __future__ import annotations
 
-import re
-
 import torch
 from tqdm import tqdm
 
@@ -26,7 +24,6 @@ from passes.rewrite import consumers
 from runtime.weights import int4
 from runtime.weights.format import relative_error
 
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
@@ -62,11 +59,10 @@ def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
 
 
 def _layers(nodes: list[Node]) -> list[dict[str, list[Node]]]:
-    """The nodes' inputs in graph order, grouped by transformer layer (from the node names), each
+    """The nodes' inputs in graph order, grouped by transformer layer (the trace's `layer`), each
     input with the nodes that read it; nodes outside any layer form a group of their own."""
-    layers: dict[str, dict[str, list[Node]]] = {}
+    layers: dict[int | str, dict[str, list[Node]]] = {}
     for node in nodes:
-        match = LAYER.search(node.name)
-        key = match.group(1) if match else node.name
+        key = node.name if node.layer is None else node.layer
         layers.setdefault(key, {}).setdefault(node.inputs[0], []).append(node)
     return list(layers.values())
