@@ -156,3 +156,12 @@ def smollm2_exact_engine(tmp_path_factory):
     out = tmp_path_factory.mktemp("engines") / "smollm2-135m-exact"
     build_engine("smollm2-135m", exact_plan(), out, show_progress=False)
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/e2e builds, runs or serves real engines: marked slow, so
+    `python -m pytest -m "not slow"` is the fast set (the unit tests)."""
+    e2e = Path(__file__).parent / "e2e"
+    for item in items:
+        if e2e in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("builder", "passes", "runtime")
 DRIVERS = ("builder.pipeline", "builder.build", "builder.emit", "builder.verify", "builder.cli")
 

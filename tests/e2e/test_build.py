@@ -104,7 +104,7 @@ def test_the_cpu_flags_engines_require_are_the_ones_the_kernels_are_compiled_for
 
     from runtime._native import required_cpu_flags
 
-    doc = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    doc = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     for ext in doc["tool"]["setuptools"]["ext-modules"]:
         flags = [m.group(1) for a in ext["extra-compile-args"] if (m := re.fullmatch(r"-m(\w+)", a))]
         assert flags == required_cpu_flags(), ext["name"]

@@ -18,7 +18,7 @@ from runtime.engine import EngineOptions, LLMEngine
 from runtime.sampling import SamplingParams
 
 MODEL = "tiny"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
