@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import runtime  # noqa: F401  (before torch: sets the OpenMP wait policy)
-import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2
 CHAT_TEMPLATE = (
@@ -135,6 +135,21 @@ def build_tiny_engine(tmp_path_factory):
         return out
 
     return build
+
+
+def canonical_graph(model_dir):
+    """The model at `model_dir` traced, with every weight loaded, after canonicalize: (graph, model)."""
+    from builder.model import load_model
+    from builder.plan import Plan
+    from builder.trace import trace
+    from passes.canonicalize import canonicalize
+    from passes.context import PassContext
+
+    model = load_model(str(model_dir))
+    graph = trace(model)
+    for name in graph.weights:
+        graph.tensors[name] = model.load(name)
+    return canonicalize(graph, PassContext(plan=Plan())), model
 
 
 @pytest.fixture(scope="session")

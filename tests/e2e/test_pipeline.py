@@ -4,15 +4,12 @@ the manifest listing exactly those."""
 import json
 
 import pytest
+from conftest import canonical_graph, exact_plan
 
 from builder.build import build_engine
-from builder.model import load_model
 from builder.pipeline import build_pipeline
 from builder.plan import Plan, load_plan
-from builder.trace import trace
-from conftest import exact_plan
 from passes.calibrate_kv_scales import calibrate_kv_scales
-from passes.canonicalize import canonicalize
 from passes.clip_awq_weights import clip_awq_weights
 from passes.context import PassContext
 from passes.fold_awq_scales import fold_awq_scales
@@ -77,11 +74,7 @@ def test_each_pass_carries_what_it_depends_on():
 
 @pytest.fixture(scope="module")
 def canonical(tiny_llama_dir):
-    model = load_model(str(tiny_llama_dir))
-    graph = trace(model)
-    for name in graph.weights:
-        graph.tensors[name] = model.load(name)
-    return canonicalize(graph, PassContext(plan=Plan())), model
+    return canonical_graph(tiny_llama_dir)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int4-awq", "int4-awq-nearest", "fp8", "none-kv-int8"])

@@ -4,13 +4,11 @@ import json
 
 import pytest
 import torch
+from conftest import canonical_graph
 
 from builder.interpret import Interpreter
 from builder.ir import verify
-from builder.model import load_model
 from builder.plan import Plan
-from builder.trace import trace
-from passes.canonicalize import canonicalize
 from passes.context import PassContext
 from passes.fuse_add_rms_norm import fuse_add_rms_norm
 from passes.fuse_gate_up import fuse_gate_up
@@ -21,11 +19,7 @@ CTX = PassContext(plan=Plan())
 
 @pytest.fixture(scope="module")
 def graph(tiny_llama_dir):
-    model = load_model(str(tiny_llama_dir))
-    g = trace(model)
-    for name in g.weights:
-        g.tensors[name] = model.load(name)
-    return canonicalize(g, CTX)
+    return canonical_graph(tiny_llama_dir)[0]
 
 
 def ops(g, prefix="layers.0."):
