@@ -12,12 +12,8 @@ import torch
 from runtime.backend import Executor
 from runtime.engine_format import KV_CACHE_DTYPES, RankFile
 from runtime.ops import attention, reference, rowops, tape
-from runtime.program import Hooks, Program
+from runtime.program import Hooks, Program, attention_layers
 from runtime.step import StepMetadata
-
-
-def attention_layers(program_json: str) -> list[dict]:
-    return [n["attrs"] for n in json.loads(program_json)["nodes"] if n["op"] == "attention"]
 
 
 def recycle_large_allocations() -> bool:
@@ -99,12 +95,13 @@ class CpuExecutor(Executor):
         recycle_large_allocations()
         self.meta: StepMetadata | None = None
         self.arrays: attention.StepArrays | None = None
-        self.cache = KVCacheStorage(attention_layers(rank_file.program), num_blocks, block_size, kv_dtype)
+        doc = json.loads(rank_file.program)
+        self.cache = KVCacheStorage(attention_layers(doc), num_blocks, block_size, kv_dtype)  # binding reads it
         self.rope_tables: dict[tuple, reference.RopeTable] = {}  # one per distinct rope, shared by its layers
         hooks = Hooks(attention=self._attention, gather_last=tape.recordable(lambda x: self._gather_last(x)),
                       qkv_attention=self._qkv_attention,
                       **(collectives or {}))
-        self.program = Program.from_json(rank_file.program, rank_file.tensors, hooks, reuse_outputs=True)
+        self.program = Program(doc, rank_file.tensors, hooks, reuse_outputs=True)
         self.replay = (self.program.recordable and bool(self.program.outputs)
                        and os.environ.get("KILN_STEP_REPLAY", "1") != "0")
         self.recorded: RecordedStep | None = None

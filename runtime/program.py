@@ -27,6 +27,11 @@ import torch
 from runtime.ops import linear, reference, rowops
 
 
+def attention_layers(program: dict) -> list[dict]:
+    """The attrs of every attention node of a program (the layers a KV cache holds), in order."""
+    return [n["attrs"] for n in program["nodes"] if n["op"] == "attention"]
+
+
 @dataclass
 class Hooks:
     attention: Callable[[dict], Callable]     # attrs -> fn(q, k, v) -> out
@@ -93,10 +98,6 @@ class Program:
     @staticmethod
     def from_json(text: str, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False) -> Program:
         return Program(json.loads(text), tensors, hooks, reuse_outputs)
-
-    @property
-    def attention_layers(self) -> list[dict]:
-        return [n["attrs"] for n in self.doc["nodes"] if n["op"] == "attention"]
 
     def run(self, env: dict[str, torch.Tensor], observer: Observer | None = None) -> list[torch.Tensor] | None:
         """Every call in order over env (value name -> tensor, holding the inputs); the program's outputs.
