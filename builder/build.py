@@ -31,7 +31,7 @@ class BuildResult:
 
 def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = False,
                  options: PipelineOptions | None = None, show_progress: bool = True,
-                 calibration_text: str | None = None) -> BuildResult:
+                 calibration_text: str | None = None, onnx_only: bool = False) -> BuildResult:
     model = load_model(model_source)
     identity = {"name": model.name, "architecture": model.config.architecture,
                 "config": model.config.to_dict(), "weights_sha256": model.weights_sha256()}
@@ -39,7 +39,11 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
         calibration_text = _read_calibration(plan.quant.calib)
     pipeline = build_pipeline(plan, calibration_text)
     passes = [step.record() for step in pipeline]
-    build_id = emit.build_id(identity, plan.to_dict(), passes)
+    build_id = emit.build_id(identity, plan.to_dict(), passes + ([{"name": "onnx_only"}] if onnx_only else []))
+    if plan.target == "tensorrt" and not onnx_only:
+        from builder.tensorrt_compile import find_toolchain
+
+        find_toolchain(load_devices()[plan.device].compute_capability)  # before any work: can it be compiled here?
     if emit.is_up_to_date(out, build_id):
         return BuildResult(out, json.loads((out / "manifest.json").read_text()), True)
     emit.check_output_dir(out, force)
@@ -48,7 +52,17 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     # Weights are read from the source when a pass or the emitter needs them, never all at once.
     graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
     ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text, show_progress=show_progress)
-    graphs = run_pipeline(graph, ctx, pipeline, options)
+    write_ranks = None
+    if plan.target == "tensorrt":
+        # The whole program before sharding is the reference each rank's ONNX is verified against.
+        first = next(i for i, step in enumerate(pipeline) if step.per_rank)
+        [whole] = run_pipeline(graph, ctx, pipeline[:first], options)
+        graphs = run_pipeline(whole, ctx, pipeline[first:], options)
+        from builder.tensorrt_target import TensorRTBuild
+
+        write_ranks = TensorRTBuild(plan, whole, onnx_only, model.config.vocab_size).write_ranks
+    else:
+        graphs = run_pipeline(graph, ctx, pipeline, options)
     # The figures go into the manifest and report, not into every rank's program.
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
 
@@ -67,7 +81,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch:  # reproducible-builds convention: a build time only when the caller fixes it
         manifest["build_time"] = int(epoch)
-    return BuildResult(out, emit.emit(out, graphs, model, manifest, show_progress), False)
+    return BuildResult(out, emit.emit(out, graphs, model, manifest, show_progress, write_ranks), False)
 
 
 def _read_calibration(path: str) -> str:
@@ -100,5 +114,6 @@ def _quantization_summary(plan: Plan, graph) -> dict:
 def _target_requirements(plan: Plan) -> dict:
     if plan.target == "cpu":
         return {"name": "cpu", "requires": {"cpu_flags": required_cpu_flags()}}
-    device = load_devices()[plan.device]
-    return {"name": plan.target, "requires": {"gpu_arch": device.arch}}
+    from builder.tensorrt_target import manifest_target
+
+    return manifest_target(plan)

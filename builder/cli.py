@@ -64,6 +64,10 @@ def build(
     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write the IR after every pass into this directory."),
     debug: bool = typer.Option(False, "--debug", help="Verify the IR after every pass, not only at the boundaries."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+    onnx_only: bool = typer.Option(False, "--onnx-only",
+                                   help="tensorrt plans: write and verify the per-rank ONNX but compile no TensorRT "
+                                        "engines (for a GPU no TensorRT installed here targets); finish with "
+                                        "`engine-build compile DIR` on a GPU host."),
 ):
     """Build an engine directory from a model and a plan (deterministic: same inputs, same bytes)."""
     from builder.build import build_engine
@@ -81,11 +85,31 @@ def build(
         out = Path("engines") / load_model(model).name
     calibration = calib.read_text() if calib else None
     options = PipelineOptions(print_after=print_after, dump_dir=dump_ir, debug=debug, echo=typer.echo)
+    if onnx_only and chosen.target != "tensorrt":
+        raise KilnError(f"--onnx-only: the {chosen.target} target writes no ONNX; it applies to tensorrt plans")
     result = build_engine(model, chosen, out, force=force, options=options, show_progress=progress,
-                          calibration_text=calibration)
-    size = sum(r["bytes"] for r in result.manifest["ranks"])
+                          calibration_text=calibration, onnx_only=onnx_only)
+    size = sum(r["bytes"] + r.get("onnx", {}).get("bytes", 0) for r in result.manifest["ranks"])
     state = "up to date" if result.up_to_date else "built"
     typer.echo(f"{state}: {result.out} ({len(result.manifest['ranks'])} rank(s), {size / 1e6:.1f} MB)")
+    for line in _target_lines(result.manifest):
+        typer.echo(line)
+
+
+def _target_lines(manifest: dict) -> list[str]:
+    """What a tensorrt build verified and compiled, in a few lines."""
+    if manifest["target"]["name"] != "tensorrt":
+        return []
+    v, trt = manifest["verification"], manifest["tensorrt"]
+    lines = [f"verified: ONNX Runtime against the cpu engine, max |logit difference| {v['max_abs_logit_diff']:.3g} "
+             f"(tolerance {v['tolerance']:.3g}), top-1 agreement {v['top1_agreement']:.0%}"]
+    if trt["compiled"]:
+        lines.append(f"compiled: {trt['flavour']} {trt['version']} for compute capability {trt['compute_capability']} "
+                     f"in {sum(trt['build_seconds']):.1f} s; kiln::PagedAttention has no plugin registered, so "
+                     "TensorRT compiled its reference body (correct, slow)")
+    else:
+        lines.append("not compiled (--onnx-only): run `engine-build compile DIR` on a GPU host")
+    return lines
 
 
 @app.command()

@@ -38,7 +38,9 @@ def is_up_to_date(out: Path, expected_id: str) -> bool:
         return False
     if manifest.build_id != expected_id:
         return False
-    return all((out / r.file).is_file() and sha256_file(out / r.file) == r.sha256 for r in manifest.ranks)
+    files = [(r.file, r.sha256) for r in manifest.ranks if r.file]
+    files += [(f"{r.onnx_dir}/{name}", digest) for r in manifest.ranks for name, digest in r.onnx_files]
+    return all((out / f).is_file() and sha256_file(out / f) == digest for f, digest in files)
 
 
 def check_output_dir(out: Path, force: bool) -> None:
@@ -49,20 +51,27 @@ def check_output_dir(out: Path, force: bool) -> None:
         raise KilnError(f"--out {out}: directory exists and holds {what}; pass --force to replace it")
 
 
-def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progress: bool = True) -> dict:
-    """Write the engine into `out` (replacing it) and return the manifest."""
+def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progress: bool = True,
+         write_ranks=None) -> dict:
+    """Write the engine into `out` (replacing it) and return the manifest.
+
+    write_ranks(tmp, graphs) -> (rank entries, more manifest keys) writes a target's own rank files
+    (the tensorrt target's); by default each rank's program and packed weights go into rank{r}.engine."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        ranks = []
-        for rank, graph in enumerate(tqdm(graphs, desc="writing ranks", unit="rank", disable=not show_progress)):
+        ranks, extras = [], {}
+        if write_ranks is not None:
+            ranks, extras = write_ranks(tmp, graphs)
+        for rank, graph in enumerate(tqdm(graphs if write_ranks is None else [], desc="writing ranks", unit="rank",
+                                          disable=not show_progress)):
             path = tmp / f"rank{rank}.engine"
             _write_rank(path, rank, graph)
             ranks.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size,
                           "sha256": sha256_file(path)})
         model.write_tokenizer(tmp)
-        manifest = dict(manifest_base, ranks=ranks)
+        manifest = dict(manifest_base, ranks=ranks, **extras)
         memory = [g.meta["memory"] for g in graphs if "memory" in g.meta]
         if memory:
             manifest["memory"] = {"ranks": memory}
@@ -74,8 +83,8 @@ def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progre
             manifest["accuracy"] = accuracy
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         (tmp / "report.md").write_text(render_report(manifest))
-        for path in tmp.iterdir():
-            path.chmod(0o644)
+        for path in tmp.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
         tmp.chmod(0o755)  # mkdtemp makes it private; an engine is an ordinary readable directory
         _replace_dir(tmp, out)
     except BaseException:

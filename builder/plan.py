@@ -17,11 +17,18 @@ from builder.errors import KilnError
 from runtime.engine_format import KV_CACHE_DTYPES
 
 TARGETS = ("cpu", "tensorrt")
-BUILDABLE_TARGETS = ("cpu",)  # tensorrt: the plan is validated, but nothing emits it yet
+BUILDABLE_TARGETS = ("cpu", "tensorrt")
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
-ACTIVATIONS = ("f32", "int8")
+ACTIVATIONS = ("f32", "int8", "f16", "bf16")
+# What each target takes where it differs: int8 activations and an int8 KV cache are cpu kernel paths;
+# TensorRT computes in f16/bf16 (f32 for reference) and keeps its KV cache in a float type.
+TARGET_ACTIVATIONS = {"cpu": ("f32", "int8"), "tensorrt": ("f16", "bf16", "f32")}
+TARGET_KV_DTYPES = {"cpu": KV_DTYPES, "tensorrt": ("f16", "bf16", "fp8", "f32")}
+TARGET_QUANT_METHODS = {"cpu": QUANT_METHODS, "tensorrt": ("none", "source", "int8", "int4", "int4-awq", "fp8")}
+BF16_MIN_CC = (8, 0)  # bf16 tensor cores: Ampere or newer
+FP8_MIN_CC = (8, 9)   # FP8 tensor cores: Ada, Hopper or newer
 ROUNDINGS = ("gptq", "nearest")
 
 
@@ -37,7 +44,16 @@ class Device:
     bandwidth_gbs: float
     fp8: bool
     fp8_storage: bool
-    arch: str | None = None
+    arch: str | None = None                # GPUs: CUDA arch, "sm_89"
+    compute_capability: str | None = None  # GPUs: "8.9", the same number as arch
+
+    @property
+    def cc(self) -> tuple[int, int] | None:
+        """The compute capability as (major, minor), for comparisons; None for CPUs."""
+        if self.compute_capability is None:
+            return None
+        major, _, minor = self.compute_capability.partition(".")
+        return int(major), int(minor or 0)
 
 
 @dataclass(frozen=True)
@@ -61,7 +77,9 @@ class Quant:
     exclude: tuple[str, ...] = ("*lm_head*", "embed_tokens")
     calib: str | None = None
     max_ppl_increase: float | None = None
-    activations: str = "int8"  # int8: int4/int8 linears quantize activations per token (VNNI path)
+    # cpu: int8 (int4/int8 linears quantize activations per token, VNNI path) or f32;
+    # tensorrt: f16, bf16 (compute capability 8.0+) or f32
+    activations: str = "int8"
     rounding: str = "gptq"    # int4-awq: gptq (grids fitted, rounding errors compensated) or nearest (AWQ clip)
 
 
@@ -111,7 +129,7 @@ def load_plan(path: str | Path | None = None) -> Plan:
     plan = plan_from_dict(doc, str(path))
     if plan.target not in BUILDABLE_TARGETS:
         raise PlanError(f"plan {path}: target {plan.target!r} cannot be built yet (nothing emits it); "
-                        f"use target = \"cpu\"")
+                        f"use one of {', '.join(BUILDABLE_TARGETS)}")
     return plan
 
 
@@ -180,6 +198,8 @@ def _validate(plan: Plan, origin: str) -> None:
         fail("device", f"{plan.device!r} is a GPU; the cpu target needs device = \"cpu\"")
     if plan.target == "tensorrt" and device.kind != "gpu":
         fail("device", "the tensorrt target needs a GPU device from the catalog")
+    if device.kind == "gpu" and device.cc is None:
+        fail("device", f"{plan.device} has no compute_capability in plans/devices.toml")
     for key in ("tp", "pp"):
         if getattr(plan, key) < 1:
             fail(key, f"must be >= 1, got {getattr(plan, key)}")
@@ -189,8 +209,14 @@ def _validate(plan: Plan, origin: str) -> None:
     if plan.limits.max_num_tokens < plan.limits.max_batch_size:
         fail("[limits] max_num_tokens", "must be at least max_batch_size (one decode token per sequence)")
     kv = plan.kv_cache
+    target = plan.target
+    gpu = device.kind == "gpu"
+    cc = f"{plan.device} is {device.compute_capability}"
     if kv.dtype not in KV_DTYPES:
         fail("[kv_cache] dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv.dtype!r}")
+    if kv.dtype not in TARGET_KV_DTYPES[target]:
+        fail("[kv_cache] dtype", f"{kv.dtype} is a cpu-only KV cache; the {target} target takes "
+                                 f"{', '.join(TARGET_KV_DTYPES[target])}: use dtype = \"f16\"")
     if kv.block_size < 1 or kv.block_size & (kv.block_size - 1):
         fail("[kv_cache] block_size", f"must be a power of two, got {kv.block_size}")
     if not 0 < kv.memory_fraction <= 1:
@@ -198,14 +224,34 @@ def _validate(plan: Plan, origin: str) -> None:
     q = plan.quant
     if q.method not in QUANT_METHODS:
         fail("[quant] method", f"must be one of {', '.join(QUANT_METHODS)}, got {q.method!r}")
+    if q.method not in TARGET_QUANT_METHODS[target]:
+        fail("[quant] method", f"{q.method} is not available on the {target} target "
+                               f"(it takes {', '.join(TARGET_QUANT_METHODS[target])})")
     if q.group_size not in GROUP_SIZES:
         fail("[quant] group_size", f"must be one of {GROUP_SIZES}, got {q.group_size}")
-    if q.method == "fp8" and not (device.fp8 or device.fp8_storage):
-        fail("[quant] method", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
-    if kv.dtype == "fp8" and not (device.fp8 or device.fp8_storage):
-        fail("[kv_cache] dtype", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
+    if gpu:  # the tensorrt target computes FP8 on tensor cores: storing it is not enough
+        if q.method == "fp8" and device.cc < FP8_MIN_CC:
+            fail("[quant] method", f"fp8 needs FP8 tensor cores (compute capability 8.9+); {cc}")
+        if kv.dtype == "fp8" and device.cc < FP8_MIN_CC:
+            fail("[kv_cache] dtype", f"fp8 needs FP8 tensor cores (compute capability 8.9+); {cc}")
+        if kv.dtype == "bf16" and device.cc < BF16_MIN_CC:
+            fail("[kv_cache] dtype", f"bf16 needs compute capability 8.0+; {cc}: use dtype = \"f16\"")
+    else:
+        if q.method == "fp8" and not (device.fp8 or device.fp8_storage):
+            fail("[quant] method", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
+        if kv.dtype == "fp8" and not (device.fp8 or device.fp8_storage):
+            fail("[kv_cache] dtype", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
     if q.activations not in ACTIVATIONS:
         fail("[quant] activations", f"must be one of {', '.join(ACTIVATIONS)}, got {q.activations!r}")
+    if q.activations not in TARGET_ACTIVATIONS[target]:
+        takes = " or ".join(TARGET_ACTIVATIONS[target])
+        if target == "cpu":
+            fail("[quant] activations", f"{q.activations} is not a cpu kernel path; the cpu target takes {takes}: "
+                                        f"use activations = \"int8\" (or \"f32\", exact)")
+        fail("[quant] activations", f"{q.activations} is the cpu kernel path (per-token int8, VNNI); the {target} "
+                                    f"target takes {takes}: use activations = \"f16\"")
+    if q.activations == "bf16" and gpu and device.cc < BF16_MIN_CC:
+        fail("[quant] activations", f"bf16 needs compute capability 8.0+; {cc}: use activations = \"f16\"")
     if q.rounding not in ROUNDINGS:
         fail("[quant] rounding", f"must be one of {', '.join(ROUNDINGS)}, got {q.rounding!r}")
     if q.max_ppl_increase is not None and q.max_ppl_increase < 0:

@@ -30,7 +30,7 @@ def split_pipeline_stages(graph: Graph, ctx: PassContext) -> Graph:
 
     first = -1 if mapping.is_first_pp_rank() else layers.start
     last = num_layers if mapping.is_last_pp_rank() else layers.stop - 1
-    kept = [n for n in graph.nodes if first <= segment[n.name] <= last]
+    kept = [n for n in out.nodes if first <= segment[n.name] <= last]  # copies: the input graph stays as it was
     received = _crossing(graph, segment, first) if not mapping.is_first_pp_rank() else []
     sent = _crossing(graph, segment, last + 1) if not mapping.is_last_pp_rank() else []
     recvs = [Node(f"recv.{v}", "recv", [], [v], {"src": mapping.prev_pp_rank(), "dtype": graph.values[v].dtype,

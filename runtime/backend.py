@@ -35,3 +35,28 @@ class Executor(Protocol):
     def collect(self, handle: object) -> torch.Tensor:
         """The logits of a submitted step."""
         return handle
+
+
+# The onnxruntime backend runs a GPU plan's engine on this machine's memory: without --kv-cache-gib
+# its pools hold 1 GiB, not the GPU memory plan's blocks.
+ONNXRUNTIME_KV_GIB = 1.0
+
+
+def kv_budget(backend: str, kv_cache_gib: float | None) -> float | None:
+    return ONNXRUNTIME_KV_GIB if backend == "onnxruntime" and kv_cache_gib is None else kv_cache_gib
+
+
+def create_executor(engine, rank: int, num_blocks: int, backend: str, num_threads: int | None = None,
+                    collectives: dict | None = None) -> Executor:
+    """The executor of one rank of `engine` (an EngineDir) for a backend check_target accepted."""
+    manifest = engine.manifest
+    if backend == "onnxruntime":
+        from runtime.onnx_executor import OnnxExecutor
+
+        return OnnxExecutor(engine.path / manifest.ranks[rank].onnx_dir, num_blocks, num_threads, collectives)
+    if backend == "tensorrt":  # check_target refused it already where no GPU is present
+        raise NotImplementedError("the tensorrt backend has not been run on a GPU yet (docs/tensorrt.md)")
+    from runtime.executor import CpuExecutor
+
+    return CpuExecutor(engine.load_rank(rank), num_blocks, manifest.block_size, manifest.kv_dtype,
+                       collectives=collectives)

@@ -30,11 +30,12 @@ def fail(message: str) -> None:
 one_line_errors = cli_errors.one_line_errors("engine-run", (EngineError, ValueError, OSError))
 
 
-def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0):
+def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0,
+                   backend=None):
     from runtime.engine import EngineOptions
 
     return EngineOptions(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                         kv_cache_gib=kv_cache_gib, num_threads=threads, rank_timeout=rank_timeout)
+                         kv_cache_gib=kv_cache_gib, num_threads=threads, rank_timeout=rank_timeout, backend=backend)
 
 
 @app.callback()
@@ -47,6 +48,10 @@ MAX_TOKENS_STEP = typer.Option(None, "--max-num-tokens", help="Lower the plan's 
 MAX_SEQ = typer.Option(None, "--max-seq-len", help="Lower the plan's prompt + output length limit.")
 KV_GIB = typer.Option(None, "--kv-cache-gib", help="KV cache budget in GiB (default: the build's memory plan).")
 THREADS = typer.Option(None, "--threads", help="CPU threads per rank (default: all cores).")
+BACKEND = typer.Option(None, "--backend",
+                       help="What runs the engine: cpu (cpu engines), tensorrt (tensorrt engines, on their GPU), or "
+                            "onnxruntime (a tensorrt engine's verified ONNX on this CPU, KV budget 1 GiB unless "
+                            "--kv-cache-gib). Default: the engine target's own.")
 RANK_TIMEOUT = typer.Option(60.0, "--rank-timeout",
                             help="Multi-rank engines: seconds a dead or hung rank is given before every rank "
                                  "stops and engine-run exits naming it. Ranks: one process each, started here, "
@@ -67,7 +72,7 @@ def generate(
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
-    threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT,
+    threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
 ):
     """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
     from runtime.launcher import open_llm_engine
@@ -76,7 +81,7 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads, rank_timeout)) as llm:
+                                                threads, rank_timeout, backend)) as llm:
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         ids = [llm.add_request(t, params) for t in texts]
         stream = len(ids) == 1
@@ -111,13 +116,14 @@ def serve(
                                              help="Model id clients send (default: the manifest's model name)."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
-    threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT,
+    threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
     from runtime.launcher import open_llm_engine
     from runtime.serving.app import serve as run_server
 
-    options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout)
+    options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
+                             backend)
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
                                 max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name))
 

@@ -20,9 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.backend import Executor
-from runtime.engine_format import EngineDir, EngineError, PlanLimits, open_engine
-from runtime.executor import CpuExecutor
+from runtime.backend import Executor, create_executor, kv_budget
+from runtime.engine_format import EngineDir, EngineError, PlanLimits, check_target, open_engine
 from runtime.sampler import Sampler
 from runtime.sampling import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -44,6 +43,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     check_hashes: bool = True
     rank_timeout: float = 60.0          # multi-rank: seconds a silent rank is given before all ranks stop
+    backend: str | None = None          # None: the engine target's own (cpu); onnxruntime: a tensorrt engine's ONNX
 
 
 @dataclass
@@ -96,8 +96,9 @@ class LLMEngine:
         self.generation_config = _read_json(engine.path / "generation_config.json")
         self.eos_token_ids = manifest.eos_token_ids
         if executor is None:
-            executor = CpuExecutor(engine.load_rank(0), manifest.shared_kv_blocks(options.kv_cache_gib),
-                                   self.block_size, manifest.kv_dtype)
+            backend = check_target(engine.path, manifest, options.backend)
+            blocks = manifest.shared_kv_blocks(kv_budget(backend, options.kv_cache_gib))
+            executor = create_executor(engine, 0, blocks, backend, options.num_threads)
         self.executor = executor
         self.max_in_flight = executor.max_in_flight
         self.num_blocks = executor.cache.num_blocks
@@ -115,7 +116,8 @@ class LLMEngine:
 
     @classmethod
     def from_dir(cls, path: str | Path, options: EngineOptions = EngineOptions()) -> LLMEngine:
-        return cls(open_engine(path, world_size=None, check_hashes=options.check_hashes), options)
+        return cls(open_engine(path, world_size=None, check_hashes=options.check_hashes, backend=options.backend),
+                   options)
 
     # ------------------------------------------------------------------ requests
 

@@ -70,9 +70,11 @@ def kv_blocks(budget_bytes: float, bytes_per_token: int, block_size: int) -> int
 @dataclass(frozen=True)
 class RankEntry:
     rank: int
-    file: str       # relative to the engine directory
+    file: str | None  # relative to the engine directory; None: a tensorrt build with --onnx-only, not compiled yet
     bytes: int
-    sha256: str
+    sha256: str | None
+    onnx_dir: str | None = None                      # tensorrt target: the rank's ONNX segments and weights
+    onnx_files: tuple[tuple[str, str], ...] = ()     # (file in onnx_dir, sha256)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class Manifest:
     eos_token_ids: tuple[int, ...]
     target: str
     cpu_flags: tuple[str, ...]        # the target's required instruction sets
+    compute_capability: str | None    # tensorrt target: the GPU it was compiled for ("8.0")
+    tensorrt: dict | None             # tensorrt target: {"flavour", "version"} that compiled it (None: not compiled)
     world_size: int
     tp: int
     pp: int
@@ -142,11 +146,15 @@ class Manifest:
             model_source=model["source"], vocab_size=int(model["config"]["vocab_size"]),
             eos_token_ids=tuple(model["config"]["eos_token_ids"]), target=doc["target"]["name"],
             cpu_flags=tuple(doc["target"].get("requires", {}).get("cpu_flags", [])),
+            compute_capability=doc["target"].get("requires", {}).get("compute_capability"),
+            tensorrt=doc["target"].get("tensorrt"),
             world_size=int(doc["world_size"]), tp=int(plan["tp"]), pp=int(plan["pp"]),
             limits=PlanLimits(int(limits["max_batch_size"]), int(limits["max_num_tokens"]),
                               int(limits["max_seq_len"])),
             block_size=int(kv["block_size"]), kv_dtype=kv["dtype"],
-            ranks=tuple(RankEntry(int(r["rank"]), r["file"], int(r["bytes"]), r["sha256"]) for r in doc["ranks"]),
+            ranks=tuple(RankEntry(int(r["rank"]), r.get("file"), int(r.get("bytes", 0)), r.get("sha256"),
+                                  r.get("onnx", {}).get("dir"), tuple(sorted(r.get("onnx", {}).get("files", {}).items())))
+                        for r in doc["ranks"]),
             memory=tuple(RankMemory(int(m["kv_blocks"]), int(m["kv_bytes_per_token"]))
                          for m in doc["memory"]["ranks"]))
 
@@ -185,33 +193,84 @@ class EngineDir:
         return map_rank_file(self.path / self.manifest.ranks[rank].file)
 
 
-def open_engine(path: str | Path, world_size: int | None = None, check_hashes: bool = True) -> EngineDir:
-    """Open an engine directory for this runtime: format, target, world size and rank files checked."""
+BACKENDS = {"cpu": ("cpu",), "tensorrt": ("onnxruntime", "tensorrt")}  # target -> the backends that run it
+
+
+def open_engine(path: str | Path, world_size: int | None = None, check_hashes: bool = True,
+                backend: str | None = None) -> EngineDir:
+    """Open an engine directory for this runtime: format, target, world size and rank files checked.
+
+    backend: what runs it (None: the target's own, "cpu" for cpu engines, "tensorrt" for tensorrt
+    ones); "onnxruntime" runs a tensorrt engine's ONNX on the CPU, and checks those files instead."""
     path = Path(path)
     if not path.is_dir():
         raise EngineError(f"{path}: no such engine directory (build one with `engine-build build --out {path}`)")
     manifest = Manifest.read(path)
-    check_target(path, manifest)
+    backend = check_target(path, manifest, backend)
     ranks = manifest.ranks
     if world_size is not None and world_size != len(ranks):
         raise EngineError(f"{path}: the engine has {len(ranks)} rank(s) but was started with world size "
                           f"{world_size}; start it with {len(ranks)} rank(s)")
     for entry in ranks:
-        file = path / entry.file
-        if not file.is_file():
-            raise EngineError(f"{path}: rank {entry.rank} file {entry.file} is missing; rebuild the engine")
-        if check_hashes and sha256_file(file) != entry.sha256:
-            raise EngineError(f"{file}: sha256 does not match the manifest (corrupt or modified); rebuild the engine")
+        if backend == "onnxruntime":
+            files = [(path / entry.onnx_dir / name, digest) for name, digest in entry.onnx_files]
+        else:
+            files = [(path / entry.file, entry.sha256)]
+        for file, digest in files:
+            if not file.is_file():
+                raise EngineError(f"{path}: rank {entry.rank} file {file.relative_to(path)} is missing; "
+                                  "rebuild the engine")
+            if check_hashes and sha256_file(file) != digest:
+                raise EngineError(f"{file}: sha256 does not match the manifest (corrupt or modified); "
+                                  "rebuild the engine")
     return EngineDir(path, manifest)
 
 
-def check_target(path: Path, manifest: Manifest) -> None:
+def check_target(path: Path, manifest: Manifest, backend: str | None = None) -> str:
+    """The backend that runs this engine here (EngineError, in one line, when none can)."""
+    allowed = BACKENDS.get(manifest.target)
+    if allowed is None:
+        raise EngineError(f"{path}: built for the {manifest.target!r} target, which this runtime does not run")
+    backend = backend or allowed[-1]
+    if backend not in allowed:
+        raise EngineError(f"{path}: a {manifest.target} engine runs with --backend {' or '.join(allowed)}, "
+                          f"not {backend}")
+    if backend == "tensorrt":
+        _check_gpu(path, manifest)
+    if backend == "onnxruntime" and not all(r.onnx_dir for r in manifest.ranks):
+        raise EngineError(f"{path}: the manifest lists no ONNX for some rank; rebuild the engine")
     if manifest.target != "cpu":
-        raise EngineError(f"{path}: built for the {manifest.target!r} target; this runtime runs 'cpu' engines")
+        return backend
     missing = sorted(set(manifest.cpu_flags) - cpu_flags())
     if missing:
         raise EngineError(f"{path}: this CPU lacks {', '.join(missing)}, which the engine's kernels need; "
                           "run it on a CPU that has them")
+    return backend
+
+
+def _check_gpu(path: Path, manifest: Manifest) -> None:
+    """A tensorrt engine needs its compiled rank files, a CUDA GPU of its compute capability and the
+    TensorRT that compiled it."""
+    if manifest.tensorrt is None or any(r.file is None for r in manifest.ranks):
+        raise EngineError(f"{path}: built with --onnx-only, no TensorRT engines yet; run `engine-build compile "
+                          f"{path}` on a GPU host, or --backend onnxruntime to run its ONNX on the CPU")
+    if not torch.cuda.is_available():
+        raise EngineError(f"{path}: a tensorrt engine needs an NVIDIA GPU of compute capability "
+                          f"{manifest.compute_capability} and this machine has none; run its ONNX on the CPU "
+                          "with --backend onnxruntime")
+    major, minor = torch.cuda.get_device_capability()
+    if f"{major}.{minor}" != manifest.compute_capability:
+        raise EngineError(f"{path}: compiled for compute capability {manifest.compute_capability}, this GPU is "
+                          f"{major}.{minor}; rebuild the engine for it")
+    flavour, version = manifest.tensorrt["flavour"], manifest.tensorrt["version"]
+    module = "tensorrt" if flavour == "tensorrt" else "tensorrt_rtx_bindings"
+    try:
+        installed = __import__(module).__version__
+    except ImportError:
+        raise EngineError(f"{path}: compiled by {flavour} {version}, which is not installed here") from None
+    if installed != version:
+        raise EngineError(f"{path}: compiled by {flavour} {version}, this host has {installed}; rebuild the engine "
+                          "or install that version")
 
 
 def cpu_flags() -> set[str]:

@@ -23,7 +23,8 @@ def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
     rdzv = Rendezvous.from_env(options.rank_timeout)
     if rdzv is None or rdzv.world_size == 1:
         # Every bad input is found here, before a rank process starts: missing rank files, world size, hashes.
-        engine_dir = open_engine(path, world_size=1 if rdzv else None, check_hashes=options.check_hashes)
+        engine_dir = open_engine(path, world_size=1 if rdzv else None, check_hashes=options.check_hashes,
+                                 backend=options.backend)
         if engine_dir.manifest.world_size == 1:
             yield LLMEngine(engine_dir, options)
             return
@@ -40,7 +41,8 @@ def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
     worker = rdzv is not None and rdzv.rank != 0
     try:
         with start_ranks(path, world_size, options.rank_timeout, kv_cache_gib=options.kv_cache_gib,
-                         num_threads=options.num_threads, check_hashes=options.check_hashes, rdzv=rdzv) as rank:
+                         num_threads=options.num_threads, check_hashes=options.check_hashes, rdzv=rdzv,
+                         backend=options.backend) as rank:
             if worker:  # torchrun: this process is only ever a rank worker
                 raise SystemExit(rank.serve())
             yield LLMEngine(rank.engine, options, executor=RankDriver(rank))

@@ -21,7 +21,8 @@ from runtime.ranks.watchdog import PEER_LOST
 
 @contextlib.contextmanager
 def start_ranks(path: Path, world_size: int, timeout: float, kv_cache_gib: float | None = None,
-                num_threads: int | None = None, check_hashes: bool = True, rdzv: Rendezvous | None = None):
+                num_threads: int | None = None, check_hashes: bool = True, rdzv: Rendezvous | None = None,
+                backend: str | None = None):
     """This process's Rank. Without `rdzv` it is rank 0 of a local launch and starts ranks 1..W-1 as
     child processes; on leaving, the children are stopped and reaped, never left behind."""
     children: dict[int, subprocess.Popen] = {}
@@ -35,12 +36,13 @@ def start_ranks(path: Path, world_size: int, timeout: float, kv_cache_gib: float
             children[r] = subprocess.Popen(
                 [sys.executable, "-m", "runtime.ranks.launch", str(path), "--rank", str(r), "--world-size",
                  str(world_size), "--port", str(store.port), "--rank-timeout", str(timeout), "--threads",
-                 str(threads), "--parent", str(os.getpid())], stdout=subprocess.DEVNULL)
+                 str(threads), "--parent", str(os.getpid()), *(["--backend", backend] if backend else [])],
+                stdout=subprocess.DEVNULL)
     elif num_threads:
         torch.set_num_threads(num_threads)
     rank, clean = None, False
     try:
-        rank = Rank(path, rdzv, kv_cache_gib, check_hashes and not children, children, store)
+        rank = Rank(path, rdzv, kv_cache_gib, check_hashes and not children, children, store, backend)
         yield rank
         clean = True
     finally:
@@ -81,13 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank-timeout", type=float, required=True)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--backend", default=None)
     args = parser.parse_args(argv)
     _die_with_parent(args.parent)
     if args.threads:
         torch.set_num_threads(args.threads)
     rdzv = Rendezvous(args.rank, args.world_size, "127.0.0.1", args.port, False, args.rank_timeout)
     try:
-        with start_ranks(args.engine, args.world_size, args.rank_timeout, check_hashes=False, rdzv=rdzv) as rank:
+        with start_ranks(args.engine, args.world_size, args.rank_timeout, check_hashes=False, rdzv=rdzv,
+                         backend=args.backend) as rank:
             return rank.serve()
     except EngineError:
         return 1  # rank 0 found the same problem and reports it

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from runtime.engine_format import EngineDir, EngineError, open_engine
-from runtime.executor import CpuExecutor
+from runtime.backend import create_executor, kv_budget
+from runtime.engine_format import EngineDir, EngineError, check_target, open_engine
 from runtime.mapping import Mapping
 from runtime.ranks.collectives import Collectives, broadcast_step, receive_step
 from runtime.ranks.rendezvous import Rendezvous, is_peer_loss
@@ -25,11 +25,12 @@ class Rank:
     rank runs them in `serve()`."""
 
     def __init__(self, path: Path, rdzv: Rendezvous, kv_cache_gib: float | None, check_hashes: bool,
-                 children: dict[int, subprocess.Popen] | None = None, store=None):
+                 children: dict[int, subprocess.Popen] | None = None, store=None, backend: str | None = None):
         self.rank, self.world_size, self.timeout = rdzv.rank, rdzv.world_size, rdzv.timeout
         self.children = children or {}
         self.watchdog: Watchdog | None = None
-        self.engine = self._open(path, rdzv, check_hashes)
+        self.engine = self._open(path, rdzv, check_hashes, backend)
+        self.backend = check_target(path, self.engine.manifest, backend)
         self.store = store or rdzv.store(rdzv.host_store)
         rdzv.join(self.store, self.engine.manifest.build_id, self.children)
         try:
@@ -40,10 +41,10 @@ class Rank:
             self.close(stop_others=False)
             raise
 
-    def _open(self, path: Path, rdzv: Rendezvous, check_hashes: bool) -> EngineDir:
+    def _open(self, path: Path, rdzv: Rendezvous, check_hashes: bool, backend: str | None) -> EngineDir:
         """Bad input (missing rank file, other world size, corrupt file) stops every rank before any computes."""
         try:
-            return open_engine(path, world_size=self.world_size, check_hashes=check_hashes)
+            return open_engine(path, world_size=self.world_size, check_hashes=check_hashes, backend=backend)
         except (EngineError, OSError, ValueError) as exc:
             if self.rank != 0:  # rank 0 names this rank and its reason
                 with contextlib.suppress(Exception):
@@ -60,10 +61,11 @@ class Rank:
         stage_ranks = mapping.tp_groups()
         stages = [dist.new_group(ranks) for ranks in stage_ranks]
         self.collectives = Collectives(self.rank, mapping.tp_group(), stages[mapping.pp_rank])
-        config = [manifest.shared_kv_blocks(kv_cache_gib) if self.rank == 0 else None]
+        budget = kv_budget(self.backend, kv_cache_gib)
+        config = [manifest.shared_kv_blocks(budget) if self.rank == 0 else None]
         dist.broadcast_object_list(config, 0, group=self.control)
-        self.executor = CpuExecutor(self.engine.load_rank(self.rank), config[0], manifest.block_size,
-                                    manifest.kv_dtype, collectives=self.collectives.hooks())
+        self.executor = create_executor(self.engine, self.rank, config[0], self.backend,
+                                        collectives=self.collectives.hooks())
         self.logits_rank = stage_ranks[-1][0]  # the last stage's first rank holds the gathered logits
         dist.barrier(group=self.control)
 

@@ -1,0 +1,132 @@
+"""Plans: the shipped plan files load, the device catalog is consistent, and each refusal names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from builder.plan import (
+    FP8_MIN_CC,
+    Plan,
+    PlanError,
+    load_devices,
+    load_plan,
+    plan_from_dict,
+)
+
+PLANS = Path(__file__).resolve().parents[2] / "plans"
+GPU_PLANS = ["a100-tp2-int4.toml", "l40s-fp8.toml", "rtx5090-int4.toml", "h100-tp4-fp8.toml"]
+
+
+def test_plan_defaults_are_the_cpu_plan_file():
+    assert load_plan(PLANS / "cpu.toml") == Plan() == load_plan()
+
+
+@pytest.mark.parametrize("name", GPU_PLANS)
+def test_gpu_plans_load(name):
+    plan = load_plan(PLANS / name)
+    device = load_devices()[plan.device]
+    assert plan.target == "tensorrt" and device.kind == "gpu"
+    assert plan.kv_cache.memory_fraction == 0.9
+    assert plan.quant.activations in ("f16", "bf16")
+    assert plan.to_dict() == plan.with_overrides().to_dict()  # round-trips as the manifest stores it
+
+
+def test_gpu_plan_figures():
+    h100 = load_plan(PLANS / "h100-tp4-fp8.toml")
+    assert (h100.tp, h100.quant.method, h100.kv_cache.dtype, h100.quant.activations) == (4, "fp8", "fp8", "bf16")
+    a100 = load_plan(PLANS / "a100-tp2-int4.toml")
+    assert (a100.tp, a100.quant.method, a100.quant.group_size) == (2, "int4", 32)
+    rtx = load_plan(PLANS / "rtx5090-int4.toml")
+    assert (rtx.limits.max_batch_size, rtx.limits.max_num_tokens, rtx.limits.max_seq_len) == (32, 1024, 4096)
+
+
+def test_device_catalog():
+    devices = load_devices()
+    for name in ("nvidia-t4", "nvidia-a100-80gb", "nvidia-l4", "nvidia-l40s", "nvidia-rtx-5090",
+                 "nvidia-h100-80gb", "nvidia-h200", "nvidia-b200"):
+        assert devices[name].kind == "gpu", name
+    for device in devices.values():
+        if device.kind != "gpu":
+            assert device.compute_capability is None and device.arch is None
+            continue
+        assert device.arch == "sm_" + device.compute_capability.replace(".", ""), device.name
+        assert device.fp8 == (device.cc >= FP8_MIN_CC), device.name
+    assert devices["nvidia-l40s"].memory_gib == 48 and devices["nvidia-l40s"].bandwidth_gbs == 864
+    assert devices["nvidia-rtx-5090"].cc == (12, 0) and devices["nvidia-b200"].cc == (10, 0)
+
+
+def gpu_plan(device="nvidia-h100-80gb", quant=None, kv_cache=None, target="tensorrt"):
+    doc = {"target": target, "device": device, "quant": {"method": "int4", "activations": "f16", **(quant or {})}}
+    if kv_cache:
+        doc["kv_cache"] = kv_cache
+    return plan_from_dict(doc, "test")
+
+
+def refused(key: str, *fragments: str, **plan):
+    with pytest.raises(PlanError) as info:
+        gpu_plan(**plan)
+    message = str(info.value)
+    assert "\n" not in message and f"plan test: {key} " in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_fp8_weights_need_fp8_tensor_cores():
+    message = refused("[quant] method", device="nvidia-a100-80gb", quant={"method": "fp8"})
+    assert message.endswith("[quant] method fp8 needs FP8 tensor cores (compute capability 8.9+); "
+                            "nvidia-a100-80gb is 8.0")
+    assert gpu_plan(device="nvidia-l4", quant={"method": "fp8"}).quant.method == "fp8"
+
+
+def test_fp8_kv_cache_needs_fp8_tensor_cores():
+    refused("[kv_cache] dtype", "compute capability 8.9+", "nvidia-a100-80gb is 8.0",
+            device="nvidia-a100-80gb", kv_cache={"dtype": "fp8"})
+    assert gpu_plan(device="nvidia-b200", kv_cache={"dtype": "fp8"}).kv_cache.dtype == "fp8"
+
+
+def test_int8_activations_are_a_cpu_path():
+    refused("[quant] activations", "cpu kernel path", 'activations = "f16"', quant={"activations": "int8"})
+
+
+def test_tensorrt_plan_without_activations_is_told_the_fix():
+    with pytest.raises(PlanError, match=r'\[quant\] activations .*activations = "f16"'):
+        plan_from_dict({"target": "tensorrt", "device": "nvidia-l4"}, "test")
+
+
+def test_f16_and_bf16_activations_are_not_cpu_paths():
+    for activations in ("f16", "bf16"):
+        refused("[quant] activations", "the cpu target takes f32 or int8",
+                target="cpu", device="cpu", quant={"activations": activations})
+
+
+def test_int8_kv_cache_is_cpu_only():
+    refused("[kv_cache] dtype", "cpu-only", 'dtype = "f16"', kv_cache={"dtype": "int8"})
+    assert plan_from_dict({"kv_cache": {"dtype": "int8"}}, "test").kv_cache.dtype == "int8"  # cpu keeps it
+
+
+def test_bf16_needs_compute_capability_8():
+    refused("[quant] activations", "compute capability 8.0+", "nvidia-t4 is 7.5",
+            device="nvidia-t4", quant={"activations": "bf16"})
+    refused("[kv_cache] dtype", "compute capability 8.0+", "nvidia-t4 is 7.5",
+            device="nvidia-t4", kv_cache={"dtype": "bf16"})
+    assert gpu_plan(device="nvidia-t4").quant.activations == "f16"
+    assert gpu_plan(device="nvidia-a100-80gb", quant={"activations": "bf16"}).quant.activations == "bf16"
+
+
+def test_unknown_activations_are_refused():
+    refused("[quant] activations", "must be one of", quant={"activations": "f64"})
+
+
+def test_tensorrt_takes_every_kv_float_type_and_quant_method():
+    for dtype in ("f16", "bf16", "fp8", "f32"):
+        assert gpu_plan(kv_cache={"dtype": dtype}).kv_cache.dtype == dtype
+    for method in ("none", "source", "int8", "int4", "int4-awq", "fp8"):
+        assert gpu_plan(quant={"method": method}).quant.method == method
+
+
+def test_targets_keep_their_devices():
+    refused("device", "GPU", target="cpu")
+    refused("device", "needs a GPU", device="cpu")
