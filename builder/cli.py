@@ -101,7 +101,8 @@ def _target_lines(manifest: dict) -> list[str]:
     if manifest["target"]["name"] != "tensorrt":
         return []
     v, trt = manifest["verification"], manifest["tensorrt"]
-    lines = [f"verified: ONNX Runtime against the cpu engine, max |logit difference| {v['max_abs_logit_diff']:.3g} "
+    lines = [f"not verified: {v['skipped']}" if "skipped" in v else
+             f"verified: ONNX Runtime against the cpu engine, max |logit difference| {v['max_abs_logit_diff']:.3g} "
              f"(tolerance {v['tolerance']:.3g}), top-1 agreement {v['top1_agreement']:.0%}"]
     if trt["compiled"]:
         lines.append(f"compiled: {trt['flavour']} {trt['version']} for compute capability {trt['compute_capability']} "
@@ -110,6 +111,21 @@ def _target_lines(manifest: dict) -> list[str]:
     else:
         lines.append("not compiled (--onnx-only): run `engine-build compile DIR` on a GPU host")
     return lines
+
+
+@app.command()
+@one_line_errors
+def compile(
+    engine: Path = typer.Argument(..., help="A tensorrt engine directory built with --onnx-only."),
+):
+    """Compile an --onnx-only tensorrt engine's verified ONNX into TensorRT engines, in place (on a host
+    whose TensorRT targets the plan's GPU)."""
+    from builder.tensorrt_target import compile_engine
+
+    doc = compile_engine(engine)
+    trt = doc["tensorrt"]
+    typer.echo(f"compiled: {engine} with {trt['flavour']} {trt['version']} for compute capability "
+               f"{trt['compute_capability']} in {sum(trt['build_seconds']):.1f} s")
 
 
 @app.command()

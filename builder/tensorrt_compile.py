@@ -8,7 +8,7 @@ then writes the verified ONNX, and `engine-build compile DIR` finishes the build
 
 Every segment is parsed by TensorRT's ONNX parser into a strongly typed network (the ONNX types are
 the engine's types), given one optimization profile from the plan's limits, and built with a timing
-cache shared by the build's segments.
+cache shared by the build's segments (datacenter TensorRT; TensorRT-RTX has none).
 """
 
 from __future__ import annotations
@@ -100,9 +100,10 @@ def compile_segments(onnx_dir: Path, segments: list[str], chain: Toolchain, comp
         if chain.targets is not None:
             config.num_compute_capabilities = 1
             config.set_compute_capability(getattr(trt.ComputeCapability, RTX_TARGETS[compute_capability]), 0)
-        if config_cache is None:
-            config_cache = config.create_timing_cache(cache_bytes)
-        config.set_timing_cache(config_cache, ignore_mismatch=False)
+        if chain.flavour == "tensorrt":  # TensorRT-RTX has no timing cache (its calls are no-ops since 1.2)
+            if config_cache is None:
+                config_cache = config.create_timing_cache(cache_bytes)
+            config.set_timing_cache(config_cache, ignore_mismatch=False)
         optimization = builder.create_optimization_profile()
         for i in range(network.num_inputs):
             tensor = network.get_input(i)

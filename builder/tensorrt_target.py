@@ -11,6 +11,7 @@ stops the build; nothing is written.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from builder.onnx_lint import lint_model, load_op_table
 from builder.plan import Plan, load_devices
 from builder.tensorrt_compile import RTX_TARGETS, Profile, Toolchain, compile_segments, find_toolchain
 from builder.verify_onnx import cpu_reference, verify_ranks
-from runtime.engine_format import kv_blocks, sha256_file, write_rank_file
+from runtime.engine_format import EngineError, kv_blocks, sha256_file, write_rank_file
 
 # |logit difference| a build accepts against the cpu engine: f32 activations compute the same math
 # in another order; f16/bf16 activations round every activation (then: share of the largest logit).
@@ -67,19 +68,8 @@ class TensorRTBuild:
             export_seconds.append(time.perf_counter() - started)
             _check(result.directory, result.program, table, rank)
             lowered.append(result)
-        reference = cpu_reference(self.whole, plan.quant.activations, plan.kv_cache.dtype, plan.kv_cache.block_size)
-        verification = verify_ranks(reference, [r.directory for r in lowered], plan.tp, plan.pp, self.vocab_size,
-                                    plan.kv_cache.block_size)
-        del reference
-        record = verification.record()
-        exact = plan.quant.activations == "f32"
-        limit = F32_TOLERANCE if exact else HALF_TOLERANCE * verification.max_abs_logit
-        record["tolerance"] = round(limit, 6)
-        if verification.max_abs_logit_diff > limit:
-            raise KilnError(f"verify: ONNX Runtime's logits differ from the cpu engine's by "
-                            f"{verification.max_abs_logit_diff:.3g} (limit {limit:.3g}, {plan.quant.activations} "
-                            "activations); the lowering is wrong for this model: nothing was written")
-        compile_record = {"compiled": chain is not None}
+        record = self._verify(lowered)
+        compile_record = {"compiled": False}
         for rank, result in enumerate(lowered):
             onnx_files = {name: sha256_file(result.directory / name) for name in result.files}
             entry = {"rank": rank, "file": None, "bytes": 0, "sha256": None,
@@ -101,26 +91,102 @@ class TensorRTBuild:
         }}
         return ranks, extras
 
+    def _verify(self, lowered) -> dict:
+        """Every rank under ONNX Runtime against the cpu engine; a KilnError above the tolerance."""
+        plan = self.plan
+        if plan.quant.activations == "bf16":  # nothing to run it with here: say so, do not pretend
+            return {"skipped": "ONNX Runtime has no bf16 kernels on the CPU; bf16 plans are checked and linted, "
+                               "not run, before a GPU runs them"}
+        reference = cpu_reference(self.whole, plan.quant.activations, plan.kv_cache.dtype, plan.kv_cache.block_size)
+        try:
+            verification = verify_ranks(reference, [r.directory for r in lowered], plan.tp, plan.pp,
+                                        self.vocab_size, plan.kv_cache.block_size)
+        except EngineError as exc:
+            raise KilnError(f"verify: {exc}") from None
+        record = verification.record()
+        limit = F32_TOLERANCE if plan.quant.activations == "f32" else HALF_TOLERANCE * verification.max_abs_logit
+        record["tolerance"] = round(limit, 6)
+        if verification.max_abs_logit_diff > limit:
+            raise KilnError(f"verify: ONNX Runtime's logits differ from the cpu engine's by "
+                            f"{verification.max_abs_logit_diff:.3g} (limit {limit:.3g}, {plan.quant.activations} "
+                            "activations); the lowering is wrong for this model: nothing was written")
+        return record
+
     def _compile(self, tmp: Path, lowered, chain: Toolchain, ranks: list[dict], graphs: list[Graph]) -> dict:
-        plan, cc = self.plan, self.compute_capability
-        blocks = max(1, min(_pool_blocks(plan, g) for g in graphs))
-        profile = Profile(plan.limits.max_num_tokens, plan.limits.max_batch_size, plan.limits.max_seq_len,
-                          plan.kv_cache.block_size, blocks)
-        cache = _timing_cache(chain, cc)
-        seconds = []
-        for rank, result in enumerate(lowered):
-            segments = [item["segment"] for item in result.program if "segment" in item]
-            engines, times = compile_segments(result.directory, segments, chain, cc, profile, cache)
-            seconds.append(round(sum(times), 2))
-            path = tmp / f"rank{rank}.engine"
-            program = (result.directory / PROGRAM_FILE).read_text()
-            tensors = {f"segment{i:02d}": torch.frombuffer(bytearray(e), dtype=torch.uint8) for i, e in enumerate(engines)}
-            write_rank_file(path, rank, program, {n: ("u8", tuple(t.shape)) for n, t in tensors.items()},
-                            lambda name: tensors[name])
-            ranks[rank].update(file=path.name, bytes=path.stat().st_size, sha256=sha256_file(path))
-        return {**chain.record(), "compute_capability": cc, "build_seconds": seconds,
-                "profile": {"max_num_tokens": profile.max_num_tokens, "max_batch_size": profile.max_batch_size,
-                            "max_seq_len": profile.max_seq_len, "max_kv_blocks": profile.max_blocks}}
+        blocks = max(1, min(_pool_blocks(self.plan, g) for g in graphs))
+        return compile_ranks(tmp, [r.directory for r in lowered], chain, self.compute_capability,
+                             profile_of(self.plan, blocks), ranks)
+
+
+def profile_of(plan: Plan, blocks: int) -> Profile:
+    return Profile(plan.limits.max_num_tokens, plan.limits.max_batch_size, plan.limits.max_seq_len,
+                   plan.kv_cache.block_size, blocks)
+
+
+def compile_ranks(out: Path, onnx_dirs: list[Path], chain: Toolchain, cc: str, profile: Profile,
+                  ranks: list[dict]) -> dict:
+    """rank{r}.engine in `out` for each rank's ONNX; updates the rank entries; the compile record."""
+    cache = _timing_cache(chain, cc)
+    seconds = []
+    for rank, directory in enumerate(onnx_dirs):
+        program = (directory / PROGRAM_FILE).read_text()
+        segments = [item["segment"] for item in json.loads(program)["steps"] if "segment" in item]
+        engines, times = compile_segments(directory, segments, chain, cc, profile, cache)
+        seconds.append(round(sum(times), 2))
+        path = out / f"rank{rank}.engine"
+        tensors = {f"segment{i:02d}": torch.frombuffer(bytearray(e), dtype=torch.uint8) for i, e in enumerate(engines)}
+        write_rank_file(path, rank, program, {n: ("u8", tuple(t.shape)) for n, t in tensors.items()},
+                        lambda name: tensors[name])
+        ranks[rank].update(file=path.name, bytes=path.stat().st_size, sha256=sha256_file(path))
+    return {"compiled": True, **chain.record(), "compute_capability": cc, "build_seconds": seconds,
+            "profile": {"max_num_tokens": profile.max_num_tokens, "max_batch_size": profile.max_batch_size,
+                        "max_seq_len": profile.max_seq_len, "max_kv_blocks": profile.max_blocks}}
+
+
+def compile_engine(engine: Path) -> dict:
+    """`engine-build compile`: compile an --onnx-only tensorrt engine's ONNX in place; the new manifest.
+    The rank files are written beside the engine's files first; the manifest is replaced last."""
+    from builder.emit import render_report
+    from runtime.engine_format import EngineError, Manifest
+
+    try:
+        manifest = Manifest.read(engine)
+    except EngineError as exc:
+        raise KilnError(str(exc)) from None
+    doc = json.loads((engine / "manifest.json").read_text())
+    if doc["target"]["name"] != "tensorrt":
+        raise KilnError(f"compile: {engine} is a {doc['target']['name']} engine; only tensorrt engines compile")
+    if doc["tensorrt"].get("compiled"):
+        raise KilnError(f"compile: {engine} is compiled already ({doc['tensorrt']['flavour']} "
+                        f"{doc['tensorrt']['version']}); rebuild it to compile again")
+    cc = manifest.compute_capability
+    chain = find_toolchain(cc)
+    for entry in manifest.ranks:
+        for name, digest in entry.onnx_files:
+            if sha256_file(engine / entry.onnx_dir / name) != digest:
+                raise KilnError(f"compile: {engine / entry.onnx_dir / name}: sha256 does not match the manifest")
+    blocks = min(m.kv_blocks for m in manifest.memory) or 1
+    plan = doc["plan"]
+    profile = Profile(plan["limits"]["max_num_tokens"], plan["limits"]["max_batch_size"],
+                      plan["limits"]["max_seq_len"], plan["kv_cache"]["block_size"], blocks)
+    staging = engine / ".compile"
+    staging.mkdir(exist_ok=True)
+    try:
+        record = compile_ranks(staging, [engine / r.onnx_dir for r in manifest.ranks], chain, cc, profile,
+                               doc["ranks"])
+        for path in staging.iterdir():
+            path.chmod(0o644)
+            path.rename(engine / path.name)
+    finally:
+        for path in staging.iterdir():
+            path.unlink()
+        staging.rmdir()
+    doc["tensorrt"].update(record)
+    doc["target"]["tensorrt"] = chain.record()
+    (engine / "manifest.json.tmp").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    (engine / "manifest.json.tmp").rename(engine / "manifest.json")
+    (engine / "report.md").write_text(render_report(doc))
+    return doc
 
 
 def _expected_parser(cc: str) -> tuple[str, str]:

@@ -35,7 +35,7 @@ def test_gpu_plans_load(name):
 
 def test_gpu_plan_figures():
     h100 = load_plan(PLANS / "h100-tp4-fp8.toml")
-    assert (h100.tp, h100.quant.method, h100.kv_cache.dtype, h100.quant.activations) == (4, "fp8", "fp8", "bf16")
+    assert (h100.tp, h100.quant.method, h100.kv_cache.dtype, h100.quant.activations) == (4, "fp8", "f16", "f16")
     a100 = load_plan(PLANS / "a100-tp2-int4.toml")
     assert (a100.tp, a100.quant.method, a100.quant.group_size) == (2, "int4", 32)
     rtx = load_plan(PLANS / "rtx5090-int4.toml")
@@ -81,10 +81,9 @@ def test_fp8_weights_need_fp8_tensor_cores():
     assert gpu_plan(device="nvidia-l4", quant={"method": "fp8"}).quant.method == "fp8"
 
 
-def test_fp8_kv_cache_needs_fp8_tensor_cores():
-    refused("[kv_cache] dtype", "compute capability 8.9+", "nvidia-a100-80gb is 8.0",
-            device="nvidia-a100-80gb", kv_cache={"dtype": "fp8"})
-    assert gpu_plan(device="nvidia-b200", kv_cache={"dtype": "fp8"}).kv_cache.dtype == "fp8"
+def test_fp8_kv_cache_waits_for_the_attention_plugin():
+    refused("[kv_cache] dtype", "no float8 form in ONNX", 'use dtype = "f16"',
+            device="nvidia-b200", kv_cache={"dtype": "fp8"})
 
 
 def test_int8_activations_are_a_cpu_path():
@@ -120,8 +119,8 @@ def test_unknown_activations_are_refused():
     refused("[quant] activations", "must be one of", quant={"activations": "f64"})
 
 
-def test_tensorrt_takes_every_kv_float_type_and_quant_method():
-    for dtype in ("f16", "bf16", "fp8", "f32"):
+def test_tensorrt_takes_the_float_kv_caches_and_every_quant_method():
+    for dtype in ("f16", "bf16", "f32"):
         assert gpu_plan(kv_cache={"dtype": dtype}).kv_cache.dtype == dtype
     for method in ("none", "source", "int8", "int4", "int4-awq", "fp8"):
         assert gpu_plan(quant={"method": method}).quant.method == method

@@ -1,0 +1,229 @@
+"""The tensorrt target on a CPU-only machine: per-rank ONNX verified against the cpu engine, real
+TensorRT-RTX engines compiled ahead of time, the onnxruntime backend generating and serving the same
+greedy text as the cpu engine (TP=1, TP=2, PP=2 in real rank processes), and every bad input refused
+in one line. Running the TensorRT engines themselves needs a GPU: no test here pretends to."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from builder.build import build_engine
+from builder.errors import KilnError
+from builder.plan import load_plan
+from runtime.engine import EngineOptions
+from runtime.engine_format import map_rank_file
+from runtime.launcher import open_llm_engine
+from runtime.sampling import SamplingParams
+from test_build import assert_one_line_error, engine_build
+from test_server import ServerProcess
+
+PLANS = Path(__file__).resolve().parents[2] / "plans"
+PROMPTS = ["The quick brown fox", "Kiln bakes a language model"]
+
+try:
+    import tensorrt_rtx_bindings  # noqa: F401
+
+    HAS_TENSORRT = True
+except ImportError:
+    HAS_TENSORRT = False
+needs_tensorrt = pytest.mark.skipif(not HAS_TENSORRT, reason="TensorRT-RTX is not installed "
+                                                             "(pip install -e \".[tensorrt]\")")
+
+
+def tensorrt_plan(tp=1, pp=1, activations="f32"):
+    """The A100 INT4 plan with the test's parallelism and activations."""
+    plan = load_plan(PLANS / "a100-tp2-int4.toml").with_overrides(tp=tp, pp=pp)
+    return plan.with_overrides("quant", activations=activations)
+
+
+def cpu_twin(plan):
+    """The cpu target's plan of the same quantization and KV cache, computing in f32."""
+    doc = plan.to_dict()
+    doc.update(target="cpu", device="cpu", tp=1, pp=1)
+    doc["quant"]["activations"] = "f32"
+    doc["kv_cache"]["memory_fraction"] = 0.5
+    from builder.plan import plan_from_dict
+
+    return plan_from_dict(doc, "cpu twin")
+
+
+def greedy(engine: Path, backend: str | None, max_tokens: int = 16) -> list[list[int]]:
+    options = EngineOptions(backend=backend, kv_cache_gib=0.02, num_threads=1)
+    with open_llm_engine(engine, options) as llm:
+        ids = [llm.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p in PROMPTS]
+        done = {}
+        while len(done) < len(ids):
+            for out in llm.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+        return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_llama_dir, tmp_path_factory):
+    """(tp, pp, activations, onnx_only) -> engine directory, built once each."""
+    cache = {}
+
+    def build(tp=1, pp=1, activations="f32", onnx_only=True):
+        key = (tp, pp, activations, onnx_only)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("trt") / f"tp{tp}pp{pp}{activations}{'onnx' if onnx_only else 'trt'}"
+            build_engine(str(tiny_llama_dir), tensorrt_plan(tp, pp, activations), out, show_progress=False,
+                         onnx_only=onnx_only)
+            cache[key] = out
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trt") / "cpu-twin"
+    build_engine(str(tiny_llama_dir), cpu_twin(tensorrt_plan()), out, show_progress=False)
+    return greedy(out, None)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_onnxruntime_backend_generates_the_cpu_engines_greedy_text(built, cpu_tokens, tp, pp):
+    engine = built(tp, pp, onnx_only=(tp, pp) != (2, 1) or not HAS_TENSORRT)
+    import json
+
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["verification"]["max_abs_logit_diff"] <= 1e-3
+    assert [s["step"] for s in manifest["verification"]["steps"]] == ["prefill", "decode", "mixed", "decode"]
+    assert len(manifest["ranks"]) == tp * pp
+    assert greedy(engine, "onnxruntime") == cpu_tokens
+
+
+def test_f16_activations_stay_within_the_recorded_tolerance(built):
+    import json
+
+    engine = built(activations="f16")
+    verification = json.loads((engine / "manifest.json").read_text())["verification"]
+    assert 0 < verification["max_abs_logit_diff"] <= verification["tolerance"]
+    assert verification["top1_agreement"] >= 0.9
+    assert all(len(tokens) == 16 for tokens in greedy(engine, "onnxruntime"))
+
+
+@needs_tensorrt
+def test_a_real_tensorrt_build_writes_engines_and_a_complete_manifest(built):
+    import json
+
+    engine = built(2, 1, onnx_only=False)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["target"]["requires"]["compute_capability"] == "8.0"
+    assert manifest["target"]["tensorrt"]["flavour"] == "tensorrt-rtx"
+    assert manifest["tensorrt"]["compiled"] and len(manifest["tensorrt"]["build_seconds"]) == 2
+    assert manifest["tensorrt"]["plugins"][0]["name"] == "PagedAttention"
+    for rank in manifest["ranks"]:
+        program, engines = map_rank_file(engine / rank["file"])
+        segments = json.loads(program)["steps"]
+        assert len(engines) == sum("segment" in s for s in segments) == rank["io"]["segments"]
+        assert all(e.numel() > 1000 for e in engines.values())  # serialized TensorRT plans, not placeholders
+        assert rank["io"]["exchanges"].count("all_reduce") == 2 * 4 + 1  # two per layer, and the embedding
+        assert set(rank["onnx"]["files"]) >= {"program.json", "weights.bin", "segment00.onnx"}
+
+
+def test_serve_with_the_onnxruntime_backend(built, cpu_tokens, tmp_path):
+    server = ServerProcess(built(2, 1, onnx_only=not HAS_TENSORRT), tmp_path / "serve.log", "--backend", "onnxruntime")
+    try:
+        reply = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0],
+                                                                  "max_tokens": 16, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == len(cpu_tokens[0])
+    finally:
+        assert server.stop() == 0
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+def test_a_gpu_no_installed_tensorrt_targets_stops_before_any_work(tiny_llama_dir, tmp_path):
+    out = tmp_path / "h100"
+    proc = engine_build("build", "--model", tiny_llama_dir, "--plan", PLANS / "h100-tp4-fp8.toml", "--out", out,
+                        "--no-progress")
+    assert_one_line_error(proc, r"compute capability 9\.0 cannot be compiled here .*--onnx-only")
+    assert not out.exists()
+
+
+def test_onnx_only_applies_to_tensorrt_plans(tiny_llama_dir, tmp_path):
+    proc = engine_build("build", "--model", tiny_llama_dir, "--out", tmp_path / "e", "--onnx-only")
+    assert_one_line_error(proc, r"--onnx-only: the cpu target writes no ONNX")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def assert_run_error(proc, pattern):
+    import re
+
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("engine-run: error: ") and re.search(pattern, lines[0]), lines[0]
+
+
+def test_a_tensorrt_engine_without_a_gpu_names_the_onnxruntime_backend(built):
+    engine = built()
+    assert_run_error(run("generate", engine, "-p", "hi"), r"--backend onnxruntime")
+    assert_run_error(run("generate", engine, "-p", "hi", "--backend", "tensorrt"),
+                     r"built with --onnx-only.*engine-build compile")
+    assert_run_error(run("generate", engine, "-p", "hi", "--backend", "cpu"),
+                     r"runs with --backend onnxruntime or tensorrt")
+
+
+def test_a_tampered_onnx_file_is_refused(built, tmp_path):
+    import shutil
+
+    engine = tmp_path / "copy"
+    shutil.copytree(built(), engine)
+    weights = engine / "onnx" / "rank0" / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert_run_error(run("generate", engine, "-p", "hi", "--backend", "onnxruntime"),
+                     r"weights\.bin: sha256 does not match")
+
+
+def test_lint_rejects_an_op_the_parser_lacks(tiny_llama_dir):
+    import onnx
+
+    from builder.onnx_lint import lint_model, load_op_table
+
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("DFT", ["x"], ["y"], name="spectrum")], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)]),
+        opset_imports=[onnx.helper.make_opsetid("", 21)])
+    problems = lint_model(model, load_op_table("tensorrt-rtx", "1.7.1.116"))
+    assert problems and "spectrum" in problems[0] and "DFT" in problems[0]
+
+
+def test_a_failing_verification_writes_nothing(tiny_llama_dir, tmp_path, monkeypatch):
+    import builder.tensorrt_target as target
+
+    monkeypatch.setattr(target, "F32_TOLERANCE", 0.0)  # any difference at all now fails the build
+    out = tmp_path / "e"
+    with pytest.raises(KilnError, match="differ from the cpu engine"):
+        build_engine(str(tiny_llama_dir), tensorrt_plan(), out, show_progress=False, onnx_only=True)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@needs_tensorrt
+def test_compile_finishes_an_onnx_only_build(built, tmp_path):
+    import json
+    import shutil
+
+    engine = tmp_path / "later"
+    shutil.copytree(built(), engine)
+    proc = engine_build("compile", engine)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["tensorrt"]["compiled"] and manifest["target"]["tensorrt"]["flavour"] == "tensorrt-rtx"
+    assert (engine / manifest["ranks"][0]["file"]).is_file() and not (engine / ".compile").exists()
+    assert_one_line_error(engine_build("compile", engine), r"compiled already")
+    assert greedy(engine, "onnxruntime")  # the ONNX it was compiled from still runs and verifies
