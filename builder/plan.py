@@ -27,6 +27,7 @@ ACTIVATIONS = ("f32", "int8", "f16", "bf16")
 # cache waits for the PagedAttention plugin: the node's reference body gathers keys with GatherND and
 # ScatterND, which ONNX (opset 21) does not define for float8.
 TARGET_ACTIVATIONS = {"cpu": ("f32", "int8"), "tensorrt": ("f16", "bf16", "f32")}
+DEFAULT_ACTIVATIONS = {"cpu": "int8", "tensorrt": "f16"}
 TARGET_KV_DTYPES = {"cpu": KV_DTYPES, "tensorrt": ("f16", "bf16", "f32")}
 TARGET_QUANT_METHODS = {"cpu": QUANT_METHODS, "tensorrt": ("none", "source", "int8", "int4", "int4-awq", "fp8")}
 BF16_MIN_CC = (8, 0)  # bf16 tensor cores: Ampere or newer
@@ -80,7 +81,7 @@ class Quant:
     calib: str | None = None
     max_ppl_increase: float | None = None
     # cpu: int8 (int4/int8 linears quantize activations per token, VNNI path) or f32;
-    # tensorrt: f16, bf16 (compute capability 8.0+) or f32
+    # tensorrt: f16, bf16 (compute capability 8.0+) or f32. Unset, it is the target's first choice.
     activations: str = "int8"
     rounding: str = "gptq"    # int4-awq: gptq (grids fitted, rounding errors compensated) or nearest (AWQ clip)
 
@@ -143,6 +144,8 @@ def plan_from_dict(doc: dict, origin: str) -> Plan:
         if not isinstance(value, dict):
             raise PlanError(f"plan {origin}: [{key}] must be a table")
         top[key] = cls(**_take(cls, value, origin, f"[{key}] "))
+    if "activations" not in doc.get("quant", {}) and top.get("target") in DEFAULT_ACTIVATIONS:
+        top["quant"] = dataclasses.replace(top["quant"], activations=DEFAULT_ACTIVATIONS[top["target"]])
     plan = Plan(**top)
     _validate(plan, origin)
     return plan

@@ -90,9 +90,11 @@ def test_int8_activations_are_a_cpu_path():
     refused("[quant] activations", "cpu kernel path", 'activations = "f16"', quant={"activations": "int8"})
 
 
-def test_tensorrt_plan_without_activations_is_told_the_fix():
-    with pytest.raises(PlanError, match=r'\[quant\] activations .*activations = "f16"'):
-        plan_from_dict({"target": "tensorrt", "device": "nvidia-l4"}, "test")
+def test_unset_activations_follow_the_target():
+    assert plan_from_dict({"target": "tensorrt", "device": "nvidia-l4"}, "test").quant.activations == "f16"
+    assert plan_from_dict({"quant": {"method": "int4"}}, "test").quant.activations == "int8"
+    written = plan_from_dict({"target": "tensorrt", "device": "nvidia-l4"}, "test").to_dict()
+    assert plan_from_dict(written, "again").quant.activations == "f16"
 
 
 def test_f16_and_bf16_activations_are_not_cpu_paths():
