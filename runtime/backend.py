@@ -55,7 +55,10 @@ def create_executor(engine, rank: int, num_blocks: int, backend: str, num_thread
 
         return OnnxExecutor(engine.path / manifest.ranks[rank].onnx_dir, num_blocks, num_threads, collectives)
     if backend == "tensorrt":  # check_target refused it already where no GPU is present
-        raise NotImplementedError("the tensorrt backend has not been run on a GPU yet (docs/tensorrt.md)")
+        from runtime.tensorrt_executor import TensorRTExecutor, rank_device
+
+        return TensorRTExecutor(engine.path / manifest.ranks[rank].file, manifest.tensorrt["flavour"], num_blocks,
+                                collectives, rank_device(rank))
     from runtime.executor import CpuExecutor
 
     return CpuExecutor(engine.load_rank(rank), num_blocks, manifest.block_size, manifest.kv_dtype,

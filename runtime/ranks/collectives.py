@@ -28,8 +28,9 @@ class Collectives:
     CUDA tensors take the group's collectives (NCCL).
     """
 
-    def __init__(self, rank: int, tp_ranks: list[int], tp_group):
+    def __init__(self, rank: int, tp_ranks: list[int], tp_group, device: torch.device | None = None):
         self.rank, self.tp_ranks, self.tp_group = rank, tp_ranks, tp_group
+        self.device = device  # where recv puts what it receives: a GPU executor's sends are CUDA tensors (NCCL)
         self.num_tokens = 0   # T and N of the running step, for the shapes of received values
         self.num_logits = 0
 
@@ -75,7 +76,7 @@ class Collectives:
 
     def recv(self, attrs: dict) -> torch.Tensor:
         sizes = {"T": self.num_tokens, "N": self.num_logits}
-        out = torch.empty([sizes.get(d, d) for d in attrs["shape"]], dtype=DTYPES[attrs["dtype"]])
+        out = torch.empty([sizes.get(d, d) for d in attrs["shape"]], dtype=DTYPES[attrs["dtype"]], device=self.device)
         dist.recv(out, attrs["src"])
         return out
 

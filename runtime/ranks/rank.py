@@ -7,6 +7,7 @@ import datetime
 import subprocess
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from runtime.backend import create_executor, kv_budget
@@ -60,7 +61,13 @@ class Rank:
         # Every rank creates every stage's group, in the same order (torch.distributed requires it).
         stage_ranks = mapping.tp_groups()
         stages = [dist.new_group(ranks) for ranks in stage_ranks]
-        self.collectives = Collectives(self.rank, mapping.tp_group(), stages[mapping.pp_rank])
+        device = None
+        if self.backend == "tensorrt":  # NCCL needs each rank's GPU chosen before its first collective
+            from runtime.tensorrt_executor import rank_device
+
+            device = rank_device(self.rank)
+            torch.cuda.set_device(device)
+        self.collectives = Collectives(self.rank, mapping.tp_group(), stages[mapping.pp_rank], device)
         budget = kv_budget(self.backend, kv_cache_gib)
         config = [manifest.shared_kv_blocks(budget) if self.rank == 0 else None]
         dist.broadcast_object_list(config, 0, group=self.control)

@@ -1,0 +1,80 @@
+"""Numerical parity of the tensorrt target's ONNX, one operator family at a time.
+
+Each build lowers a tiny Llama with 6 query / 3 KV heads (uneven over TP=2) and tied embeddings into per-rank ONNX and
+runs it under ONNX Runtime, stitched across both ranks, against Kiln's cpu engine of the same
+quantized program on prefill, decode and mixed steps over scattered, partly filled KV blocks. The
+families: float linears, INT8 per-channel and FP8 weight DequantizeLinear, INT4 zero-point grids as
+a symmetric block DequantizeLinear plus the group-sum correction; attention in all three step kinds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from builder.build import build_engine
+from builder.plan import load_plan
+
+PLANS = Path(__file__).resolve().parents[2] / "plans"
+# f32 activations and an f32 KV cache: the same math in another order (an f16 cache adds its
+# rounding boundaries, covered by the build's own tolerance in test_tensorrt.py)
+F32_LIMIT = 1e-4
+
+# quant method -> (device that has it, the weight DequantizeLinear the lowering must emit: (input
+# element type, block_size attribute, or None for per-channel), or None for a float model)
+FAMILIES = {
+    "none": ("nvidia-a100-80gb", None),
+    "int8": ("nvidia-a100-80gb", (onnx.TensorProto.INT8, None)),
+    "int4": ("nvidia-a100-80gb", (onnx.TensorProto.INT4, 32)),
+    "fp8": ("nvidia-l40s", (onnx.TensorProto.FLOAT8E4M3FN, None)),
+}
+
+
+def weight_dequantizers(rank_dir: Path) -> set[tuple[int, int | None]]:
+    """(weight element type, block_size) of every DequantizeLinear that reads an initializer."""
+    found = set()
+    for path in sorted(rank_dir.glob("segment*.onnx")):
+        model = onnx.load(path, load_external_data=False)
+        types = {init.name: init.data_type for init in model.graph.initializer}
+        for node in model.graph.node:
+            if node.op_type == "DequantizeLinear" and node.input[0] in types:
+                block = next((a.i for a in node.attribute if a.name == "block_size" and a.i), None)
+                found.add((types[node.input[0]], block))
+    return found
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tiny_llama_tied_dir, tmp_path_factory):
+    method = request.param
+    device, dequantize = FAMILIES[method]
+    plan = load_plan(PLANS / "a100-tp2-int4.toml").with_overrides(device=device, tp=2)
+    plan = plan.with_overrides("quant", method=method, activations="f32").with_overrides("kv_cache", dtype="f32")
+    out = tmp_path_factory.mktemp("parity") / method
+    build_engine(str(tiny_llama_tied_dir), plan, out, show_progress=False, onnx_only=True)
+    return method, dequantize, out
+
+
+def test_every_step_kind_matches_the_cpu_engine(family):
+    method, _, engine = family
+    verification = json.loads((engine / "manifest.json").read_text())["verification"]
+    kinds = [step["step"] for step in verification["steps"]]
+    assert {"prefill", "decode", "mixed"} <= set(kinds), kinds
+    for step in verification["steps"]:
+        assert step["max_abs_logit_diff"] <= F32_LIMIT, (method, step)
+    assert verification["top1_agreement"] == 1.0 and verification["tolerance"] == 1e-3
+    assert verification["max_abs_logit"] > 0.1  # the logits were compared, not zeros
+
+
+def test_the_weights_take_the_form_tensorrt_wants(family):
+    method, dequantize, engine = family
+    manifest = json.loads((engine / "manifest.json").read_text())
+    forms = set().union(*(weight_dequantizers(engine / rank["onnx"]["dir"]) for rank in manifest["ranks"]))
+    if dequantize is None:
+        assert forms == set(), forms
+    else:
+        assert dequantize in forms, (method, forms)
+        # no other weight quantization slipped in (the embedding is dequantized to a float table)
+        assert forms == {dequantize}, (method, forms)
