@@ -71,6 +71,7 @@ def build(
 ):
     """Build an engine directory from a model and a plan (deterministic: same inputs, same bytes)."""
     from builder.build import build_engine
+    from builder.engine_summary import tensorrt_lines
     from builder.model import load_model
     from builder.pipeline import PipelineOptions
     from builder.plan import load_plan
@@ -92,25 +93,8 @@ def build(
     size = sum(r["bytes"] + r.get("onnx", {}).get("bytes", 0) for r in result.manifest["ranks"])
     state = "up to date" if result.up_to_date else "built"
     typer.echo(f"{state}: {result.out} ({len(result.manifest['ranks'])} rank(s), {size / 1e6:.1f} MB)")
-    for line in _target_lines(result.manifest):
+    for line in tensorrt_lines(result.manifest):
         typer.echo(line)
-
-
-def _target_lines(manifest: dict) -> list[str]:
-    """What a tensorrt build verified and compiled, in a few lines."""
-    if manifest["target"]["name"] != "tensorrt":
-        return []
-    v, trt = manifest["verification"], manifest["tensorrt"]
-    lines = [f"not verified: {v['skipped']}" if "skipped" in v else
-             f"verified: ONNX Runtime against the cpu engine, max |logit difference| {v['max_abs_logit_diff']:.3g} "
-             f"(tolerance {v['tolerance']:.3g}), top-1 agreement {v['top1_agreement']:.0%}"]
-    if trt["compiled"]:
-        lines.append(f"compiled: {trt['flavour']} {trt['version']} for compute capability {trt['compute_capability']} "
-                     f"in {sum(trt['build_seconds']):.1f} s; kiln::PagedAttention has no plugin registered, so "
-                     "TensorRT compiled its reference body (correct, slow)")
-    else:
-        lines.append("not compiled (--onnx-only): run `engine-build compile DIR` on a GPU host")
-    return lines
 
 
 @app.command()
@@ -132,22 +116,42 @@ def compile(
 @one_line_errors
 def inspect(
     engine: Path = typer.Argument(..., help="Engine directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest itself (JSON) instead of the summary."),
     ir: bool = typer.Option(False, "--ir", help="Also print the program (IR) of a rank."),
     rank: int = typer.Option(0, "--rank", "-r", help="Which rank's program to print with --ir."),
 ):
-    """Show an engine's manifest and, with --ir, a rank's program."""
-    from builder.ir import Graph
-    from runtime.engine_format import map_rank_file
+    """Summarise an engine: model, plan, quantization, accuracy, ranks, memory plan and what it needs to run
+    (--json: the manifest itself; --ir: a rank's program)."""
+    from builder.engine_summary import format_warning, summary_lines
 
     manifest = _read_manifest(engine)
-    typer.echo(json.dumps({k: v for k, v in manifest.items() if k != "ranks"}, indent=2, sort_keys=True))
-    for r in manifest["ranks"]:
-        typer.echo(f"rank {r['rank']}: {r['file']}  {r['bytes']:,} bytes  sha256 {r['sha256']}")
-    if ir:
-        if not 0 <= rank < len(manifest["ranks"]):
-            raise KilnError(f"--rank {rank}: the engine has ranks 0..{len(manifest['ranks']) - 1}")
-        program, _ = map_rank_file(engine / manifest["ranks"][rank]["file"])
+    warning = format_warning(manifest)
+    if warning:  # still shown: inspecting an engine is how one finds out which Kiln it needs
+        typer.echo(f"engine-build: warning: {engine}: {warning}", err=True)
+    rank_file = _ir_rank_file(engine, manifest, rank) if ir else None
+    if as_json:
+        typer.echo(json.dumps(manifest, indent=2, sort_keys=True))
+    else:
+        for line in summary_lines(manifest):
+            typer.echo(line)
+    if rank_file is not None:
+        from builder.ir import Graph
+        from runtime.engine_format import map_rank_file
+
+        program, _ = map_rank_file(rank_file)
         typer.echo(Graph.from_json(program).format())
+
+
+def _ir_rank_file(engine: Path, manifest: dict, rank: int) -> Path:
+    """The rank file whose program --ir prints (checked before anything is printed)."""
+    ranks = manifest["ranks"]
+    if not 0 <= rank < len(ranks):
+        raise KilnError(f"--rank {rank}: the engine has ranks 0..{len(ranks) - 1}")
+    if manifest["target"]["name"] != "cpu":
+        raise KilnError(f"--ir: the ranks of a {manifest['target']['name']} engine hold ONNX segments, not the IR; "
+                        f"rank {rank}'s steps are in {ranks[rank].get('onnx', {}).get('dir')}/program.json "
+                        "(`engine-build build --dump-ir DIR` writes the IR)")
+    return engine / ranks[rank]["file"]
 
 
 @app.command()
@@ -161,10 +165,21 @@ def verify(
                                   "activations, 5% of the largest reference logit and the same top-1 token)."),
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt to compare on (repeatable)."),
 ):
-    """Check the engine's logits against Hugging Face transformers on a few prompts."""
+    """Check the engine's format version and file hashes, then its logits against Hugging Face transformers
+    on a few prompts."""
     from builder.verify import verify_engine
+    from runtime.engine_format import EngineError, Manifest, check_files
 
-    _read_manifest(engine)  # its errors, before the reference model loads
+    _read_manifest(engine)  # a missing or unreadable manifest, before the reference model loads
+    try:
+        manifest = Manifest.read(engine)  # the format version first: a newer format is not guessed at
+        check_files(engine, manifest)     # every file the manifest lists (rank files, ONNX), by sha256
+    except EngineError as exc:
+        raise KilnError(str(exc)) from None
+    if manifest.target != "cpu":
+        raise KilnError(f"verify: {engine}: its files match the manifest, but the reference interpreter runs cpu "
+                        f"engines and this is a {manifest.target} engine; its build verified the ONNX against the "
+                        "cpu engine (`engine-build inspect` shows the record)")
     report = verify_engine(engine, model, prompt or None)
     for line in report.lines:
         typer.echo(line)

@@ -159,7 +159,7 @@ def compile_engine(engine: Path) -> dict:
     """`engine-build compile`: compile an --onnx-only tensorrt engine's ONNX in place; the new manifest.
     The rank files are written beside the engine's files first; the manifest is replaced last."""
     from builder.emit import render_report
-    from runtime.engine_format import EngineError, Manifest
+    from runtime.engine_format import EngineError, Manifest, check_files
 
     try:
         manifest = Manifest.read(engine)
@@ -173,10 +173,10 @@ def compile_engine(engine: Path) -> dict:
                         f"{doc['tensorrt']['version']}); rebuild it to compile again")
     cc = manifest.compute_capability
     chain = find_toolchain(cc)
-    for entry in manifest.ranks:
-        for name, digest in entry.onnx_files:
-            if sha256_file(engine / entry.onnx_dir / name) != digest:
-                raise KilnError(f"compile: {engine / entry.onnx_dir / name}: sha256 does not match the manifest")
+    try:
+        check_files(engine, manifest, "onnxruntime")  # the ONNX it compiles, as the manifest lists them
+    except EngineError as exc:
+        raise KilnError(f"compile: {exc}") from None
     blocks = min(m.kv_blocks for m in manifest.memory) or 1
     plan = doc["plan"]
     profile = Profile(plan["limits"]["max_num_tokens"], plan["limits"]["max_batch_size"],

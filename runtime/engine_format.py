@@ -211,9 +211,19 @@ def open_engine(path: str | Path, world_size: int | None = None, check_hashes: b
     if world_size is not None and world_size != len(ranks):
         raise EngineError(f"{path}: the engine has {len(ranks)} rank(s) but was started with world size "
                           f"{world_size}; start it with {len(ranks)} rank(s)")
-    for entry in ranks:
+    check_files(path, manifest, backend, check_hashes)
+    return EngineDir(path, manifest)
+
+
+def check_files(path: Path, manifest: Manifest, backend: str | None = None, check_hashes: bool = True) -> None:
+    """The files `backend` reads are there and, with check_hashes, match the manifest's sha256: the rank
+    files ("cpu", "tensorrt"), a tensorrt engine's ONNX ("onnxruntime"), or every file listed (None)."""
+    for entry in manifest.ranks:
+        onnx = [(path / entry.onnx_dir / name, digest) for name, digest in entry.onnx_files]
         if backend == "onnxruntime":
-            files = [(path / entry.onnx_dir / name, digest) for name, digest in entry.onnx_files]
+            files = onnx
+        elif backend is None:
+            files = onnx + ([] if entry.file is None else [(path / entry.file, entry.sha256)])
         else:
             files = [(path / entry.file, entry.sha256)]
         for file, digest in files:
@@ -223,7 +233,6 @@ def open_engine(path: str | Path, world_size: int | None = None, check_hashes: b
             if check_hashes and sha256_file(file) != digest:
                 raise EngineError(f"{file}: sha256 does not match the manifest (corrupt or modified); "
                                   "rebuild the engine")
-    return EngineDir(path, manifest)
 
 
 def check_target(path: Path, manifest: Manifest, backend: str | None = None) -> str:

@@ -146,7 +146,7 @@ def test_cli_build_inspect_verify(tiny_llama_dir, tmp_path):
     assert proc.stdout.startswith(f"built: {out}")
     proc = engine_build("inspect", out, "--ir")
     assert proc.returncode == 0, proc.stderr
-    assert '"format": "kiln-engine"' in proc.stdout and "= attention(" in proc.stdout
+    assert "plan          cpu target, device cpu, tp 1 x pp 1" in proc.stdout and "= attention(" in proc.stdout
     proc = engine_build("verify", out, "--tolerance", "1e-4")
     assert proc.returncode == 0, proc.stderr
     assert "ok: max |logit difference|" in proc.stdout

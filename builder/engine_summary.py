@@ -1,0 +1,249 @@
+"""`engine-build inspect`: an engine's manifest as a readable summary, one labelled section per concern.
+
+The summary reads the manifest's JSON as it is, not through the runtime's `Manifest`, so that it can
+show an engine this Kiln cannot run (a newer format version): a section whose fields it cannot read
+says so and points at `--json` instead of failing the whole command.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from builder.model import ModelConfig, canonical_weight_shapes
+from runtime.engine_format import ENGINE_FORMAT, FORMAT_VERSION, cpu_flags
+
+LABEL_WIDTH = 14  # the label column, as wide as the longest label ("quantization") and two spaces
+
+
+def format_warning(manifest: dict) -> str | None:
+    """Why this Kiln may misread the manifest and `engine-run` refuse it; None when it reads it."""
+    if manifest.get("format") != ENGINE_FORMAT:
+        return f"manifest format {manifest.get('format')!r} is not {ENGINE_FORMAT!r}; the summary may be wrong"
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        return (f"engine format version {version} is newer than this Kiln reads ({FORMAT_VERSION}); the summary "
+                "may miss or misread fields and engine-run refuses the engine: upgrade Kiln")
+    if version < FORMAT_VERSION:
+        return (f"engine format version {version} is older than this Kiln reads ({FORMAT_VERSION}); engine-run "
+                "refuses the engine: rebuild it")
+    return None
+
+
+def summary_lines(manifest: dict) -> list[str]:
+    """The summary `engine-build inspect` prints: a title, then each section under its label."""
+    lines = [_title(manifest)]
+    for label, section in SECTIONS:
+        try:
+            body = section(manifest)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            body = [f"not readable in this manifest ({type(exc).__name__}: {exc}); see --json"]
+        for i, line in enumerate(body):
+            lines.append(f"{label if i == 0 else '':<{LABEL_WIDTH}}{line}")
+    return lines
+
+
+def tensorrt_lines(manifest: dict) -> list[str]:
+    """What a tensorrt build verified and compiled, in a few lines (none for other targets)."""
+    if manifest["target"]["name"] != "tensorrt":
+        return []
+    v, trt = manifest["verification"], manifest["tensorrt"]
+    lines = [f"not verified: {v['skipped']}" if "skipped" in v else
+             f"verified: ONNX Runtime against the cpu engine, max |logit difference| {v['max_abs_logit_diff']:.3g} "
+             f"(tolerance {v['tolerance']:.3g}), top-1 agreement {v['top1_agreement']:.0%}"]
+    if trt["compiled"]:
+        lines.append(f"compiled: {trt['flavour']} {trt['version']} for compute capability {trt['compute_capability']} "
+                     f"in {sum(trt['build_seconds']):.1f} s; kiln::PagedAttention has no plugin registered, so "
+                     "TensorRT compiled its reference body (correct, slow)")
+    else:
+        lines.append("not compiled (--onnx-only): run `engine-build compile DIR` on a GPU host")
+    return lines
+
+
+# ---------------------------------------------------------------------- sections
+
+def _title(m: dict) -> str:
+    built = f", built at {m['build_time']} (epoch seconds)" if "build_time" in m else ""
+    return (f"{m.get('model', {}).get('name', '?')}: Kiln engine format {m.get('format_version')}, written by Kiln "
+            f"{m.get('kiln_version', '?')}, build {str(m.get('build_id', '?'))[:12]}{built}")
+
+
+def _model(m: dict) -> list[str]:
+    model, c = m["model"], m["model"]["config"]
+    parameters = _parameter_count(c)
+    counted = f", {_count(parameters)} parameters" if parameters else ""
+    tied = ", tied embeddings" if c.get("tie_word_embeddings") else ""
+    shape = (f"{c['num_layers']} layers, hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
+             f"{c['num_heads']} query / {c['num_kv_heads']} KV heads x {c['head_dim']}, vocabulary "
+             f"{c['vocab_size']:,}{tied}")
+    return [f"{model['name']}: {model['architecture']}{counted}, from {model['source']}", shape,
+            f"weights sha256 {model['weights_sha256']}"]
+
+
+def _plan(m: dict) -> list[str]:
+    p = m["plan"]
+    return [f"{p['target']} target, device {p['device']}, tp {p['tp']} x pp {p['pp']} = {m['world_size']} rank(s)"]
+
+
+def _limits(m: dict) -> list[str]:
+    limits = m["plan"]["limits"]
+    return [(f"{limits['max_batch_size']} sequences and {limits['max_num_tokens']:,} tokens a step, "
+             f"{limits['max_seq_len']:,} tokens a sequence")]
+
+
+def _kv_cache(m: dict) -> list[str]:
+    kv = m["plan"]["kv_cache"]
+    return [(f"{kv['dtype']}, blocks of {kv['block_size']} tokens, {kv['memory_fraction']:g} of the device "
+             "memory left after weights and workspace")]
+
+
+def _quantization(m: dict) -> list[str]:
+    q, summary = m["plan"]["quant"], m.get("quantization", {})
+    parts = [q["method"]]
+    if q["method"] in ("int4", "int4-awq"):
+        parts.append(f"group size {q['group_size']}")
+    if q["method"] == "int4-awq":
+        parts.append(f"{q['rounding']} rounding")
+    parts.append(f"{q['activations']} activations")
+    if q.get("calib"):
+        parts.append(f"calibrated on {q['calib']}")
+    parts.append(f"excluded: {', '.join(q['exclude'])}" if q["exclude"] else "nothing excluded")
+    lines = [", ".join(parts)]
+    if summary.get("nodes"):
+        nodes = sorted(summary["nodes"].items())
+        lines.append("weight nodes: " + ", ".join(f"{count} x {fmt}" for fmt, count in nodes))
+    lines += [summary[key] for key in ("compute", "fp8") if summary.get(key)]
+    return lines
+
+
+def _accuracy(m: dict) -> list[str]:
+    a = m.get("accuracy")
+    if not a:
+        return [("none recorded (measured when a build requantizes, narrows the KV cache below f16 or computes "
+                 "on int8 activations)")]
+    if a.get("evaluated") is False:
+        return [f"not evaluated: {a['note']} ({a['quantized_nodes']} quantized weight nodes)"]
+    gate = ("no gate set" if a.get("max_ppl_increase") is None
+            else f"gate: at most +{a['max_ppl_increase']:g}%, passed")
+    lines = [(f"perplexity {a['ppl_reference']:.4f} -> {a['ppl_quantized']:.4f} ({a['ppl_increase_pct']:+.3f}%), "
+              f"mean KL {a['kl_mean']:.4g} nats a token, on {a['evaluation_tokens']:,} tokens ({gate})"),
+             (f"measured for {a['method']} weights, {a['activations']} activations, {a['kv_cache_dtype']} KV "
+              f"cache, {a['quantized_nodes']} quantized weight nodes")]
+    if a.get("layer_error"):
+        worst = max(a["layer_error"], key=a["layer_error"].get)
+        lines.append(f"weight error |w - w'| / |w| per layer: mean {a['layer_error_mean']:.4g}, max "
+                     f"{a['layer_error_max']:.4g} ({worst})")
+    if a.get("awq_alpha"):
+        lines.append(f"AWQ scales fitted for {len(a['awq_alpha'])} layers")
+    if a.get("kv_scale"):
+        scales = a["kv_scale"].values()
+        lines.append(f"KV scales calibrated for {len(a['kv_scale'])} layers ({min(scales):.4g} .. {max(scales):.4g})")
+    shown = {"evaluated", "note", "max_ppl_increase", "ppl_reference", "ppl_quantized", "ppl_increase_pct", "kl_mean",
+             "evaluation_tokens", "method", "activations", "kv_cache_dtype", "quantized_nodes", "layer_error",
+             "layer_error_mean", "layer_error_max", "awq_alpha", "kv_scale"}
+    others = {k: v for k, v in sorted(a.items()) if k not in shown and isinstance(v, (int, float, str))}
+    if others:
+        lines.append("also: " + ", ".join(f"{k} {v}" for k, v in others.items()))
+    return lines
+
+
+def _ranks(m: dict) -> list[str]:
+    lines = []
+    sharding = {s["rank"]: s for s in m.get("sharding", {}).get("ranks", [])}
+    for r in m["ranks"]:
+        if r["file"] is None:
+            text = f"rank {r['rank']}: no rank file (not compiled, --onnx-only)"
+        else:
+            text = (f"rank {r['rank']}: {r['file']} {_size(r['bytes'])} ({r['bytes']:,} bytes), "
+                    f"sha256 {r['sha256'][:16]}")
+        if "onnx" in r:
+            onnx = r["onnx"]
+            text += (f"; ONNX {onnx['dir']}/: {len(onnx['files'])} files, {_size(onnx['bytes'])} "
+                     f"({onnx['bytes']:,} bytes)")
+        if m["world_size"] > 1 and r["rank"] in sharding:
+            s = sharding[r["rank"]]
+            first, end = s["layers"]
+            text += f"; tp rank {s['tp_rank']}, pp rank {s['pp_rank']}, layers {first}..{end - 1}"
+        lines.append(text)
+    return lines
+
+
+def _memory(m: dict) -> list[str]:
+    max_seq_len = m["plan"]["limits"]["max_seq_len"]
+    lines = []
+    for r in m["memory"]["ranks"]:
+        lines.append(f"rank {r['rank']}: weights {_size(r['weight_bytes'])}, workspace {_size(r['workspace_bytes'])}, "
+                     f"KV {r['kv_bytes_per_token']:,} bytes a token: {r['kv_blocks']:,} blocks "
+                     f"({r['max_concurrency']:,} sequences of {max_seq_len:,} tokens)")
+    return lines
+
+
+def _requires(m: dict) -> list[str]:
+    target = m["target"]
+    requires = target.get("requires", {})
+    if target["name"] == "cpu":
+        flags = requires.get("cpu_flags", [])
+        missing = sorted(set(flags) - cpu_flags())
+        here = f"this CPU lacks {', '.join(missing)}" if missing else "this CPU has them"
+        return [f"a CPU with {', '.join(flags)} ({here})" if flags else "any CPU"]
+    lines = [f"an NVIDIA GPU of compute capability {requires['compute_capability']} ({requires['gpu_arch']})"]
+    trt = m.get("tensorrt", {})
+    if trt.get("compiled"):
+        lines.append(f"{trt['flavour']} {trt['version']}, which compiled it in {sum(trt['build_seconds']):.1f} s")
+    else:
+        lines.append("not compiled yet (--onnx-only): run `engine-build compile DIR` on a GPU host with TensorRT; "
+                     "--backend onnxruntime runs its ONNX on the CPU")
+    if trt.get("lint"):
+        lines.append(f"lint: {trt['lint']}")
+    for plugin in trt.get("plugins", []):
+        state = "registered" if plugin["registered"] else f"no plugin registered: {plugin['fallback']}"
+        lines.append(f"{plugin['namespace']}::{plugin['name']} v{plugin['version']}: {state}")
+    v = m.get("verification")
+    if v is not None:
+        lines.append(_verification(v))
+    return lines
+
+
+def _verification(v: dict) -> str:
+    if "skipped" in v:
+        return f"not verified: {v['skipped']}"
+    steps = ", ".join(f"{s['step']} ({s['tokens']} tokens)" for s in v.get("steps", []))
+    return (f"verified: {v['runner']} against the {v['reference']}: max |logit difference| "
+            f"{v['max_abs_logit_diff']:.3g} (tolerance {v['tolerance']:.3g}), top-1 agreement "
+            f"{v['top1_agreement']:.0%}" + (f", over {steps}" if steps else ""))
+
+
+def _passes(m: dict) -> list[str]:
+    return [f"{len(m['passes'])}: " + ", ".join(p["name"] for p in m["passes"])]
+
+
+SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
+    ("model", _model), ("plan", _plan), ("limits", _limits), ("kv cache", _kv_cache),
+    ("quantization", _quantization), ("accuracy", _accuracy), ("ranks", _ranks), ("memory", _memory),
+    ("requires", _requires), ("passes", _passes),
+]
+
+
+# ---------------------------------------------------------------------- numbers
+
+def _parameter_count(config: dict) -> int | None:
+    """The model's parameters, from its config (None when this Kiln cannot read the config)."""
+    try:
+        shapes = canonical_weight_shapes(ModelConfig.from_dict(config))
+    except (TypeError, ValueError):
+        return None
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:,}"
+
+
+def _size(n: int) -> str:
+    for scale, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
