@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from builder.calibration import GraphRunner
+from builder.calibration import GraphRunner, progress
 from builder.errors import KilnError
 from builder.ir import Graph
 
@@ -43,14 +43,14 @@ def window_figures(reference: torch.Tensor, quantized: torch.Tensor, ids: list[i
 
 
 def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dtype: str = "f32",
-             activations: str = "f32") -> dict:
+             activations: str = "f32", show_progress: bool = False) -> dict:
     """Perplexity of both graphs and the mean KL over `windows`; the quantized one as the engine runs it
     (its KV cache rounding, and int8 activations if the plan asks for them)."""
     q_runner = GraphRunner(quantized, kv_dtype, activations)
     ref_runner = GraphRunner(reference) if reference is not quantized else None  # else: q_runner, run exactly
     nll_ref = nll_q = kl = 0.0
     tokens = 0
-    for ids in windows:
+    for ids in progress(windows, "accuracy", "window", show_progress):
         ref = ref_runner.run(ids) if ref_runner else q_runner.run(ids, exact=True)
         r, q, k = window_figures(ref, q_runner.run(ids), ids)
         nll_ref, nll_q, kl, tokens = nll_ref + r, nll_q + q, kl + k, tokens + len(ids) - 1

@@ -136,12 +136,21 @@ class GraphRunner:
         return None if wanted is not None else outputs[0]
 
 
+def progress(items, desc: str, unit: str, show: bool):
+    """A pass's own progress bar under the pipeline's (cleared when done), or the items as they are."""
+    if not show:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=f"  {desc}", unit=unit, leave=False)
+
+
 def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]],
-                        max_rows: int = MAX_CAPTURED_ROWS) -> dict[str, torch.Tensor]:
+                        max_rows: int = MAX_CAPTURED_ROWS, show_progress: bool = False) -> dict[str, torch.Tensor]:
     """name -> [rows, width] values of `graph` over the windows, at most `max_rows` evenly spaced rows."""
     chunks: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     runner = GraphRunner(graph)
-    for window in token_windows:
+    for window in progress(token_windows, "calibration", "window", show_progress):
         runner.run(window, lambda name, value: chunks[name].append(value.clone()), names)
     captured = {}
     for name, parts in chunks.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from builder.calibration import KV_MAX, GraphRunner, calibration_windows
+from builder.calibration import KV_MAX, GraphRunner, calibration_windows, progress
 from builder.ir import Graph
 from passes.context import PassContext
 
@@ -17,7 +17,8 @@ def calibrate_kv_scales(graph: Graph, ctx: PassContext) -> Graph:
         amax[name] = max(amax[name], float(value.abs().max()))
 
     runner = GraphRunner(graph)
-    for window in calibration_windows(ctx, f"the {kv_dtype} KV cache"):
+    for window in progress(calibration_windows(ctx, f"the {kv_dtype} KV cache"), "kv scales", "window",
+                           ctx.show_progress):
         runner.run(window, capture, keys_values)
     out = graph.replace()
     for node in out.nodes:

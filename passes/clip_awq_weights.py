@@ -9,7 +9,7 @@ partial products on the calibration activations are closest to the float ones. W
 
 from __future__ import annotations
 
-from builder.calibration import calibration_windows, capture_activations
+from builder.calibration import calibration_windows, capture_activations, progress
 from builder.ir import Graph
 from builder.quant.awq import awq_clip
 from passes.context import PassContext
@@ -25,9 +25,10 @@ def clip_awq_weights(graph: Graph, ctx: PassContext) -> Graph:
              and out.weights[n.inputs[1]].shape[1] % group_size == 0]
     if not nodes:
         return out
-    activations = capture_activations(out, {n.inputs[0] for n in nodes}, calibration_windows(ctx, "int4-awq"))
+    activations = capture_activations(out, {n.inputs[0] for n in nodes}, calibration_windows(ctx, "int4-awq"),
+                                      show_progress=ctx.show_progress)
     clipped: dict[str, object] = {}
-    for node in nodes:
+    for node in progress(nodes, "awq clip", "layer", ctx.show_progress):
         weight = node.inputs[1]
         if weight not in clipped:  # a weight two nodes share is clipped once, on the first one's inputs
             clipped[weight] = awq_clip(activations[node.inputs[0]], out.tensors[weight], group_size)

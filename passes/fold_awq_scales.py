@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from builder.calibration import calibration_windows, capture_activations
+from builder.calibration import calibration_windows, capture_activations, progress
 from builder.ir import Graph, Node
 from builder.quant.awq import awq_search
 from passes.context import PassContext
@@ -41,10 +41,11 @@ def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
     sets = _scale_sets(out, {n.name for n in requant_targets(out, ctx.plan) if n.op == "linear"})
     if not sets:
         return out
-    activations = capture_activations(out, {s.input for s in sets}, calibration_windows(ctx, "int4-awq"))
+    activations = capture_activations(out, {s.input for s in sets}, calibration_windows(ctx, "int4-awq"),
+                                      show_progress=ctx.show_progress)
     group_size = ctx.plan.quant.group_size
     alphas = {}
-    for scale_set in sets:
+    for scale_set in progress(sets, "awq scales", "set", ctx.show_progress):
         if any(out.weights[n.inputs[1]].shape[1] % group_size for n in scale_set.searched):
             continue  # quantize_int4 reports the group size that does not divide
         weights = [out.tensors[n.inputs[1]] for n in scale_set.searched]

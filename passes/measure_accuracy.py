@@ -37,7 +37,7 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     # Without requantization the graph's weights are the reference's (float, or the source's blocks
     # bit for bit): the graph itself, run exactly, is the reference, and no second model is loaded.
     reference = reference_graph(ctx.model) if quant.method in REQUANT_METHODS else out
-    figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, quant.activations))
+    figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, quant.activations, ctx.show_progress))
     figures["max_ppl_increase"] = quant.max_ppl_increase
     if errors:
         figures["layer_error_max"] = max(errors.values())

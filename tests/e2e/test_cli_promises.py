@@ -1,0 +1,130 @@
+"""What the README and `--help` promise exists: `engine-run bench` measures and plots, `serve` refuses a
+corrupt engine or a taken port before it listens, and every command and flag the README names is in
+the `--help` of the command it belongs to."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+CLIS = {"engine-build": "builder.cli", "engine-run": "runtime.cli"}
+
+
+def cli(program: str, *args, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", CLIS[program], *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc, program: str, pattern: str) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{program}: error: ") and re.search(pattern, lines[0]), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_dir(tiny_llama_dir, build_tiny_engine):
+    return build_tiny_engine(tiny_llama_dir, "tiny")
+
+
+# ------------------------------------------------------------------------------------- bench
+
+def test_bench_measures_each_level_and_draws_them(tiny_engine_dir, tmp_path):
+    figures, picture = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = cli("engine-run", "bench", tiny_engine_dir, "-c", "1", "-c", "3", "--requests", "4", "--prompt-len", "9",
+               "--output-len", "5", "--threads", "1", "--json", figures, "--plot", picture)
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = proc.stdout.strip().splitlines()
+    assert header.split()[:3] == ["conc", "out", "tok/s"] and [row.split()[0] for row in rows] == ["1", "3"]
+    doc = json.loads(figures.read_text())
+    assert (doc["prompt_len"], doc["output_len"]) == (9, 5) and doc["weight_bytes_per_rank"] > 0
+    for level in doc["levels"]:
+        assert level["requests"] == 4 and level["output_tok_s"] > 0 and level["weight_gbs"] > 0
+        # every request's 5 tokens came from at least 5 steps; 3 at a time take fewer steps than 1 at a time
+        assert level["steps"] >= 5 and level["ttft_p50_ms"] <= level["ttft_p99_ms"]
+    assert doc["levels"][1]["steps"] < doc["levels"][0]["steps"]
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+
+
+def test_bench_refuses_lengths_the_engine_cannot_hold(tiny_engine_dir):
+    proc = cli("engine-run", "bench", tiny_engine_dir, "--prompt-len", "100000")
+    assert_one_line_error(proc, "engine-run", r"--prompt-len 100000 \+ --output-len 128 exceeds the engine's max_seq_len")
+
+
+# ------------------------------------------------------------------------------------- serve
+
+def test_serve_refuses_a_corrupt_engine_before_it_listens(tiny_engine_dir, tmp_path):
+    import shutil
+
+    engine = shutil.copytree(tiny_engine_dir, tmp_path / "corrupt")
+    data = bytearray((engine / "rank0.engine").read_bytes())
+    data[-100] ^= 0xFF
+    (engine / "rank0.engine").write_bytes(data)
+    proc = cli("engine-run", "serve", engine, "--port", str(free_port()), timeout=60)
+    assert_one_line_error(proc, "engine-run", r"rank0\.engine.*sha256")
+    assert "Uvicorn" not in proc.stdout + proc.stderr and "serving" not in proc.stdout
+
+
+def test_serve_refuses_a_taken_port_before_loading(tiny_engine_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = cli("engine-run", "serve", tiny_engine_dir, "--port", str(port), timeout=60)
+    assert_one_line_error(proc, "engine-run", rf"cannot listen on 127\.0\.0\.1:{port}: .*--port")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------- README against --help
+
+def readme_commands() -> list[tuple[str, str | None, set[str]]]:
+    """(program, subcommand or None, flags) for every engine-build / engine-run line in the README's
+    indented code blocks."""
+    found = []
+    for line in README.read_text().splitlines():
+        if not line.startswith("    ") or "──▶" in line:  # code, not the overview's diagram
+            continue
+        for match in re.finditer(r"\b(engine-build|engine-run)\b([^&#|]*)", line):
+            words = match.group(2).split()
+            sub = words[0] if words and re.fullmatch(r"[a-z]+", words[0]) else None
+            found.append((match.group(1), sub, set(re.findall(r"(--[a-z][a-z0-9-]*)", match.group(2)))))
+    return found
+
+
+def help_text(program: str, sub: str | None) -> str:
+    proc = cli(program, *([sub] if sub else []), "--help", timeout=60)
+    assert proc.returncode == 0, f"{program} {sub} --help: {proc.stderr}"
+    return proc.stdout
+
+
+def test_the_readmes_commands_and_flags_are_in_help():
+    commands = readme_commands()
+    assert {("engine-build", "build"), ("engine-run", "serve"), ("engine-run", "bench")} <= \
+        {(p, s) for p, s, _ in commands}
+    helps: dict[tuple, str] = {}
+    for program, sub, flags in commands:
+        text = helps.setdefault((program, sub), help_text(program, sub))
+        for flag in flags:
+            assert re.search(rf"{flag}\b", text), f"README: `{program} {sub or ''} {flag}` is not in its --help"
+
+
+def test_every_flag_the_readme_names_exists_somewhere():
+    """Flags in the README's prose (`--flag`) belong to some command's --help."""
+    prose = set(re.findall(r"`(--[a-z][a-z0-9-]*)", README.read_text())) - {"--no-deps"}  # pip's own
+    everything = "".join(help_text(program, sub) for program, sub in
+                         [("engine-build", s) for s in ("build", "verify", "inspect", "compile")] +
+                         [("engine-run", s) for s in ("generate", "serve", "bench")])
+    missing = sorted(f for f in prose if not re.search(rf"{f}\b", everything))
+    assert not missing, f"the README names flags no command has: {missing}"
