@@ -114,18 +114,95 @@ def serve(
                                         help="On SIGTERM, seconds running requests get to finish before abort."),
     model_name: Optional[str] = typer.Option(None, "--model-name",
                                              help="Model id clients send (default: the manifest's model name)."),
+    max_request_bytes: int = typer.Option(
+        1 << 20, "--max-request-bytes", min=1,
+        help="Largest request body in bytes; a larger one gets 413 before it is read. The default, 1 MiB, is "
+             "512 bytes per token of the default plan's max_seq_len (2048): a prompt that fits the context (~4 "
+             "bytes a token as English text, at most ~12 as token ids or \\u-escaped text) fits many times over."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
+    import dataclasses
+
+    from runtime.engine_format import open_engine
     from runtime.launcher import open_llm_engine
     from runtime.serving.app import serve as run_server
 
+    # Refuse a bad engine or a taken port before anything listens: the files' hashes are checked
+    # here once, not again by the ranks.
+    open_engine(engine, backend=backend)
+    check_port_free(host, port)
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
                              backend)
+    options = dataclasses.replace(options, check_hashes=False)
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
-                                max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name))
+                                max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
+                                max_request_bytes=max_request_bytes))
+
+
+def check_port_free(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            fail(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server? choose --port)")
+
+
+@app.command()
+@one_line_errors
+def bench(
+    engine: Path = ENGINE_ARG,
+    concurrency: list[int] = typer.Option([1, 8, 32], "--concurrency", "-c", min=1,
+                                          help="Requests in flight at a time; repeat for several levels."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1,
+                                           help="Requests per level (default: 2 x the concurrency, at least 8)."),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="Prompt tokens per request (synthetic)."),
+    output_len: int = typer.Option(128, "--output-len", min=2, help="Output tokens per request (EOS ignored)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot",
+                                            help="Also draw throughput and latency against concurrency into "
+                                                 "this PNG (needs matplotlib: the bench extra)."),
+    max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
+    max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
+    threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
+):
+    """Benchmark the engine offline: throughput, time to first token and inter-token latency per concurrency,
+    with the weight bandwidth each level achieves. Greedy, synthetic prompts; the table goes to stdout."""
+    import torch
+
+    from runtime import bench as b
+    from runtime.launcher import open_llm_engine
+
+    if plot_out is not None:  # before minutes of benchmarking, not after
+        b.require_matplotlib()
+    with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
+                                                threads, rank_timeout, backend)) as llm:
+        limit = llm.limits.max_seq_len
+        if prompt_len + output_len > limit:
+            fail(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the engine's max_seq_len {limit}")
+        weights = b.weight_bytes(engine)
+        b.run_level(llm, 1, 1, min(8, prompt_len), 4, weights, seed=99)  # warm up: threads, caches, replay
+        context = {"engine": str(engine), "threads": threads or torch.get_num_threads(), "backend": backend,
+                   "prompt_len": prompt_len, "output_len": output_len, "weight_bytes_per_rank": weights}
+        typer.echo(f"engine {engine}  prompt {prompt_len}  output {output_len}  threads {context['threads']}  "
+                   f"weights {weights / 1e6:.1f} MB per rank", err=True)
+        results = []
+        for level in concurrency:
+            count = requests or max(8, 2 * level)
+            typer.echo(f"  concurrency {level}: {count} requests ...", err=True)
+            results.append(b.run_level(llm, level, count, prompt_len, output_len, weights, seed=level))
+    typer.echo(b.table(results))
+    if json_out is not None:
+        json_out.write_text(b.to_json(results, context) + "\n")
+    if plot_out is not None:
+        b.plot(results, plot_out, f"{llm.engine.manifest.model_name}: prompt {prompt_len}, output {output_len}")
+        typer.echo(f"plot: {plot_out}", err=True)
 
 
 if __name__ == "__main__":

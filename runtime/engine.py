@@ -128,6 +128,8 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request; ValueError (before it takes any KV blocks) if it can never run."""
         params = params or SamplingParams()
+        if params.min_tokens and not params.eos_token_ids:  # min_tokens holds back this model's EOS too
+            params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.engine.manifest.vocab_size
         if any(not 0 <= t < vocab for t in ids):

@@ -1,7 +1,9 @@
 """Sampler: picks each sequence's next token from its logits row (greedy, temperature, top-k, top-p).
 
-Every row depends only on its own logits, params and generator, never on the rest of the batch:
-- greedy (temperature 0): argmax of the raw logits, ties to the lowest token id;
+Every row depends only on its own logits, params, tokens and generator, never on the rest of the batch:
+- first the row's penalties (repetition, presence, frequency; see SamplingParams) change its logits,
+  and while fewer than min_tokens are generated the tokens that would stop it get -inf;
+- greedy (temperature 0): argmax of the logits, ties to the lowest token id;
 - otherwise probs = softmax(logits / temperature); top-k keeps the k most likely tokens and top-p
   the smallest most-likely-first set whose mass reaches top_p of what top-k kept (ties in order
   of token id, by a stable sort, so top_k=1 and a tiny top_p both equal greedy); the kept
@@ -9,8 +11,8 @@ Every row depends only on its own logits, params and generator, never on the res
 - the token is argmax(probs / e) with e ~ Exp(1) drawn by the row's own generator over the whole
   vocabulary (the exponential race: token i wins with probability probs[i] / sum(probs)), so the
   same seed gives the same tokens in any batch.
-Log-probs are log_softmax of the raw logits, before temperature and filtering: the model's own
-probability of the chosen token, comparable across requests whatever their sampling settings.
+Log-probs are log_softmax of the raw logits, before penalties, temperature and filtering: the
+model's own probability of the chosen token, comparable across requests whatever their sampling settings.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"sample: logits must be [N, V] with N = {len(seqs)} sequences, "
                              f"got {tuple(logits.shape)}")
-        logits = logits.float()
+        logits = raw_logits = logits.float()
+        adjusted = [i for i, seq in enumerate(seqs)
+                    if seq.params.uses_penalties or seq.params.held_back_token_ids(seq.num_output_tokens)]
+        if adjusted:
+            logits = logits.clone()
+            for i in adjusted:
+                _adjust(logits[i], seqs[i])
         tokens = torch.empty(len(seqs), dtype=torch.int64)
         greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
         random = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
@@ -40,7 +48,7 @@ class Sampler:
         logprobs: list[float | None] = [None] * len(seqs)
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
         if wanted:
-            chosen = torch.log_softmax(logits[wanted], dim=-1).gather(1, tokens[wanted].unsqueeze(1))
+            chosen = torch.log_softmax(raw_logits[wanted], dim=-1).gather(1, tokens[wanted].unsqueeze(1))
             for i, value in zip(wanted, chosen.squeeze(1).tolist()):
                 logprobs[i] = value
         return token_list, logprobs
@@ -72,3 +80,19 @@ class Sampler:
         drop = (mass_before >= threshold) & (top_p < 1.0).unsqueeze(1)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _adjust(row: torch.Tensor, seq: Sequence) -> None:
+    """Apply seq's penalties and min_tokens to its logits row [V], in place."""
+    params, vocab = seq.params, row.shape[0]
+    if params.uses_penalties:
+        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=vocab)  # [V]
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(seq.prompt_token_ids, dtype=torch.int64)] = True
+            penalty = params.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row))
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    held_back = [t for t in params.held_back_token_ids(seq.num_output_tokens) if t < vocab]
+    if held_back:
+        row[held_back] = float("-inf")

@@ -13,6 +13,14 @@ class SamplingParams:
     are off. A request stops on a token in stop_token_ids, on the model's EOS (unless
     ignore_eos), after max_tokens generated tokens, or on a stop string (checked by the engine).
     ignore_eos only ignores the model's EOS tokens; stop_token_ids always stop (as in vLLM).
+    min_tokens holds back the tokens that would stop the request (stop_token_ids, and eos_token_ids
+    unless ignore_eos) until that many tokens are generated; stop strings still stop it.
+    eos_token_ids are the model's EOS ids (LLMEngine.add_request fills them in): only min_tokens reads them,
+    as the scheduler stops on EOS by itself.
+    Penalties change the logits before greedy or sampling, as in vLLM: repetition_penalty (1 = off)
+    divides a positive logit and multiplies a negative one of every token in the prompt or output;
+    presence_penalty subtracts from each token already generated, frequency_penalty that times its
+    count (OpenAI's, in [-2, 2]; 0 = off).
     logprobs=True returns the log-probability of each chosen token under the raw logits.
     stop and stop_token_ids accept any sequence and are stored as tuples so the params stay immutable.
     """
@@ -25,6 +33,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    min_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = field(default=())
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logprobs: bool = False
 
     def __post_init__(self) -> None:
@@ -43,15 +56,26 @@ class SamplingParams:
         stop = tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}")
-        stop_token_ids = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
-            raise ValueError(f"stop_token_ids must hold integers >= 0, got {list(stop_token_ids)!r}")
+        stop_token_ids, eos_token_ids = tuple(self.stop_token_ids), tuple(self.eos_token_ids)
+        for name, ids in (("stop_token_ids", stop_token_ids), ("eos_token_ids", eos_token_ids)):
+            if not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"{name} must hold integers >= 0, got {list(ids)!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        object.__setattr__(self, "eos_token_ids", eos_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -64,6 +88,16 @@ class SamplingParams:
     @property
     def uses_top_p(self) -> bool:
         return self.top_p < 1.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def held_back_token_ids(self, num_output_tokens: int) -> tuple[int, ...]:
+        """The token ids the next token may not be, after num_output_tokens: those that would stop it early."""
+        if num_output_tokens >= self.min_tokens:
+            return ()
+        return self.stop_token_ids + (() if self.ignore_eos else self.eos_token_ids)
 
 
 def _is_int(x) -> bool:

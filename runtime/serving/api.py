@@ -2,7 +2,7 @@
 
 The two generation endpoints differ only in how a request becomes prompts and in the shapes of
 their answers (an `_Answer` each); admission, sampling parameters, streaming, disconnects and usage
-are the same code.
+are the same code. Prompts are read on a worker thread (prompts.py), never on the event loop.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from runtime.chat import ChatTemplateError
 from runtime.engine import LLMEngine, RequestOutput
 from runtime.sampling import SamplingParams
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
+from runtime.serving.prompts import PromptReader, context_len
 from runtime.serving.protocol import (
-    MAX_CHOICES, APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ModelCard, ModelList,
     Usage, chat_logprobs, completion_logprobs,
 )
@@ -117,10 +117,6 @@ async def _events(run: _Run, first: list[str], chunk_for, usage_for=None):
     yield "data: [DONE]\n\n"
 
 
-def context_len(llm: LLMEngine) -> int:
-    return min(llm.limits.max_seq_len, llm.num_blocks * llm.block_size)
-
-
 def _usage(prompt_lens: list[int], n: int, finals: list[RequestOutput | None]) -> Usage:
     completion = sum(len(o.token_ids) for o in finals if o is not None)
     cached = sum(o.num_cached_tokens for o in finals[::n] if o is not None)
@@ -145,9 +141,8 @@ class _Answer:
 class _CompletionAnswer(_Answer):
     id_prefix = "cmpl"
 
-    @staticmethod
-    def prompts(llm: LLMEngine, body: CompletionRequest) -> list[list[int]]:
-        return [llm.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    def prompts(self, reader: PromptReader) -> list[list[int]]:
+        return reader.completion_prompts(self.body, self.max_tokens)
 
     @property
     def max_tokens(self) -> int | None:
@@ -182,14 +177,8 @@ class _CompletionAnswer(_Answer):
 class _ChatAnswer(_Answer):
     id_prefix = "chatcmpl"
 
-    @staticmethod
-    def prompts(llm: LLMEngine, body: ChatCompletionRequest) -> list[list[int]]:
-        try:
-            prompt = llm.apply_chat_template([m.for_template() for m in body.messages], body.add_generation_prompt)
-        except ChatTemplateError as exc:
-            message = str(exc) if "chat template" in str(exc) else f"the chat template refused the messages: {exc}"
-            raise APIError(400, message, param="messages", code="chat_template_error") from None
-        return [llm.encode(prompt)]
+    def prompts(self, reader: PromptReader) -> list[list[int]]:
+        return reader.chat_prompts(self.body, self.max_tokens)
 
     @property
     def max_tokens(self) -> int | None:
@@ -228,6 +217,13 @@ class _ChatAnswer(_Answer):
 def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Callable[[], str]) -> None:
     """The /v1 endpoints; app.state.draining refuses new requests."""
     started = int(time.time())
+    reader: PromptReader | None = None
+
+    def prompt_reader(llm: LLMEngine) -> PromptReader:  # on a worker thread: a new one reads the vocabulary
+        nonlocal reader
+        if reader is None or reader.llm is not llm:
+            reader = PromptReader(llm)
+        return reader
 
     def admit(body) -> LLMEngine:
         if app.state.draining:
@@ -254,12 +250,15 @@ def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Calla
                         seed=None if body.seed is None else body.seed + i,
                         max_tokens=(answer.max_tokens if answer.max_tokens is not None
                                     else max(1, context_len(llm) - len(ids))),
+                        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, eos_token_ids=llm.eos_token_ids,
+                        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                        presence_penalty=body.presence_penalty or 0.0,
+                        frequency_penalty=body.frequency_penalty or 0.0,
                         stop=body.stop_strings(), logprobs=answer.logprobs)
-                except ValueError as exc:
-                    raise APIError(400, str(exc)) from None
+                except ValueError as exc:  # the message starts with the field's name
+                    name = str(exc).split(" ", 1)[0]
+                    raise APIError(400, str(exc), param=name if name in type(body).model_fields else None) from None
                 requests.append((f"{answer.rid}-{p * body.n + i}", ids, params))
-        if len(requests) > MAX_CHOICES:
-            raise APIError(400, f"{len(prompts)} prompts x n={body.n} is over {MAX_CHOICES} choices", param="n")
         try:
             outputs = await engine.submit(requests, arrival)
         except Overloaded:
@@ -270,8 +269,8 @@ def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Calla
     async def generate(body, request: Request, kind: type[_CompletionAnswer] | type[_ChatAnswer]):
         arrival = time.monotonic()
         llm = admit(body)
-        prompts = kind.prompts(llm, body)
         answer = kind(llm, body, f"{kind.id_prefix}-{uuid.uuid4().hex}", int(time.time()), served_model_name())
+        prompts = await asyncio.to_thread(lambda: answer.prompts(prompt_reader(llm)))
         run = await start(llm, body, prompts, answer, arrival)
         prompt_lens = [len(p) for p in prompts]
         if body.stream:

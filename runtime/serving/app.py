@@ -1,4 +1,5 @@
-"""The server app: FastAPI wiring (errors, /health, /metrics, the OpenAI routes) and the process that drains on SIGTERM."""
+"""The server app: FastAPI wiring (body size limit, errors, /health, /metrics, the OpenAI routes) and the process
+that drains on SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,16 +18,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.engine import LLMEngine
 from runtime.serving.api import ClientGone, add_openai_routes
 from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
 from runtime.serving.protocol import APIError, validation_error
 
 log = logging.getLogger("kiln.server")
 
 
-def create_app(engine: EngineLoop, model_name: str | None = None) -> FastAPI:
+def create_app(engine: EngineLoop, model_name: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The HTTP API; `engine` must be started (EngineLoop.start) on the loop that serves the app."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     app = FastAPI(title="Kiln", summary="OpenAI-compatible server for a Kiln engine")
     app.state.draining = False
     metrics = engine.metrics
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes,
+                       on_refused=lambda: metrics.http_errors.labels("413").inc())
 
     def served_model_name() -> str:
         return model_name or engine.llm.engine.manifest.model_name
@@ -99,11 +106,12 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(open_engine: Callable[[], ContextManager[LLMEngine]], *, host: str = "127.0.0.1", port: int = 8000,
-          max_waiting: int = 64, drain_timeout: float = 30.0, model_name: str | None = None) -> int:
+          max_waiting: int = 64, drain_timeout: float = 30.0, model_name: str | None = None,
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Run the server until SIGTERM/SIGINT (or the engine fails); returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     engine = EngineLoop(open_engine, max_waiting)
-    app = create_app(engine, model_name)
+    app = create_app(engine, model_name, max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="off")
 

@@ -83,19 +83,22 @@ class _SamplingRequest(_Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None  # an extension, as in vLLM
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     max_tokens: int | None = Field(None, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # Extensions, as in vLLM (what benchmark clients send): see runtime.sampling.SamplingParams.
+    top_k: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"`{name}` is not supported by this server; leave it out or set it to 0",
-                               param=name)
+        if self.min_tokens and self.stop:
+            raise APIError(400, "min_tokens cannot be combined with stop strings here: a stop string ends the "
+                                "output even before min_tokens", param="min_tokens")
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -138,6 +138,71 @@ def test_chat_with_and_without_streaming(client, offline):
     assert chunks[-1].usage.total_tokens == out.usage.total_tokens
 
 
+def early_eos(create, num_tokens, max_tokens: int, **request) -> tuple[int, int]:
+    """(seed, tokens) of a sampled output that ends on EOS well before max_tokens: one request, n=32 seeds."""
+    out = create(model=MODEL, max_tokens=max_tokens, temperature=1.0, seed=0, n=32, **request)
+    for choice in out.choices:
+        if choice.finish_reason == "stop" and num_tokens(choice) < max_tokens // 2:
+            return choice.index, num_tokens(choice)
+    pytest.fail(f"no seed in 0..31 stops early: {[c.finish_reason for c in out.choices]}")
+
+
+def test_ignore_eos_and_min_tokens_generate_max_tokens(client):
+    prompt = "Hello there"
+    seed, length = early_eos(client.completions.create, lambda c: len(c.logprobs.tokens), 60, prompt=prompt,
+                             logprobs=0)
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=1.0, seed=seed,
+                                        logprobs=0)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == length
+    for extension in ({"ignore_eos": True}, {"min_tokens": 60}):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=1.0, seed=seed,
+                                        extra_body=extension)
+        assert out.usage.completion_tokens == 60 and out.choices[0].finish_reason == "length", extension
+    # min_tokens holds back EOS only until then: the same tokens up to the EOS, at least min_tokens in all.
+    held = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=1.0, seed=seed,
+                                     logprobs=0, extra_body={"min_tokens": length + 3})
+    assert held.usage.completion_tokens >= length + 3
+    assert held.choices[0].logprobs.tokens[:length - 1] == stopped.choices[0].logprobs.tokens[:length - 1]
+
+    messages = [{"role": "user", "content": prompt}]
+    seed, length = early_eos(client.chat.completions.create, lambda c: len(c.logprobs.content), 40,
+                             messages=messages, logprobs=True)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=40, temperature=1.0,
+                                         seed=seed, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 40 and out.choices[0].finish_reason == "length"
+
+
+def test_top_k_one_is_greedy(client):
+    greedy_text = client.completions.create(model=MODEL, prompt="Kiln", max_tokens=16, temperature=0).choices[0].text
+    sampled = client.completions.create(model=MODEL, prompt="Kiln", max_tokens=16, temperature=1.0, seed=3, n=4)
+    top_1 = client.completions.create(model=MODEL, prompt="Kiln", max_tokens=16, temperature=1.0, seed=3, n=4,
+                                      extra_body={"top_k": 1})
+    assert all(c.text == greedy_text for c in top_1.choices)
+    assert any(c.text != greedy_text for c in sampled.choices)
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"repetition_penalty": 2.0}, {"presence_penalty": -2.0}])
+def test_penalties_change_the_output_as_offline(client, offline, penalty):
+    prompt = "The quick brown fox"
+    plain = greedy(offline, [prompt], 40)[0]
+    ref = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, **penalty))[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body=penalty)
+    assert out.choices[0].text == ref.text != plain.text
+    if next(iter(penalty.values())) > 0:  # no token twice (greedy repeats them)
+        assert len(set(ref.token_ids)) == 40 > len(set(plain.token_ids))
+    else:
+        assert len(set(ref.token_ids)) < len(set(plain.token_ids))
+
+
+def test_chat_logprobs_with_top_logprobs_zero(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=0, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 5
+    assert all(t.logprob <= 0 and t.top_logprobs == [] for t in content)
+
+
 def test_sixty_four_concurrent_streams_finish_and_match_offline(server, offline):
     prompts = [f"Request {i}: " + "the quick brown fox " * (i % 7) for i in range(64)]
 
@@ -184,7 +249,7 @@ MALFORMED = [
     ("completions", {"model": MODEL}, "prompt"),
     ("completions", {"prompt": "hi"}, "model"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, None),
-    ("completions", {"model": MODEL, "prompt": "hi " * 2100, "max_tokens": 4}, None),
+    ("completions", {"model": MODEL, "prompt": "hi " * 2100, "max_tokens": 4}, "prompt"),
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": "0.5"}, "temperature"),
     ("completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
@@ -193,7 +258,13 @@ MALFORMED = [
     ("completions", {"model": MODEL, "prompt": ""}, None),
     ("completions", {"model": MODEL, "prompt": [10**6]}, None),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs"),
-    ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "min_tokens": 2, "stop": ["."]}, "min_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "min_p": 0.1}, "min_p"),
     ("completions", {"model": MODEL, "prompt": "hi", "frobnicate": True}, "frobnicate"),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
     ("chat/completions", {"model": MODEL, "messages": []}, "messages"),
