@@ -207,6 +207,7 @@ def test_a_failing_verification_writes_nothing(tiny_llama_dir, tmp_path, monkeyp
     import builder.tensorrt_target as target
 
     monkeypatch.setattr(target, "F32_TOLERANCE", 0.0)  # any difference at all now fails the build
+    monkeypatch.setattr(target, "HALF_KV_TOLERANCE", 0.0)
     out = tmp_path / "e"
     with pytest.raises(KilnError, match="differ from the cpu engine"):
         build_engine(str(tiny_llama_dir), tensorrt_plan(), out, show_progress=False, onnx_only=True)
