@@ -89,9 +89,13 @@ def methods(group: int, threads: int) -> list[Method]:
         Method(f"torch int4pack g{group}", torch_int4pack),
         Method(f"kiln int4 g{group} act=f32", kiln_int4("f32")),
         Method(f"kiln int4 g{group} act=int8", kiln_int4("int8")),
+        Method(f"kiln int4 g{group} act=int16", kiln_int4("int16")),
         Method("kiln int8/ch act=f32", kiln_int8("f32", None)),
         Method("kiln int8/ch act=int8", kiln_int8("int8", None)),
+        Method("kiln int8/ch act=int16", kiln_int8("int16", None)),
         Method("kiln int8 g32 (Q8_0) f32", kiln_int8("f32", 32)),
+        Method("kiln int8 g32 (Q8_0) int8", kiln_int8("int8", 32)),
+        Method("kiln int8 g32 (Q8_0) int16", kiln_int8("int16", 32)),
         Method("kiln fp8 e4m3 act=f32", kiln_fp8),
         Method("kiln bf16 act=f32", kiln_bf16),
     ]
@@ -207,6 +211,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated substrings of method names to run")
+    parser.add_argument("--no-mix", action="store_true", help="skip the decode-like layer mix")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -217,7 +222,8 @@ def main() -> None:
     print_table(f"SmolLM2-135M layer (qkv, o, gate_up, down), {args.layers} distinct layers", rows, args.tokens)
     heads = [m for m in chosen if "int4" not in m.name or "kiln" in m.name]
     print_table("lm_head 49152x576", {m.name: bench_lm_head(args, m) for m in heads}, (1, 8, 32))
-    bench_interleaved(args, args.group)
+    if not args.no_mix:
+        bench_interleaved(args, args.group)
 
 
 if __name__ == "__main__":

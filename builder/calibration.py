@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from pathlib import Path
 from collections.abc import Callable
 from importlib import resources
 
@@ -15,7 +16,7 @@ import torch
 
 from builder.errors import KilnError
 from builder.ir import Graph
-from builder.packing import pack_graph, runs_int8_activations
+from builder.packing import integer_activations, pack_graph
 from runtime.ops import reference
 from runtime.program import Program, dense_hooks
 
@@ -34,12 +35,30 @@ def shipped_text(name: str) -> str:
 
 
 def tokenize(model, text: str) -> list[int]:
+    tokenizer, _ = _tokenizer(model)
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _tokenizer(model):
+    """The model's tokenizer and its tokenizer_config (chat template, special tokens)."""
     from tokenizers import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         model.write_tokenizer(tmp)
-        tokenizer = Tokenizer.from_file(f"{tmp}/tokenizer.json")
-    return tokenizer.encode(text, add_special_tokens=False).ids
+        config = json.loads(Path(tmp, "tokenizer_config.json").read_text(encoding="utf-8"))
+        return Tokenizer.from_file(f"{tmp}/tokenizer.json"), config
+
+
+def chat_prompts(model) -> tuple[list[list[int]], bool]:
+    """The shipped chat prompts as the server sends them (each one user message through the model's chat
+    template), and whether there was a template to use; without one, the bare messages."""
+    from runtime.chat import render_chat
+
+    tokenizer, config = _tokenizer(model)
+    messages = [line for line in shipped_text("chat_prompts").splitlines() if line.strip()]
+    templated = bool(config.get("chat_template"))
+    texts = [render_chat(config, [{"role": "user", "content": m}]) if templated else m for m in messages]
+    return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)], templated
 
 
 def windows(ids: list[int], model_config) -> list[list[int]]:
@@ -83,20 +102,33 @@ class GraphRunner:
     `activations` int8, eligible layers run the int8-activation path. With a kv_dtype other than
     f32, K and V are rounded as that cache type would store them. run(ids, exact=True) runs the same
     packed weights in float32 (f32 activations and KV): the reference of a graph that is not
-    requantized, without a second copy of the model.
+    requantized, without a second copy of the model. generate() decodes greedily, a token a step,
+    over a per-layer cache of K and V (the rounded values, as the engine's cache holds them).
     """
 
     def __init__(self, graph: Graph, kv_dtype: str = "f32", activations: str = "f32"):
         runnable = pack_graph(graph, "f32")
-        doc = json.loads(runnable.to_json())
+        self._bind(json.loads(runnable.to_json()), runnable.tensors, kv_dtype, activations)
+
+    @classmethod
+    def from_program(cls, doc: dict, tensors: dict[str, torch.Tensor], kv_dtype: str = "f32",
+                     activations: str = "f32") -> GraphRunner:
+        """A runner of a packed program (a rank file's): its nodes' own `act` choices are dropped."""
+        nodes = [dict(n, attrs={k: v for k, v in n["attrs"].items() if k != "act"}) for n in doc["nodes"]]
+        runner = cls.__new__(cls)
+        runner._bind(dict(doc, nodes=nodes), tensors, kv_dtype, activations)
+        return runner
+
+    def _bind(self, doc: dict, tensors: dict[str, torch.Tensor], kv_dtype: str, activations: str) -> None:
         hooks = dense_hooks(self._attention, all_logits=True)
         self.kv_dtype = self._kv_now = kv_dtype
-        self.exact_program = Program(doc, runnable.tensors, hooks)
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> (K, V) in generate()
+        self.exact_program = Program(doc, tensors, hooks)
         self.program = self.exact_program
-        if any(runs_int8_activations(n["op"], n["attrs"], activations) for n in doc["nodes"]):
-            nodes = [dict(n, attrs=dict(n["attrs"], act="int8"))
-                     if runs_int8_activations(n["op"], n["attrs"], activations) else n for n in doc["nodes"]]
-            self.program = Program(dict(doc, nodes=nodes), runnable.tensors, hooks)
+        if any(integer_activations(n["op"], n["attrs"], activations) for n in doc["nodes"]):
+            nodes = [dict(n, attrs=dict(n["attrs"], act=activations))
+                     if integer_activations(n["op"], n["attrs"], activations) else n for n in doc["nodes"]]
+            self.program = Program(dict(doc, nodes=nodes), tensors, hooks)
         self.last_use: dict[str, int] = {}
         for index, call in enumerate(self.program.calls):
             for name in call.inputs:
@@ -107,6 +139,12 @@ class GraphRunner:
 
         def run(q, k, v):
             k, v = fake_quantize_kv(k, self._kv_now, scale), fake_quantize_kv(v, self._kv_now, scale)
+            if self._cache is None:
+                return reference.dense_causal_attention(q, k, v, attrs)
+            if attrs["layer"] in self._cache:
+                past_k, past_v = self._cache[attrs["layer"]]
+                k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
+            self._cache[attrs["layer"]] = (k, v)
             return reference.dense_causal_attention(q, k, v, attrs)
 
         return run
@@ -134,6 +172,22 @@ class GraphRunner:
 
         outputs = program.run(env, observe)
         return None if wanted is not None else outputs[0]
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], max_new: int, stop: set[int], exact: bool = False) -> list[int]:
+        """The greedy continuation of `ids`: up to max_new tokens, ending after the first token in `stop`."""
+        program = self.exact_program if exact else self.program
+        self._kv_now = "f32" if exact else self.kv_dtype
+        self._cache, out, step = {}, [], ids
+        try:
+            while len(out) < max_new and not (out and out[-1] in stop):
+                start = len(ids) + len(out) - len(step)
+                env = {"tokens": torch.tensor(step, dtype=torch.int64), "positions": torch.arange(start, start + len(step))}
+                out.append(int(program.run(env)[0][-1].argmax()))
+                step = out[-1:]
+        finally:
+            self._cache = None
+        return out
 
 
 def progress(items, desc: str, unit: str, show: bool):

@@ -119,15 +119,22 @@ def _quantization(m: dict) -> list[str]:
 def _accuracy(m: dict) -> list[str]:
     a = m.get("accuracy")
     if not a:
-        return [("none recorded (measured when a build requantizes, narrows the KV cache below f16 or computes "
-                 "on int8 activations)")]
+        return [("none recorded (measured when a build requantizes, narrows the KV cache below f32 or computes "
+                 "on integer activations)")]
     if a.get("evaluated") is False:
         return [f"not evaluated: {a['note']} ({a['quantized_nodes']} quantized weight nodes)"]
     gate = ("no gate set" if a.get("max_ppl_increase") is None
             else f"gate: at most +{a['max_ppl_increase']:g}%, passed")
     lines = [(f"perplexity {a['ppl_reference']:.4f} -> {a['ppl_quantized']:.4f} ({a['ppl_increase_pct']:+.3f}%), "
-              f"mean KL {a['kl_mean']:.4g} nats a token, on {a['evaluation_tokens']:,} tokens ({gate})"),
-             (f"measured for {a['method']} weights, {a['activations']} activations, {a['kv_cache_dtype']} KV "
+              f"mean KL {a['kl_mean']:.4g} nats a token, on {a['evaluation_tokens']:,} tokens ({gate})")]
+    if "greedy_agreement_pct" in a:
+        agreed = round(a["greedy_agreement_pct"] * a["greedy_prompts"] / 100)
+        greedy_gate = ("no gate set" if a.get("min_greedy_agreement") is None
+                       else f"gate: at least {a['min_greedy_agreement']:g}%, passed")
+        lines.append(f"greedy chat answers: {agreed} of {a['greedy_prompts']} prompts ({a['greedy_agreement_pct']:.1f}%) "
+                     f"give the reference's first {a['greedy_tokens']} tokens, {a['greedy_mean_leading']:.1f} identical "
+                     f"leading tokens on average ({greedy_gate})")
+    lines += [(f"measured for {a['method']} weights, {a['activations']} activations, {a['kv_cache_dtype']} KV "
               f"cache, {a['quantized_nodes']} quantized weight nodes")]
     if a.get("layer_error"):
         worst = max(a["layer_error"], key=a["layer_error"].get)
@@ -139,6 +146,8 @@ def _accuracy(m: dict) -> list[str]:
         scales = a["kv_scale"].values()
         lines.append(f"KV scales calibrated for {len(a['kv_scale'])} layers ({min(scales):.4g} .. {max(scales):.4g})")
     shown = {"evaluated", "note", "max_ppl_increase", "ppl_reference", "ppl_quantized", "ppl_increase_pct", "kl_mean",
+             "greedy_agreement_pct", "greedy_prompts", "greedy_tokens", "greedy_mean_leading", "greedy_leading",
+             "greedy_chat_template", "min_greedy_agreement",
              "evaluation_tokens", "method", "activations", "kv_cache_dtype", "quantized_nodes", "layer_error",
              "layer_error_mean", "layer_error_max", "awq_alpha", "kv_scale"}
     others = {k: v for k, v in sorted(a.items()) if k not in shown and isinstance(v, (int, float, str))}

@@ -22,8 +22,8 @@ def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
         names, roles = packed[logical]
         node.inputs = [node.inputs[0], *names, *node.inputs[1 + count:]]
         node.attrs = dict(attrs, layout=fmt.layout, operands=[*roles, *attrs["operands"][count:]])
-        if runs_int8_activations(node.op, node.attrs, activations):
-            node.attrs["act"] = "int8"
+        if integer_activations(node.op, node.attrs, activations):
+            node.attrs["act"] = activations
     out.drop_unused_weights()
     return out
 
@@ -36,8 +36,12 @@ def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, 
     return [f"{base}.{role}" for role in parts], list(parts)
 
 
-def runs_int8_activations(op: str, attrs: dict, activations: str) -> bool:
-    """The VNNI path takes int4/int8 linears (and logits) whose input width is a multiple of 32."""
+INTEGER_ACTIVATIONS = ("int8", "int16")
+
+
+def integer_activations(op: str, attrs: dict, activations: str) -> bool:
+    """The integer activation paths (int8, int16) take int4/int8 linears (and logits) whose input
+    width is a multiple of 32; other nodes compute on f32 activations."""
     quant = attrs.get("quant")
-    return (activations == "int8" and op in ("linear", "logits") and quant in FORMATS
-            and FORMATS[quant].int8_activations and attrs["in_features"] % 32 == 0)
+    return (activations in INTEGER_ACTIVATIONS and op in ("linear", "logits") and quant in FORMATS
+            and FORMATS[quant].integer_activations and attrs["in_features"] % 32 == 0)

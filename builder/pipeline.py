@@ -90,13 +90,15 @@ def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass
         (True, Pass("fuse_qkv", fuse_qkv)),
         (True, Pass("fuse_gate_up", fuse_gate_up)),
         (True, Pass("fuse_add_rms_norm", fuse_add_rms_norm)),
-        # Analysis of the whole quantized program, before sharding splits it: perplexity and KL
-        # against the float model, and the max_ppl_increase gate (a failing build writes nothing).
-        # A float build with a float cache (f32, f16) loses nothing to measure.
-        (quant.method != "none" or kv_dtype not in ("f32", "f16"),
+        # Analysis of the whole quantized program, before sharding splits it: perplexity, KL and
+        # greedy chat agreement against the float model, and the max_ppl_increase and
+        # min_greedy_agreement gates (a failing build writes nothing). A float build with an f32
+        # cache loses nothing to measure.
+        (quant.method != "none" or kv_dtype != "f32",
          Pass("measure_accuracy", measure_accuracy,
-              {"max_ppl_increase": quant.max_ppl_increase,
-               "evaluation_sha256": _sha256(shipped_text("evaluation"))})),
+              {"max_ppl_increase": quant.max_ppl_increase, "min_greedy_agreement": quant.min_greedy_agreement,
+               "evaluation_sha256": _sha256(shipped_text("evaluation")),
+               "chat_prompts_sha256": _sha256(shipped_text("chat_prompts"))})),
         # Phase 4: sharding; from here on each rank has its own graph. Stages are cut first, so they
         # are priced on whole layers and every tensor-parallel rank of a stage cuts at the same
         # layers; the tensor-parallel pass then slices only the weights of the rank's own stage.

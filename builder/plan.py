@@ -21,13 +21,13 @@ BUILDABLE_TARGETS = ("cpu", "tensorrt")
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
-ACTIVATIONS = ("f32", "int8", "f16", "bf16")
-# What each target takes where it differs: int8 activations and an int8 KV cache are cpu kernel paths;
+ACTIVATIONS = ("f32", "int16", "int8", "f16", "bf16")
+# What each target takes where it differs: integer activations and an int8 KV cache are cpu kernel paths;
 # TensorRT computes in f16/bf16 (f32 for reference) and keeps its KV cache in a float type. An fp8
 # cache waits for the PagedAttention plugin: the node's reference body gathers keys with GatherND and
 # ScatterND, which ONNX (opset 21) does not define for float8.
-TARGET_ACTIVATIONS = {"cpu": ("f32", "int8"), "tensorrt": ("f16", "bf16", "f32")}
-DEFAULT_ACTIVATIONS = {"cpu": "int8", "tensorrt": "f16"}
+TARGET_ACTIVATIONS = {"cpu": ("f32", "int16", "int8"), "tensorrt": ("f16", "bf16", "f32")}
+DEFAULT_ACTIVATIONS = {"cpu": "f32", "tensorrt": "f16"}
 TARGET_KV_DTYPES = {"cpu": KV_DTYPES, "tensorrt": ("f16", "bf16", "f32")}
 TARGET_QUANT_METHODS = {"cpu": QUANT_METHODS, "tensorrt": ("none", "source", "int8", "int4", "int4-awq", "fp8")}
 BF16_MIN_CC = (8, 0)  # bf16 tensor cores: Ampere or newer
@@ -80,9 +80,10 @@ class Quant:
     exclude: tuple[str, ...] = ("*lm_head*", "embed_tokens")
     calib: str | None = None
     max_ppl_increase: float | None = None
-    # cpu: int8 (int4/int8 linears quantize activations per token, VNNI path) or f32;
+    min_greedy_agreement: float | None = None  # percent of the shipped chat prompts answered as the reference
+    # cpu: f32, or int16 / int8 (int4/int8 linears quantize activations per token and block);
     # tensorrt: f16, bf16 (compute capability 8.0+) or f32. Unset, it is the target's first choice.
-    activations: str = "int8"
+    activations: str = "f32"
     rounding: str = "gptq"    # int4-awq: gptq (grids fitted, rounding errors compensated) or nearest (AWQ clip)
 
 
@@ -254,12 +255,14 @@ def _validate(plan: Plan, origin: str) -> None:
         takes = " or ".join(TARGET_ACTIVATIONS[target])
         if target == "cpu":
             fail("[quant] activations", f"{q.activations} is not a cpu kernel path; the cpu target takes {takes}: "
-                                        f"use activations = \"int8\" (or \"f32\", exact)")
-        fail("[quant] activations", f"{q.activations} is the cpu kernel path (per-token int8, VNNI); the {target} "
-                                    f"target takes {takes}: use activations = \"f16\"")
+                                        f"use activations = \"f32\" (exact)")
+        fail("[quant] activations", f"{q.activations} is a cpu kernel path (integer activations per token); the "
+                                    f"{target} target takes {takes}: use activations = \"f16\"")
     if q.activations == "bf16" and gpu and device.cc < BF16_MIN_CC:
         fail("[quant] activations", f"bf16 needs compute capability 8.0+; {cc}: use activations = \"f16\"")
     if q.rounding not in ROUNDINGS:
         fail("[quant] rounding", f"must be one of {', '.join(ROUNDINGS)}, got {q.rounding!r}")
     if q.max_ppl_increase is not None and q.max_ppl_increase < 0:
         fail("[quant] max_ppl_increase", f"must be >= 0 (a percentage), got {q.max_ppl_increase}")
+    if q.min_greedy_agreement is not None and not 0 <= q.min_greedy_agreement <= 100:
+        fail("[quant] min_greedy_agreement", f"must be between 0 and 100 (a percentage), got {q.min_greedy_agreement}")

@@ -160,7 +160,7 @@ def run_stitched(ranks: list[OnnxRank], tp: int, pp: int, meta: StepMetadata) ->
 
 def cpu_reference(graph: Graph, activations: str, kv_dtype: str, block_size: int) -> CpuExecutor:
     """Kiln's cpu engine of the same program: packed in memory, never written."""
-    packed = pack_graph(graph, "f32" if activations != "int8" else "int8")
+    packed = pack_graph(graph, activations)
     tensors = {name: packed.tensors[name].contiguous() for name in packed.weights}
     return CpuExecutor(RankFile(packed.to_json(), tensors), NUM_BLOCKS, block_size, kv_dtype)
 

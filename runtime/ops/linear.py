@@ -2,9 +2,11 @@
 
 y = x @ w.T + bias, w the dequantized weight [N, K] of a format in runtime.weights.FORMATS.
 Activations: act="f32" computes in fp32 against the dequantized weights (matches the float
-reference to fp32 rounding); act="int8" (int4/int8 only) quantizes x per token and block to int8
-and uses VNNI dot products (faster for prefill; error bounded by the activation rounding). Without
-AVX-512 VNNI that mode runs the portable C path, which is far slower than act="f32" on AVX2.
+reference to fp32 rounding); act="int16" and act="int8" (int4/int8 weights only) quantize x per
+token and block (step amax / 32767, amax / 127) and use integer dot products, error bounded by that
+rounding. int16 keeps chat answers equal to the float model's and runs on AVX2 (vpmaddwd) and AVX-512
+VNNI (vpdpwssd); int8 needs AVX-512 VNNI to be fast (elsewhere the portable C path runs it, far
+slower than f32).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from runtime.ops.checks import buffer, describe, expect_shape, fail
 from runtime.ops.tape import Outputs, recordable, unrecorded
 from runtime.weights import FORMATS, WeightFormat, bf16, fp8, int4, int8
 
-ACT_MODES = {"f32": _C.ACT_F32, "int8": _C.ACT_INT8}
+ACT_MODES = {"f32": _C.ACT_F32, "int8": _C.ACT_INT8, "int16": _C.ACT_INT16}
 
 
 def isa() -> str:
@@ -37,8 +39,8 @@ class BoundLinear:
         codes, scales, zeros, scales_f16 = checked
         if act not in ACT_MODES:
             fail(fn, f"act must be one of {sorted(ACT_MODES)}, got {act!r}")
-        if act == "int8" and (fmt not in (_C.FMT_Q4, _C.FMT_Q8) or k % 32 or group % 32):
-            fail(fn, "act='int8' needs int4/int8 weights with in_features and group_size multiples of 32")
+        if act != "f32" and (fmt not in (_C.FMT_Q4, _C.FMT_Q8) or k % 32 or group % 32):
+            fail(fn, f"act={act!r} needs int4/int8 weights with in_features and group_size multiples of 32")
         if bias is not None:
             expect_shape(fn, "bias", bias, torch.float32, (n,))
             if not bias.is_contiguous():
@@ -64,11 +66,11 @@ class BoundLinear:
 
 def bind(fmt: WeightFormat, packed: dict, out_features: int, in_features: int, group_size: int | None = None,
          bias=None, act: str = "f32") -> BoundLinear:
-    """The format's kernel over checked packed weights; a format without an int8 path computes in f32."""
+    """The format's kernel over checked packed weights; a format without an integer path computes in f32."""
     fn = f"linear_{fmt.name}"
     checked = fmt.check(fn, packed, out_features, in_features, group_size)
     return BoundLinear(fn, fmt.kernel, checked, out_features, in_features, group_size or in_features, bias,
-                       act if fmt.int8_activations else "f32")
+                       act if fmt.integer_activations else "f32")
 
 
 # ---------------------------------------------------------------------------------------------

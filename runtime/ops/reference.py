@@ -101,11 +101,16 @@ def split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
 
 
 def dense_causal_attention(q, k, v, attrs: dict) -> torch.Tensor:
-    """Attention of one whole sequence with no cache: [T, nh*hd] (the reference path)."""
-    t = q.shape[0]
+    """Attention of one sequence with no paged cache: [T, nh*hd]. q holds the last T of the N
+    positions in k and v (T == N for a whole prompt, the reference path)."""
+    t, n = q.shape[0], k.shape[0]
     nh, nkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     q = q.reshape(t, nh, hd).transpose(0, 1)
-    k = k.reshape(t, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
-    v = v.reshape(t, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attrs["scale"])
+    k = k.reshape(n, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
+    v = v.reshape(n, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
+    if t == n:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attrs["scale"])
+    else:  # query i sits at position n - t + i and sees positions 0..n - t + i
+        mask = torch.ones(t, n, dtype=torch.bool).tril(n - t)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attrs["scale"])
     return out.transpose(0, 1).reshape(t, nh * hd)

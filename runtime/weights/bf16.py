@@ -34,6 +34,6 @@ def check_packed(fn: str, packed: dict, n: int, k: int, group_size: None = None)
     return codes, None, None, False
 
 
-FORMAT = WeightFormat("bf16", LAYOUT, _C.FMT_BF16, (), int8_activations=False,
+FORMAT = WeightFormat("bf16", LAYOUT, _C.FMT_BF16, (), integer_activations=False,
                       pack=lambda logical, group_size: pack(*logical), check=check_packed,
                       dequantize_packed=dequantize_packed)

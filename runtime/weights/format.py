@@ -21,7 +21,7 @@ class WeightFormat:
     layout: str                # the packed layout id the IR records (attrs["layout"])
     kernel: int                # the _qlinear format code
     roles: tuple[str, ...]     # logical operands, in order (empty: no logical form, packed from a float weight)
-    int8_activations: bool     # the VNNI path (act="int8") takes it
+    integer_activations: bool  # the int8 and int16 activation paths take it
     pack: Callable             # (logical tensors in roles order, group_size) -> packed dict
     check: Callable            # (fn, packed, n, k, group_size) -> (codes, scales, zeros, scales_f16)
     dequantize_packed: Callable  # (packed, n, k, group_size) -> w f32 [N, K]

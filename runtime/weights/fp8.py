@@ -70,6 +70,6 @@ def check_packed(fn: str, packed: dict, n: int, k: int, group_size: None = None)
     return codes, scales, None, False
 
 
-FORMAT = WeightFormat("fp8", LAYOUT, _C.FMT_F8, ("qweight", "scales"), int8_activations=False,
+FORMAT = WeightFormat("fp8", LAYOUT, _C.FMT_F8, ("qweight", "scales"), integer_activations=False,
                       pack=lambda logical, group_size: pack(*logical), check=check_packed,
                       dequantize_packed=dequantize_packed)

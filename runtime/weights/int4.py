@@ -109,6 +109,6 @@ def check_packed(fn: str, packed: dict, n: int, k: int, group_size: int):
     return codes, scales, zeros, scales.dtype == torch.float16
 
 
-FORMAT = WeightFormat("int4", LAYOUT, _C.FMT_Q4, ("qweight", "scales", "zeros"), int8_activations=True,
+FORMAT = WeightFormat("int4", LAYOUT, _C.FMT_Q4, ("qweight", "scales", "zeros"), integer_activations=True,
                       pack=lambda logical, group_size: pack(*logical, group_size), check=check_packed,
                       dequantize_packed=dequantize_packed)

@@ -77,6 +77,6 @@ def check_packed(fn: str, packed: dict, n: int, k: int, group_size: int | None):
     return codes, scales, None, scales.dtype == torch.float16
 
 
-FORMAT = WeightFormat("int8", LAYOUT, _C.FMT_Q8, ("qweight", "scales"), int8_activations=True,
+FORMAT = WeightFormat("int8", LAYOUT, _C.FMT_Q8, ("qweight", "scales"), integer_activations=True,
                       pack=lambda logical, group_size: pack(*logical, group_size), check=check_packed,
                       dequantize_packed=dequantize_packed)

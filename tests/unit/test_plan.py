@@ -86,20 +86,21 @@ def test_fp8_kv_cache_waits_for_the_attention_plugin():
             device="nvidia-b200", kv_cache={"dtype": "fp8"})
 
 
-def test_int8_activations_are_a_cpu_path():
-    refused("[quant] activations", "cpu kernel path", 'activations = "f16"', quant={"activations": "int8"})
+def test_integer_activations_are_cpu_paths():
+    for activations in ("int8", "int16"):
+        refused("[quant] activations", "cpu kernel path", 'activations = "f16"', quant={"activations": activations})
 
 
 def test_unset_activations_follow_the_target():
     assert plan_from_dict({"target": "tensorrt", "device": "nvidia-l4"}, "test").quant.activations == "f16"
-    assert plan_from_dict({"quant": {"method": "int4"}}, "test").quant.activations == "int8"
+    assert plan_from_dict({"quant": {"method": "int4"}}, "test").quant.activations == "f32"
     written = plan_from_dict({"target": "tensorrt", "device": "nvidia-l4"}, "test").to_dict()
     assert plan_from_dict(written, "again").quant.activations == "f16"
 
 
 def test_f16_and_bf16_activations_are_not_cpu_paths():
     for activations in ("f16", "bf16"):
-        refused("[quant] activations", "the cpu target takes f32 or int8",
+        refused("[quant] activations", "the cpu target takes f32 or int16 or int8",
                 target="cpu", device="cpu", quant={"activations": activations})
 
 

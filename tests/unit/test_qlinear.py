@@ -3,7 +3,7 @@
 Tolerances come from what the kernels do: act="f32" accumulates fp32 products in chains of at
 most K + 2K/G terms, so |y - ref| <= gamma_n * sum|terms| with gamma_n = n * 2^-24 (plus one
 rounding of each dequantized weight); act="int8" adds the activation rounding, at most half an
-int8 step (block amax / 127) per element times |w|.
+int8 step (block amax / 127) per element times |w|, and act="int16" half an int16 step (amax / 32767).
 """
 
 import pytest
@@ -58,11 +58,14 @@ def check_f32(y, x, terms_w, ref, k, g):
     assert err.norm() <= 2e-6 * ref.norm() + 1e-30
 
 
-def check_int8_act(y, x, w, terms_w, ref, k, block):
+LEVELS = {"int8": 127, "int16": 32767}
+
+
+def check_int_act(y, x, w, terms_w, ref, k, block, act="int8"):
     """|y - ref| <= sum_k |w| * step / 2 (activation rounding) + the fp32 bound."""
     t = x.shape[0]
     amax = x.double().abs().reshape(t, k // block, block).amax(-1)
-    half_step = (amax / 127 / 2).repeat_interleave(block, dim=1)  # [T, K]
+    half_step = (amax / LEVELS[act] / 2).repeat_interleave(block, dim=1)  # [T, K]
     bound = magnitude(half_step, w.abs()) + (k + 8) * EPS32 * magnitude(x, terms_w)
     err = (y.double() - ref).abs()
     assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3e}"
@@ -99,7 +102,7 @@ def per_batch(k, kernel, seed=0):
 
 
 @pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("act", ["f32", "int8"])
+@pytest.mark.parametrize("act", ["f32", "int8", "int16"])
 def test_int4_matches_reference(isa, g, act):
     for idx, (n, k) in enumerate(run_shapes(isa, g == 32).values()):
         if k % g:
@@ -113,11 +116,11 @@ def test_int4_matches_reference(isa, g, act):
         if act == "f32":
             check_f32(y, x, int4_terms(q, s, z, g), ref, k, g)
         else:
-            check_int8_act(y, x, w, int4_terms(q, s, z, g), ref, k, g)
+            check_int_act(y, x, w, int4_terms(q, s, z, g), ref, k, g, act)
 
 
 @pytest.mark.parametrize("g", [None, 32])
-@pytest.mark.parametrize("act", ["f32", "int8"])
+@pytest.mark.parametrize("act", ["f32", "int8", "int16"])
 def test_int8_matches_reference(isa, g, act):
     for idx, (n, k) in enumerate(run_shapes(isa, g == 32).values()):
         q, s = random_int8(n, k, g, seed=idx)
@@ -129,7 +132,7 @@ def test_int8_matches_reference(isa, g, act):
             check_f32(y, x, w.abs(), ref, k, g or k)
         else:
             block = g or next(b for b in (128, 64, 32) if k % b == 0)  # the kernels' per-channel choice
-            check_int8_act(y, x, w, w.abs(), ref, k, block)
+            check_int_act(y, x, w, w.abs(), ref, k, block, act)
 
 
 def test_fp8_and_bf16_match_reference(isa):
@@ -167,12 +170,34 @@ def test_avx512_and_portable_agree_on_int8_activations():
     torch.testing.assert_close(ys["avx512"], ys["portable"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("simd", ["avx512", "avx2"])
+def test_int16_activations_are_the_portable_numbers_bit_for_bit(simd):
+    """The SIMD int16 kernels share the portable quantization and integer dots: equal, not close."""
+    if simd not in ISAS:
+        pytest.skip(f"no {simd}")
+    cases = [(int4, (40, 320, 64), True), (int4, (576, 576, 32), False), (int8, (33, 256, None), None),
+             (int8, (40, 96, 32), None)]
+    for fmt, (n, k, g), f16 in cases:
+        packed = int4.pack(*random_int4(n, k, g, f16=f16), g) if fmt is int4 else int8.pack(*random_int8(n, k, g), g)
+        linear = ql.linear_int4 if fmt is int4 else ql.linear_int8
+        bias = torch.randn(n, generator=gen(n))
+        for t in (1, 5, 17):
+            x = torch.randn(t, k, generator=gen(t))
+            x[0, :32] *= 1e3  # an outlier block
+            ys = {}
+            for name in (simd, "portable"):
+                ql.set_isa(name)
+                ys[name] = linear(x, packed, n, k, g, bias, act="int16")
+            ql.set_isa("auto")
+            assert torch.equal(ys[simd], ys["portable"]), (fmt.__name__, n, k, g, t)
+
+
 def test_threads_give_identical_results():
     n, k, g = 576, 576, 32
     packed = int4.pack(*random_int4(n, k, g), g)
     for t in (1, 17):
         x = torch.randn(t, k, generator=gen(t))
-        for act in ("f32", "int8"):
+        for act in ("f32", "int8", "int16"):
             one = ql.linear_int4(x, packed, n, k, g, act=act, num_threads=1)
             assert torch.equal(one, ql.linear_int4(x, packed, n, k, g, act=act, num_threads=2))
 
@@ -214,7 +239,7 @@ def test_bf16_pack_round_trip_is_exact():
 # Adversarial inputs
 
 
-@pytest.mark.parametrize("act", ["f32", "int8"])
+@pytest.mark.parametrize("act", ["f32", "int8", "int16"])
 def test_outliers_and_zero_scales(isa, act):
     n, k, g = 40, 192, 32
     q, s, z = random_int4(n, k, g, seed=5)
@@ -236,7 +261,7 @@ def test_outliers_and_zero_scales(isa, act):
         bound = (k + 2 * k // g + 8) * EPS32 * magnitude(x, terms)
         assert bool(((y.double() - ref).abs() <= bound).all())
     else:
-        check_int8_act(y, x, w, terms, ref, k, g)
+        check_int_act(y, x, w, terms, ref, k, g, act)
 
 
 def test_empty_batch_and_out_argument():

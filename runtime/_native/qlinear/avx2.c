@@ -1,5 +1,5 @@
-/* The AVX2 qlinear path (the module's baseline ISA): f32 activations; int8 activations use the
- * portable path. A panel's 16 rows are two 8-lane vectors; codes decode to q (q4: 0..15) and
+/* The AVX2 qlinear path (the module's baseline ISA): f32 and int16 activations; int8 activations
+ * use the portable path (AVX2 has no 8-bit dot product that keeps the codes' offset exact). A panel's 16 rows are two 8-lane vectors; codes decode to q (q4: 0..15) and
  * w = q * s + m. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -245,6 +245,130 @@ static void avx2_tile_panel(const Job *job, int64_t p, float *tile /* [KC][16] *
     }
 }
 
+// ----------------------------------------------------------------------------
+// Int16 activations, q4 and q8
+
+#define MRI 4  /* tokens per int16 micro-kernel call: 4 codes + 4 dots + 4 sums of 16 ymm registers */
+
+/* Each 32-bit lane of `codes` holds one row's 4 u8 codes (k, k+1, k+2, k+3); PAIR_LO widens
+ * codes k, k+1 to the lane's two int16 halves, PAIR_HI codes k+2, k+3 (0x80: a zero byte). */
+#define PAIR_LO _mm256_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128, 12, -128, 13, -128, \
+                                 0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128, 12, -128, 13, -128)
+#define PAIR_HI _mm256_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11, -128, 14, -128, 15, -128, \
+                                 2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11, -128, 14, -128, 15, -128)
+
+/* The scale s and zero point z (as portable_zero computes it) of rows 8h..8h+7 of panel p, group g. */
+INLINE void avx2_int_params(const int fmt, const Weight *w, int64_t p, int h, int64_t g, __m256 *s, __m256 *z)
+{
+    const int64_t idx = (p * (w->k / w->group) + g) * PANEL + 8 * h;
+    const Rows16 sv = avx2_load16(w->scales, idx - 8 * h, w->scales_f16);
+    *s = h ? sv.hi : sv.lo;
+    if (fmt != FMT_Q4)
+        return;
+    if (w->scales_f16)
+        *z = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), *s, _mm256_cvtph_ps(_mm_loadu_si128(
+            (const __m128i *)((const uint16_t *)w->zeros + idx))));
+    else
+        *z = _mm256_loadu_ps((const float *)w->zeros + idx);
+}
+
+/* y[t0 .. t0+mr, rows 8h..8h+7 of panel p]: per activation block b, dot = corr + sum(u8 code * s16
+ * x) in int32 (pairs of k per vpmaddwd), then acc += f32(dot) * (s * step) (+ z * xsum for q4),
+ * the portable path's numbers bit for bit. */
+INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t p, int h, int64_t t0)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
+    const int32_t *xw = (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ + t0 % MRQ;
+    const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
+    const int32_t *corr = job->ws.xcorr + t0 * nb;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i pair_lo = PAIR_LO, pair_hi = PAIR_HI;
+    __m256 acc[MRI];
+    #pragma GCC unroll 4
+    for (int t = 0; t < mr; t++)
+        acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[MRI];
+        #pragma GCC unroll 4
+        for (int t = 0; t < mr; t++)
+            dot[t] = _mm256_set1_epi32(corr[t * nb + b]);
+        for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
+            const uint8_t *chunk = w->codes + p * K * bpk + k * bpk + 32 * h;
+            __m256i lo, hi;  /* codes k..k+3 and k+4..k+7 of 8 rows, as u8 */
+            if (fmt == FMT_Q4) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)chunk);
+                lo = _mm256_and_si256(v, low4);
+                hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            } else {
+                lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)chunk), flip);
+                hi = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(chunk + 64)), flip);
+            }
+            const __m256i c0 = _mm256_shuffle_epi8(lo, pair_lo), c1 = _mm256_shuffle_epi8(lo, pair_hi);
+            const __m256i c2 = _mm256_shuffle_epi8(hi, pair_lo), c3 = _mm256_shuffle_epi8(hi, pair_hi);
+            const int32_t *xk = xw + (k / 2) * MRQ;
+            #pragma GCC unroll 4
+            for (int t = 0; t < mr; t++) {
+                const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_set1_epi32(xk[t])),
+                                                     _mm256_madd_epi16(c1, _mm256_set1_epi32(xk[MRQ + t])));
+                const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_set1_epi32(xk[2 * MRQ + t])),
+                                                     _mm256_madd_epi16(c3, _mm256_set1_epi32(xk[3 * MRQ + t])));
+                dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(s01, s23));
+            }
+        }
+        __m256 s, z = _mm256_setzero_ps();
+        avx2_int_params(fmt, w, p, h, b * B / w->group, &s, &z);
+        #pragma GCC unroll 4
+        for (int t = 0; t < mr; t++) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(s, _mm256_set1_ps(step[t * nb + b])), acc[t]);
+            if (fmt == FMT_Q4)
+                acc[t] = _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[t * nb + b]), acc[t]);
+        }
+    }
+    __m256i mlo, mhi;
+    avx2_row_masks(N, p, &mlo, &mhi);
+    const __m256i mask = h ? mhi : mlo;
+    const float *bias = job->bias ? job->bias + p * PANEL + 8 * h : NULL;
+    #pragma GCC unroll 4
+    for (int t = 0; t < mr; t++) {
+        __m256 v = acc[t];
+        if (bias)
+            v = _mm256_add_ps(v, _mm256_maskload_ps(bias, mask));
+        _mm256_maskstore_ps(job->y + (t0 + t) * N + p * PANEL + 8 * h, mask, v);
+    }
+}
+
+#define I16_CASES(fmt)                                                                             \
+    static void avx2_i16_##fmt(const Job *job, int64_t p, int h, int64_t t0, int mr)               \
+    {                                                                                              \
+        switch (mr) {                                                                              \
+        case 1: avx2_micro_i16(fmt, 1, job, p, h, t0); break;                                      \
+        case 2: avx2_micro_i16(fmt, 2, job, p, h, t0); break;                                      \
+        case 3: avx2_micro_i16(fmt, 3, job, p, h, t0); break;                                      \
+        default: avx2_micro_i16(fmt, 4, job, p, h, t0); break;                                     \
+        }                                                                                          \
+    }
+I16_CASES(FMT_Q4)
+I16_CASES(FMT_Q8)
+
+static void avx2_compute_i16(const Job *job, int tid, int nt)
+{
+    int64_t lo, hi;
+    thread_range(job->w.panels, tid, nt, &lo, &hi);
+    for (int64_t p = lo; p < hi; p++)
+        for (int h = 0; h < 2; h++) {
+            if (8 * h >= job->w.n - p * PANEL)
+                break;  /* the panel's padding rows: nothing to store */
+            for (int64_t t0 = 0; t0 < job->t; t0 += MRI) {
+                const int mr = (int)(job->t - t0 < MRI ? job->t - t0 : MRI);
+                if (job->w.fmt == FMT_Q4)
+                    avx2_i16_FMT_Q4(job, p, h, t0, mr);
+                else
+                    avx2_i16_FMT_Q8(job, p, h, t0, mr);
+            }
+        }
+}
+
 static void avx2_prepare(Job *job, int tid, int nt)
 {
     portable_prepare(job, tid, nt);
@@ -260,6 +384,10 @@ static void avx2_compute(Job *job, int tid, int nt)
 {
     if (job->act == ACT_INT8) {
         portable_compute(job, tid, nt);
+        return;
+    }
+    if (job->act == ACT_INT16) {
+        avx2_compute_i16(job, tid, nt);
         return;
     }
     float tile[KC * PANEL] __attribute__((aligned(32)));

@@ -1,7 +1,8 @@
 /* The AVX-512 qlinear path (F, BW, DQ, VL, VNNI; chosen at run time when the CPU has them):
  * f32 activations decode weights in registers for small T, else into a dequantized tile for an
- * FMA micro-kernel; int8 activations take u8 x s8 VNNI dot products (q4 and q8). The module is
- * compiled for AVX2, so this file enables AVX-512 for its own functions only. */
+ * FMA micro-kernel; int8 activations take u8 x s8 VNNI dot products (q4 and q8), int16 ones the
+ * codes widened to int16 x s16 (vpdpwssd). The module is compiled for AVX2, so this file enables
+ * AVX-512 for its own functions only. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -136,6 +137,10 @@ static void avx512_prepare(Job *job, int tid, int nt)
 {
     const int64_t K = job->w.k, nb = K / job->blk;
     int64_t lo, hi;
+    if (job->act == ACT_INT16) {  /* the portable quantization: the same integers on every path */
+        portable_prepare(job, tid, nt);
+        return;
+    }
     if (job->act == ACT_INT8) {
         thread_range(job->t, tid, nt, &lo, &hi);
         for (int64_t t = lo; t < hi; t++)
@@ -409,6 +414,88 @@ VNNI_CASES(FMT_Q4)
 VNNI_CASES(FMT_Q8)
 
 // ----------------------------------------------------------------------------
+// Int16 activations (VNNI), q4 and q8
+
+/* As micro_vnni with 16-bit activations: each 32-bit lane of the 4 u8 codes of a row is widened
+ * to two pairs of int16 (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd, so a block's dot
+ * is corr + sum(u8 code * s16 x), the portable path's integers, rescaled the same way. */
+INLINE void micro_vnni16(const int fmt, const int mr, const Job *job, int64_t p, int64_t t0)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
+    const int32_t *xw = (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ;  /* [K/2][MRQ] words */
+    const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
+    const int32_t *corr = job->ws.xcorr + t0 * nb;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i pair_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128,
+                                                                 8, -128, 9, -128, 12, -128, 13, -128));
+    const __m512i pair_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128,
+                                                                 10, -128, 11, -128, 14, -128, 15, -128));
+    __m512 acc[MRQ];
+    #pragma GCC unroll 16
+    for (int t = 0; t < mr; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i dot[MRQ];
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++)
+            dot[t] = _mm512_set1_epi32(corr[t * nb + b]);
+        for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
+            const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
+            prefetch_ahead(chunk, 8 * bpk);
+            __m512i lo, hi;
+            if (fmt == FMT_Q4) {
+                const __m512i v = _mm512_loadu_si512(chunk);
+                lo = _mm512_and_si512(v, low4);
+                hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            } else {
+                lo = _mm512_xor_si512(_mm512_loadu_si512(chunk), flip);
+                hi = _mm512_xor_si512(_mm512_loadu_si512(chunk + 64), flip);
+            }
+            const __m512i c0 = _mm512_shuffle_epi8(lo, pair_lo), c1 = _mm512_shuffle_epi8(lo, pair_hi);
+            const __m512i c2 = _mm512_shuffle_epi8(hi, pair_lo), c3 = _mm512_shuffle_epi8(hi, pair_hi);
+            const int32_t *xk = xw + (k / 2) * MRQ;
+            #pragma GCC unroll 16
+            for (int t = 0; t < mr; t++) {
+                dot[t] = _mm512_dpwssd_epi32(dot[t], c0, _mm512_set1_epi32(xk[t]));
+                dot[t] = _mm512_dpwssd_epi32(dot[t], c1, _mm512_set1_epi32(xk[MRQ + t]));
+                dot[t] = _mm512_dpwssd_epi32(dot[t], c2, _mm512_set1_epi32(xk[2 * MRQ + t]));
+                dot[t] = _mm512_dpwssd_epi32(dot[t], c3, _mm512_set1_epi32(xk[3 * MRQ + t]));
+            }
+        }
+        __m512 s, z = _mm512_setzero_ps();
+        group_params(fmt, w, p, b * B / w->group, &s, &z);
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++) {
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(s, _mm512_set1_ps(step[t * nb + b])), acc[t]);
+            if (fmt == FMT_Q4)
+                acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[t * nb + b]), acc[t]);
+        }
+    }
+    #pragma GCC unroll 16
+    for (int t = 0; t < mr; t++)
+        store_rows(job->y + (t0 + t) * N + p * PANEL, acc[t], job->bias ? job->bias + p * PANEL : NULL,
+                   rows_mask(N, p));
+}
+
+#define VNNI16_CASES(fmt)                                                                          \
+    static void vnni16_##fmt(const Job *job, int64_t p, int64_t t0, int mr)                        \
+    {                                                                                              \
+        switch (mr) {                                                                              \
+        case 1: micro_vnni16(fmt, 1, job, p, t0); break;                                           \
+        case 2: micro_vnni16(fmt, 2, job, p, t0); break;                                           \
+        case 3: micro_vnni16(fmt, 3, job, p, t0); break;                                           \
+        case 4: micro_vnni16(fmt, 4, job, p, t0); break;                                           \
+        case 5: micro_vnni16(fmt, 5, job, p, t0); break;                                           \
+        case 6: micro_vnni16(fmt, 6, job, p, t0); break;                                           \
+        case 7: micro_vnni16(fmt, 7, job, p, t0); break;                                           \
+        default: micro_vnni16(fmt, 8, job, p, t0); break;                                          \
+        }                                                                                          \
+    }
+VNNI16_CASES(FMT_Q4)
+VNNI16_CASES(FMT_Q8)
+
+// ----------------------------------------------------------------------------
 // Per-thread compute
 
 static void avx512_compute_direct(const Job *job, int tid, int nt)
@@ -442,7 +529,11 @@ static void avx512_compute_vnni(const Job *job, int tid, int nt)
     for (int64_t p = lo; p < hi; p++)
         for (int64_t t0 = 0; t0 < job->t; t0 += MRQ) {
             const int mr = (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ);
-            if (job->w.fmt == FMT_Q4)
+            if (job->act == ACT_INT16 && job->w.fmt == FMT_Q4)
+                vnni16_FMT_Q4(job, p, t0, mr);
+            else if (job->act == ACT_INT16)
+                vnni16_FMT_Q8(job, p, t0, mr);
+            else if (job->w.fmt == FMT_Q4)
                 vnni_FMT_Q4(job, p, t0, mr);
             else
                 vnni_FMT_Q8(job, p, t0, mr);
@@ -451,7 +542,7 @@ static void avx512_compute_vnni(const Job *job, int tid, int nt)
 
 static void avx512_compute(Job *job, int tid, int nt)
 {
-    if (job->act == ACT_INT8)
+    if (job->act != ACT_F32)
         avx512_compute_vnni(job, tid, nt);
     else if (uses_direct(job))
         avx512_compute_direct(job, tid, nt);

@@ -16,12 +16,15 @@ static int build_workspace(Job *job)
     const int64_t T = job->t, K = job->w.k, nb = K / job->blk;
     Workspace *ws = &job->ws;
     memset(ws, 0, sizeof *ws);
-    if (job->act == ACT_INT8) {
-        ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));
+    if (job->act != ACT_F32) {
+        if (job->act == ACT_INT16)
+            ws->xq16 = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K) * sizeof(int16_t));
+        else
+            ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));
         ws->xscale = malloc((size_t)(T * nb) * sizeof(float));
         ws->xcorr = malloc((size_t)(T * nb) * sizeof(int32_t));
         ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
-        return ws->xq && ws->xscale && ws->xcorr && ws->xsum;
+        return (ws->xq || ws->xq16) && ws->xscale && ws->xcorr && ws->xsum;
     }
     ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
     if (!uses_direct(job))
@@ -34,6 +37,7 @@ static void free_workspace(Workspace *ws)
     free(ws->xpack);
     free(ws->xsum);
     free(ws->xq);
+    free(ws->xq16);
     free(ws->xscale);
     free(ws->xcorr);
     memset(ws, 0, sizeof *ws);

@@ -1,12 +1,14 @@
 /* Internal interface of the qlinear kernels: one call's job and workspace, the per-ISA entry
  * points (a prepare and a compute phase per instruction set) and the helpers they share.
  *
- * Activation modes: f32 (codes decoded to f32, fp32 FMA accumulation) and int8 (q4/q8 only:
+ * Activation modes: f32 (codes decoded to f32, fp32 FMA accumulation), int8 (q4/q8 only:
  * activations quantized per token and block of `blk` k to int8, u8 x s8 VNNI dot products, one
- * fp32 rescale per block, as llama.cpp does).
+ * fp32 rescale per block, as llama.cpp does) and int16 (the same with 16-bit activations, step
+ * amax / 32767: u8-widened codes x s16 pair products, vpdpwssd on AVX-512 VNNI, vpmaddwd on AVX2).
  *
- * Kernels: AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2 (f32 activations; int8
- * activations then run the portable C path, which also serves as the tests' reference).
+ * Kernels: AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2 (f32 and int16
+ * activations; int8 activations then run the portable C path, which also serves as the tests'
+ * reference).
  * Each call runs one OpenMP region in which threads own contiguous ranges of panels; activations
  * are first prepared (packed or quantized), by the calling thread when T is small, else in the
  * region before a barrier.
@@ -18,7 +20,7 @@
 
 #include "layout.h"
 
-enum { ACT_F32 = 0, ACT_INT8 = 1 };
+enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 
 #define MR 12        /* tokens per f32 micro-kernel tile */
 #define MRQ 8        /* tokens per int8 micro-kernel tile */
@@ -31,7 +33,8 @@ typedef struct {
     float *xpack;    /* [ceil(T/MR)][K][MR] f32 tokens interleaved (f32 tile path) */
     float *xsum;     /* [T][K/blk] sum of x over each block (q4 zero-point term) */
     int8_t *xq;      /* [ceil(T/MRQ)][K/4][MRQ][4] int8 activations */
-    float *xscale;   /* [T][K/blk] int8 step of each block */
+    int16_t *xq16;   /* [ceil(T/MRQ)][K/2][MRQ][2] int16 activations */
+    float *xscale;   /* [T][K/blk] int8 / int16 step of each block */
     int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block */
 } Workspace;
 
@@ -67,6 +70,16 @@ static inline int64_t xq_index(int64_t t, int64_t k, int64_t K)
 {
     return ((t / MRQ) * (K / 4) + k / 4) * MRQ * 4 + (t % MRQ) * 4 + (k % 4);
 }
+
+/* Element index of activation (t, k) in the interleaved int16 layout [T/MRQ][K/2][MRQ][2]: the
+ * pair (k, k+1) of a token is one 32-bit word, broadcast against a vector of row pairs. */
+static inline int64_t xq16_index(int64_t t, int64_t k, int64_t K)
+{
+    return ((t / MRQ) * (K / 2) + k / 2) * MRQ * 2 + (t % MRQ) * 2 + (k % 2);
+}
+
+/* Largest activation code of an integer mode: q = rint(x * levels / amax) over a block. */
+static inline float act_levels(int act) { return act == ACT_INT16 ? 32767.0f : 127.0f; }
 
 // ----------------------------------------------------------------------------
 // Per-ISA entry points

@@ -55,7 +55,7 @@ static int take_buffer(Bound *b, PyObject *obj, const char *name, int64_t bytes,
 
 static int check_dims(int fmt, int act, int64_t N, int64_t K, int64_t G, int64_t blk)
 {
-    if (fmt < FMT_Q4 || fmt > FMT_BF16 || act < ACT_F32 || act > ACT_INT8)
+    if (fmt < FMT_Q4 || fmt > FMT_BF16 || act < ACT_F32 || act > ACT_INT16)
         return PyErr_Format(PyExc_ValueError, "qlinear: unknown format %d or activation mode %d", fmt, act), -1;
     if (N <= 0 || K <= 0 || K % 8)
         return PyErr_Format(PyExc_ValueError, "qlinear: bad shape N=%lld K=%lld (K must be a positive multiple "
@@ -63,13 +63,13 @@ static int check_dims(int fmt, int act, int64_t N, int64_t K, int64_t G, int64_t
     if (G <= 0 || G % 8 || K % G)
         return PyErr_Format(PyExc_ValueError, "qlinear: group %lld must be a multiple of 8 dividing K=%lld",
                             (long long)G, (long long)K), -1;
-    if (act == ACT_INT8 && (fmt > FMT_Q8 || blk % 32 || K % blk))
-        return PyErr_Format(PyExc_ValueError, "qlinear: int8 activations need q4/q8 weights and K, group "
+    if (act != ACT_F32 && (fmt > FMT_Q8 || blk % 32 || K % blk))
+        return PyErr_Format(PyExc_ValueError, "qlinear: int8/int16 activations need q4/q8 weights and K, group "
                             "multiples of 32"), -1;
     return 0;
 }
 
-/* Activation block of the int8 mode (and of the q4 zero-point sums). */
+/* Activation block of the int8 and int16 modes (and of the q4 zero-point sums). */
 static int64_t activation_block(int fmt, int64_t K, int64_t G)
 {
     if (fmt == FMT_Q4 || G < K)
@@ -266,7 +266,7 @@ PyMODINIT_FUNC PyInit__qlinear(void)
     }
     const struct { const char *name; int value; } consts[] = {
         {"FMT_Q4", FMT_Q4}, {"FMT_Q8", FMT_Q8}, {"FMT_F8", FMT_F8}, {"FMT_BF16", FMT_BF16},
-        {"ACT_F32", ACT_F32}, {"ACT_INT8", ACT_INT8}, {"PANEL", PANEL},
+        {"ACT_F32", ACT_F32}, {"ACT_INT8", ACT_INT8}, {"ACT_INT16", ACT_INT16}, {"PANEL", PANEL},
     };
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++)
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) {

@@ -64,23 +64,27 @@ static void portable_block_sums(const Job *job, int64_t t)
     }
 }
 
-/* int8 activations of token t: per block, step = amax / 127, q = rint(x * (127 / amax)). */
+/* int8 / int16 activations of token t: per block, step = amax / L, q = rint(x * (L / amax)), L the
+ * mode's act_levels. */
 static void portable_quantize_token(const Job *job, int64_t t)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
-    const float *x = job->x + t * K;
+    const float *x = job->x + t * K, levels = act_levels(job->act);
     for (int64_t b = 0; b < nb; b++) {
         float amax = 0.0f;
         for (int64_t k = b * B; k < (b + 1) * B; k++)
             amax = fmaxf(amax, fabsf(x[k]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float inv = amax > 0.0f ? levels / amax : 0.0f;
         int32_t qsum = 0;
         for (int64_t k = b * B; k < (b + 1) * B; k++) {
             const int32_t q = (int32_t)lrintf(x[k] * inv);
-            job->ws.xq[xq_index(t, k, K)] = (int8_t)q;
+            if (job->act == ACT_INT16)
+                job->ws.xq16[xq16_index(t, k, K)] = (int16_t)q;
+            else
+                job->ws.xq[xq_index(t, k, K)] = (int8_t)q;
             qsum += q;
         }
-        job->ws.xscale[t * nb + b] = amax / 127.0f;
+        job->ws.xscale[t * nb + b] = amax / levels;
         job->ws.xcorr[t * nb + b] = -vnni_offset(job->w.fmt) * qsum;
     }
 }
@@ -90,9 +94,9 @@ void portable_prepare(Job *job, int tid, int nt)
     int64_t lo, hi;
     thread_range(job->t, tid, nt, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
-        if (job->w.fmt == FMT_Q4 || job->act == ACT_INT8)
+        if (job->w.fmt == FMT_Q4 || job->act != ACT_F32)
             portable_block_sums(job, t);
-        if (job->act == ACT_INT8)
+        if (job->act != ACT_F32)
             portable_quantize_token(job, t);
     }
 }
@@ -113,8 +117,9 @@ static void portable_row_f32(const Job *job, int64_t n, float *row /* [K] */)
     }
 }
 
-/* Same arithmetic as the VNNI kernel: integer block dot, then acc += f32(dot) * (s * step) (+ z * xsum). */
-static void portable_row_int8(const Job *job, int64_t n)
+/* Same arithmetic as the VNNI kernels: integer block dot of the offset (u8) codes with the int8 or
+ * int16 activations, then acc += f32(dot) * (s * step) (+ z * xsum). */
+static void portable_row_int(const Job *job, int64_t n)
 {
     const Weight *w = &job->w;
     const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n;
@@ -126,7 +131,7 @@ static void portable_row_int8(const Job *job, int64_t n)
             for (int64_t k = b * B; k < (b + 1) * B; k++) {
                 const int32_t code = portable_code(w, n, k);
                 const int32_t u = w->fmt == FMT_Q4 ? code : code + off;
-                dot += u * job->ws.xq[xq_index(t, k, K)];
+                dot += u * (job->act == ACT_INT16 ? job->ws.xq16[xq16_index(t, k, K)] : job->ws.xq[xq_index(t, k, K)]);
             }
             const int64_t g = b * B / w->group;
             acc = fmaf((float)dot, portable_scale(w, n, g) * job->ws.xscale[t * nb + b], acc);
@@ -146,7 +151,7 @@ void portable_compute(Job *job, int tid, int nt)
         if (job->act == ACT_F32)
             portable_row_f32(job, n, row);
         else
-            portable_row_int8(job, n);
+            portable_row_int(job, n);
     }
 }
 
