@@ -123,21 +123,30 @@ class LlamaCppRunner:
                                    n_threads=threads, n_threads_batch=threads, verbose=False)
         self.weight_bytes = gguf_weight_bytes(path)
 
+    def next_token(self) -> int:
+        """Greedy, as Kiln's sampler: the argmax of the last evaluated position's logits. They are read
+        from llama.cpp's context (llama_get_logits_ith): llama-cpp-python 0.3.36's eval() leaves
+        `.scores` at zero, whose argmax would feed token 0 back every step."""
+        import llama_cpp
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
+
     def decode(self, prompt: list[int], tokens: int) -> float:
         self.llm.reset()
         self.llm.eval(prompt)
-        token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        token = self.next_token()
         start = time.perf_counter()
         for _ in range(tokens):
             self.llm.eval([token])
-            token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))  # greedy, as Kiln's sampler
+            token = self.next_token()
         return (time.perf_counter() - start) / tokens
 
     def prefill(self, prompt: list[int]) -> float:
         self.llm.reset()
         start = time.perf_counter()
         self.llm.eval(prompt)
-        int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        self.next_token()
         return time.perf_counter() - start
 
 

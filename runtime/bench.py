@@ -4,7 +4,9 @@ Each level keeps `concurrency` synthetic requests in flight (a closed loop: a fi
 replaced by the next) until `requests` have finished, every request with the same prompt and output
 length (`ignore_eos`, greedy). Per level: output tokens/s, prefill tokens/s, time to first token and
 inter-token latency percentiles, steps/s, and the weight bandwidth that implies (every step reads
-all of a rank's weights once), so a figure says how near it is to the memory-bandwidth limit.
+all of a rank's weights once), tokens per step and the linear layers' operations per second. With
+the machine's measured peaks (runtime/roofline.py), each level also says what share of the read
+bandwidth and of the compute peak it uses, and which of the two limits it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 from runtime.engine import LLMEngine
+from runtime.roofline import Peaks, roofline
 from runtime.sampling import SamplingParams
 
 
@@ -36,11 +39,18 @@ class LevelResult:
     itl_p50_ms: float
     itl_p99_ms: float
     weight_gbs: float        # steps/s x the largest rank's weight bytes
+    tokens_per_step: float   # prompt and decode tokens a step carries, on average
+    gops: float              # the linears' operations per second on one rank (2 per weight and token)
+    memory_pct: float = math.nan   # weight_gbs against the measured read bandwidth
+    compute_pct: float = math.nan  # gops against the measured peak of the engine's activations
+    limit: str = ""                # "memory", "f32" or "int8": the larger share
 
     COLUMNS = (("concurrency", "conc", "{:d}"), ("output_tok_s", "out tok/s", "{:.1f}"),
                ("prefill_tok_s", "prefill tok/s", "{:.0f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
                ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
-               ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("weight_gbs", "weights GB/s", "{:.2f}"))
+               ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("tokens_per_step", "tok/step", "{:.1f}"),
+               ("weight_gbs", "weights GB/s", "{:.2f}"), ("memory_pct", "% read BW", "{:.0f}"),
+               ("gops", "GOP/s", "{:.1f}"), ("compute_pct", "% compute", "{:.0f}"), ("limit", "limit", "{}"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -65,8 +75,9 @@ def weight_bytes(engine_dir: Path) -> int:
 
 
 def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, output_len: int,
-              weights: int, seed: int = 0) -> LevelResult:
-    """One level: `requests` requests, `concurrency` of them in flight at a time."""
+              weights: int, seed: int = 0, linear_params: tuple[int, int] = (0, 0)) -> LevelResult:
+    """One level: `requests` requests, `concurrency` of them in flight at a time. `linear_params`: one
+    rank's (layer, logits) linear parameters (runtime.roofline.linear_parameters / world size)."""
     prompts = synthetic_prompts(requests, prompt_len, llm.engine.manifest.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     pending = list(reversed(prompts))
@@ -111,12 +122,29 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
         prefill_tok_s=requests * prompt_len / prefill_time if prefill_time else math.nan,
         ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
         itl_p50_ms=1e3 * percentile(gaps, 50), itl_p99_ms=1e3 * percentile(gaps, 99),
-        weight_gbs=steps / elapsed * weights / 1e9)
+        weight_gbs=steps / elapsed * weights / 1e9,
+        # every prompt token and every output token but the last passes the layers; outputs need logits
+        tokens_per_step=requests * (prompt_len + output_len - 1) / steps,
+        gops=2 * requests * (linear_params[0] * (prompt_len + output_len - 1) + linear_params[1] * output_len)
+        / elapsed / 1e9)
+
+
+def annotate(results: list[LevelResult], peaks: Peaks, activations: str) -> None:
+    """Fill each level's shares of the measured peaks and the limit that applies."""
+    for r in results:
+        memory, compute, r.limit = roofline(r.weight_gbs, r.gops, peaks, activations)
+        r.memory_pct, r.compute_pct = 100 * memory, 100 * compute
+
+
+def _cell(fmt: str, value) -> str:
+    """A table cell; a figure not measured (NaN, or an empty limit) shows as '-'."""
+    missing = value == "" or (isinstance(value, float) and math.isnan(value))
+    return "-" if missing else fmt.format(value)
 
 
 def table(results: list[LevelResult]) -> str:
     header = [title for _, title, _ in LevelResult.COLUMNS]
-    rows = [[fmt.format(getattr(r, key)) for key, _, fmt in LevelResult.COLUMNS] for r in results]
+    rows = [[_cell(fmt, getattr(r, key)) for key, _, fmt in LevelResult.COLUMNS] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

@@ -168,16 +168,21 @@ def bench(
     plot_out: Optional[Path] = typer.Option(None, "--plot",
                                             help="Also draw throughput and latency against concurrency into "
                                                  "this PNG (needs matplotlib: the bench extra)."),
+    roofline: bool = typer.Option(True, "--roofline/--no-roofline",
+                                  help="Measure this machine's read bandwidth and f32/int8 peaks first (a few "
+                                       "seconds) and show each level's share of them and the limit that applies."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
 ):
     """Benchmark the engine offline: throughput, time to first token and inter-token latency per concurrency,
-    with the weight bandwidth each level achieves. Greedy, synthetic prompts; the table goes to stdout."""
+    with the weight bandwidth and linear operations each level achieves against this machine's measured
+    peaks. Greedy, synthetic prompts; the table goes to stdout."""
     import torch
 
     from runtime import bench as b
     from runtime.launcher import open_llm_engine
+    from runtime.roofline import linear_parameters, measure_peaks
 
     if plot_out is not None:  # before minutes of benchmarking, not after
         b.require_matplotlib()
@@ -187,17 +192,31 @@ def bench(
         if prompt_len + output_len > limit:
             fail(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the engine's max_seq_len {limit}")
         weights = b.weight_bytes(engine)
+        manifest = llm.engine.manifest
+        layer_params, head_params = linear_parameters(manifest.model_config)
+        params = (layer_params // manifest.world_size, head_params // manifest.world_size)
         b.run_level(llm, 1, 1, min(8, prompt_len), 4, weights, seed=99)  # warm up: threads, caches, replay
         context = {"engine": str(engine), "threads": threads or torch.get_num_threads(), "backend": backend,
                    "prompt_len": prompt_len, "output_len": output_len, "weight_bytes_per_rank": weights}
+        peaks = None
+        if roofline:
+            typer.echo("  measuring this machine's peaks (read bandwidth, f32 and int8 matrix products) ...", err=True)
+            peaks = measure_peaks(context["threads"])
+            context["peaks"] = peaks.to_dict()
         typer.echo(f"engine {engine}  prompt {prompt_len}  output {output_len}  threads {context['threads']}  "
                    f"weights {weights / 1e6:.1f} MB per rank", err=True)
         results = []
         for level in concurrency:
             count = requests or max(8, 2 * level)
             typer.echo(f"  concurrency {level}: {count} requests ...", err=True)
-            results.append(b.run_level(llm, level, count, prompt_len, output_len, weights, seed=level))
+            results.append(b.run_level(llm, level, count, prompt_len, output_len, weights, seed=level, linear_params=params))
+    if peaks is not None:
+        b.annotate(results, peaks, manifest.activations)
     typer.echo(b.table(results))
+    if peaks is not None:
+        typer.echo(f"peaks on {peaks.threads} threads: read {peaks.read_gbs:.1f} GB/s, f32 {peaks.f32_gflops:.0f} "
+                   f"GFLOP/s, int8 {peaks.int8_gops:.0f} GOP/s; '% compute' is against the peak of the engine's "
+                   "activations", err=True)
     if json_out is not None:
         json_out.write_text(b.to_json(results, context) + "\n")
     if plot_out is not None:

@@ -112,6 +112,8 @@ class Manifest:
     kv_dtype: str                     # a key of KV_CACHE_DTYPES
     ranks: tuple[RankEntry, ...]
     memory: tuple[RankMemory, ...]    # per rank
+    model_config: dict                # the model's shapes (builder.model.ModelConfig.to_dict)
+    activations: str                  # the plan's [quant] activations
 
     @staticmethod
     def read(path: Path) -> Manifest:
@@ -156,7 +158,8 @@ class Manifest:
                                   r.get("onnx", {}).get("dir"), tuple(sorted(r.get("onnx", {}).get("files", {}).items())))
                         for r in doc["ranks"]),
             memory=tuple(RankMemory(int(m["kv_blocks"]), int(m["kv_bytes_per_token"]))
-                         for m in doc["memory"]["ranks"]))
+                         for m in doc["memory"]["ranks"]),
+            model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"))
 
     def shared_kv_blocks(self, kv_cache_gib: float | None) -> int:
         """KV blocks every rank allocates (the scheduler hands out one block id space): the build's

@@ -51,6 +51,15 @@ def test_bench_measures_each_level_and_draws_them(tiny_engine_dir, tmp_path):
         assert level["steps"] >= 5 and level["ttft_p50_ms"] <= level["ttft_p99_ms"]
     assert doc["levels"][1]["steps"] < doc["levels"][0]["steps"]
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+    # the roofline: the machine's peaks measured on the run's threads, each level's shares of them
+    peaks = doc["peaks"]
+    assert peaks["threads"] == 1 and min(peaks["read_gbs"], peaks["f32_gflops"], peaks["int8_gops"]) > 0
+    for level in doc["levels"]:
+        assert level["limit"] in ("memory", "f32") and 0 < level["memory_pct"] and 0 < level["compute_pct"]
+        assert level["memory_pct"] == pytest.approx(100 * level["weight_gbs"] / peaks["read_gbs"])
+    assert doc["levels"][1]["tokens_per_step"] > doc["levels"][0]["tokens_per_step"]
+    assert "% read BW" in header and "% compute" in header and header.split()[-1] == "limit"
+    assert f"peaks on 1 threads: read {peaks['read_gbs']:.1f} GB/s" in proc.stderr
 
 
 def test_bench_refuses_lengths_the_engine_cannot_hold(tiny_engine_dir):

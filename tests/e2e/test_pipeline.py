@@ -30,7 +30,7 @@ ALWAYS = ["canonicalize", "fuse_qkv", "fuse_gate_up", "fuse_add_rms_norm", "spli
 
 PLANS = {  # name -> (quant overrides, kv dtype, the optional passes that run)
     "none": ({"method": "none"}, "f32", ["pack_weights"]),
-    "none-f16": ({"method": "none"}, "f16", ["pack_weights"]),
+    "none-f16": ({"method": "none"}, "f16", ["measure_accuracy", "pack_weights"]),  # an f16 cache rounds K, V
     "none-kv-int8": ({"method": "none"}, "int8", ["calibrate_kv_scales", "measure_accuracy", "pack_weights"]),
     "source": ({"method": "source"}, "f32", ["keep_source_quant", "measure_accuracy", "pack_weights"]),
     "int8": ({"method": "int8"}, "f32", ["keep_source_quant", "quantize_int8", "measure_accuracy", "pack_weights"]),

@@ -550,6 +550,41 @@ static void avx512_compute(Job *job, int tid, int nt)
         avx512_compute_tiled(job, tid, nt);
 }
 
+// ----------------------------------------------------------------------------
+// Peak micro-benchmark
+
+double avx512_peak(int kind, int64_t iters)
+{
+    float sink = 0.0f;
+    if (kind == PEAK_F32) {  /* vfmadd: 16 lanes x 2 operations */
+        __m512 acc[PEAK_CHAINS];
+        const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+        for (int i = 0; i < PEAK_CHAINS; i++)
+            acc[i] = _mm512_set1_ps((float)i);
+        for (int64_t it = 0; it < iters; it++) {
+            #pragma GCC unroll 12
+            for (int i = 0; i < PEAK_CHAINS; i++)
+                acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+        }
+        for (int i = 0; i < PEAK_CHAINS; i++)
+            sink += _mm512_reduce_add_ps(acc[i]);
+        return sink == 12345.0f ? 0.0 : (double)iters * PEAK_CHAINS * 32;
+    }
+    /* int8: vpdpbusd, 64 u8 x s8 products into 16 int32 lanes: 128 operations */
+    __m512i acc[PEAK_CHAINS];
+    const __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(-2);
+    for (int i = 0; i < PEAK_CHAINS; i++)
+        acc[i] = _mm512_set1_epi32(i);
+    for (int64_t it = 0; it < iters; it++) {
+        #pragma GCC unroll 12
+        for (int i = 0; i < PEAK_CHAINS; i++)
+            acc[i] = _mm512_dpbusd_epi32(acc[i], u, s);
+    }
+    for (int i = 0; i < PEAK_CHAINS; i++)
+        sink += (float)_mm512_reduce_add_epi32(acc[i]);
+    return sink == 12345.0f ? 0.0 : (double)iters * PEAK_CHAINS * 128;
+}
+
 #pragma GCC pop_options
 
 const Kernels KERNELS_AVX512 = {"avx512", avx512_prepare, avx512_compute, DIRECT_T};

@@ -83,3 +83,13 @@ int run_kernels(const Kernels *kern, Job *job, int threads)
     free_workspace(&job->ws);
     return ok ? 0 : -1;
 }
+
+double measure_peak(const Kernels *kern, int kind, int threads, int64_t iters)
+{
+    const int avx512 = kern == &KERNELS_AVX512;
+    double ops = 0.0;
+    const double start = omp_get_wtime();
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(+ : ops)
+    ops += avx512 ? avx512_peak(kind, iters) : avx2_peak(kind, iters);
+    return ops / (omp_get_wtime() - start);
+}

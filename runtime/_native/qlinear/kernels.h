@@ -104,8 +104,18 @@ void portable_compute(Job *job, int tid, int nt);
 void pack_tile(const Job *job, int64_t tile);
 void dequantize_rows(const Weight *w, const int64_t *ids, int64_t count, float *out, int threads);
 
+/* Peak micro-benchmarks (runtime/roofline.py): one thread's `iters` rounds of PEAK_CHAINS independent
+ * chains of the path's multiply-add instruction on registers alone; each returns the operations
+ * done (a multiply-add counts two). */
+enum { PEAK_F32 = 0, PEAK_INT8 = 1 };
+#define PEAK_CHAINS 12
+double avx2_peak(int kind, int64_t iters);
+double avx512_peak(int kind, int64_t iters);
+
 /* dispatch.c */
 int cpu_has_avx512(void);
 int run_kernels(const Kernels *kern, Job *job, int threads);
+/* Operations per second of `kind` on `threads` threads with the kernels' instruction set. */
+double measure_peak(const Kernels *kern, int kind, int threads, int64_t iters);
 
 #endif

@@ -1,0 +1,87 @@
+"""This machine's measured limits, and where an engine's steps stand against them.
+
+`measure_peaks` times three micro-benchmarks on the threads a run uses (best of a few repeats, so
+a figure is what the machine can do, not what a noisy moment gave):
+
+- memory read bandwidth: summing a 256 MiB f32 buffer (far larger than any cache);
+- f32: independent chains of the kernels' FMA instruction on registers (`_qlinear.peak`: AVX-512
+  where the qlinear kernels use it, else AVX2);
+- int8: the same with the int8 dot-product instruction (AVX-512 VNNI vpdpbusd, else AVX2
+  vpmaddubsw).
+
+A decoder step reads every weight once and does two operations per weight per token, so for
+`tokens_per_s` tokens at `steps_per_s` steps: bandwidth used = steps_per_s x weight bytes, and
+compute used = 2 x linear parameters x tokens_per_s. `roofline` puts both beside the peaks; the
+larger share is the limit the step runs against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from runtime._native import _qlinear
+
+READ_BYTES = 256 << 20
+PEAK_ITERS = 10_000_000  # rounds of the instruction loops: tens of milliseconds each
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Peaks:
+    threads: int
+    read_gbs: float      # GB/s, 1e9 bytes
+    f32_gflops: float    # 1e9 f32 operations/s (a multiply-add is two), the FMA instruction's
+    int8_gops: float     # 1e9 int8 operations/s, the int8 dot-product instruction's
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _best(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm-up: first-touch pages, thread pools
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def measure_peaks(threads: int | None = None) -> Peaks:
+    """The three micro-benchmarks on `threads` threads (default: torch's current count)."""
+    before = torch.get_num_threads()
+    threads = threads or before
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+        read = _best(lambda: buffer.sum())
+        del buffer
+    finally:
+        torch.set_num_threads(before)
+    f32, int8 = (max(_qlinear.peak(kind, threads, PEAK_ITERS) for _ in range(REPEATS)) for kind in (0, 1))
+    return Peaks(threads, READ_BYTES / read / 1e9, f32 / 1e9, int8 / 1e9)
+
+
+def linear_parameters(config: dict) -> tuple[int, int]:
+    """(parameters of the decoder layers' linears, of the logits) of a model config as the manifest
+    records it: the multiply-adds one token costs in each."""
+    hidden, layers = config["hidden_size"], config["num_layers"]
+    head_dim = config.get("head_dim") or hidden // config["num_heads"]
+    q = config["num_heads"] * head_dim
+    kv = config["num_kv_heads"] * head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config["intermediate_size"]
+    return per_layer * layers, hidden * config["vocab_size"]
+
+
+def roofline(weight_gbs: float, gops: float, peaks: Peaks, activations: str) -> tuple[float, float, str]:
+    """(share of the read bandwidth, share of the compute peak, the limit that applies). int8
+    activations are held to the int8 peak; f32 and int16 ones (whose pair products run at about
+    f32's rate) to the f32 peak."""
+    kind = "int8" if activations == "int8" else "f32"
+    memory = weight_gbs / peaks.read_gbs
+    compute = gops / (peaks.int8_gops if kind == "int8" else peaks.f32_gflops)
+    return memory, compute, ("memory" if memory >= compute else kind)
