@@ -77,7 +77,7 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
              activations: str = "f32", show_progress: bool = False,
              prompts: list[list[int]] | None = None, stop: set[int] = frozenset()) -> dict:
     """Perplexity of both graphs and the mean KL over `windows`, and greedy agreement over `prompts`; the
-    quantized one as the engine runs it (its KV cache rounding, and int8 activations if the plan asks)."""
+    quantized one as the engine runs it (its KV cache rounding, and integer activations if the plan asks)."""
     q_runner = GraphRunner(quantized, kv_dtype, activations)
     ref_runner = GraphRunner(reference) if reference is not quantized else None  # else: q_runner, run exactly
     nll_ref = nll_q = kl = 0.0

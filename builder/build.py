@@ -102,9 +102,10 @@ def _quantization_summary(plan: Plan, graph) -> dict:
     summary = {"method": plan.quant.method, "kv_cache_dtype": plan.kv_cache.dtype,
                "nodes": dict(sorted(formats.items()))}
     if plan.target == "cpu" and set(formats) != {"none"}:
-        act_nodes = sum(n.attrs.get("act") == "int8" for n in graph.nodes)
+        act_nodes = sum(n.attrs.get("act") == plan.quant.activations for n in graph.nodes)
         summary["compute"] = ("weights stay quantized in memory and are widened inside the kernels; f32 activations"
-                              + (f", int8 per token in {act_nodes} int4/int8 linears" if act_nodes else ""))
+                              + (f", {plan.quant.activations} per token in {act_nodes} int4/int8 linears"
+                                 if act_nodes else ""))
     if plan.quant.method == "fp8" or plan.kv_cache.dtype == "fp8":
         summary["fp8"] = ("stored as e4m3 with f32 scales, computed in f32 on the cpu target; "
                           "the tensorrt target runs it as FP8 Q/DQ on FP8 tensor cores")

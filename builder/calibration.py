@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -99,7 +99,7 @@ class GraphRunner:
     """Runs a whole single-rank graph over one sequence (dense causal attention, no cache).
 
     Logical quantized operands are packed first, so the kernels are the executor's; with the plan's
-    `activations` int8, eligible layers run the int8-activation path. With a kv_dtype other than
+    `activations` int8 or int16, eligible layers run that integer path. With a kv_dtype other than
     f32, K and V are rounded as that cache type would store them. run(ids, exact=True) runs the same
     packed weights in float32 (f32 activations and KV): the reference of a graph that is not
     requantized, without a second copy of the model. generate() decodes greedily, a token a step,

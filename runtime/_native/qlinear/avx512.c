@@ -340,90 +340,19 @@ static void tile_panels(const Job *job, int64_t p, int np, float *tile /* [KC][3
 }
 
 // ----------------------------------------------------------------------------
-// Int8 activations (VNNI), q4 and q8
+// Int8 and int16 activations (VNNI), q4 and q8
 
-/* y[t0 .. t0+mr, panel p]: per activation block b, dot = corr + sum(u8 code * s8 x) in int32,
- * then acc += f32(dot) * (s * step) (+ z * xsum for q4). */
-INLINE void micro_vnni(const int fmt, const int mr, const Job *job, int64_t p, int64_t t0)
+/* y[t0 .. t0+mr, panel p]: per activation block b, dot = corr + sum(u8 code * x) in int32, then
+ * acc += f32(dot) * (s * step) (+ z * xsum for q4). Int8 x (wide = 0): vpdpbusd on the 4 codes of
+ * a row per 32-bit lane. Int16 x (wide = 1): each lane's codes are widened to two pairs of int16
+ * (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd: the portable path's integers. */
+INLINE void micro_vnni(const int fmt, const int wide, const int mr, const Job *job, int64_t p, int64_t t0)
 {
     const Weight *w = &job->w;
     const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
-    const int32_t *xq = (const int32_t *)(job->ws.xq + (t0 / MRQ) * K * MRQ);  /* [K/4][MRQ] words */
-    const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
-    const int32_t *corr = job->ws.xcorr + t0 * nb;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[MRQ];
-    #pragma GCC unroll 16
-    for (int t = 0; t < mr; t++)
-        acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i dot[MRQ];
-        #pragma GCC unroll 16
-        for (int t = 0; t < mr; t++)
-            dot[t] = _mm512_set1_epi32(corr[t * nb + b]);
-        for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
-            const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
-            prefetch_ahead(chunk, 8 * bpk);
-            __m512i lo, hi;
-            if (fmt == FMT_Q4) {
-                const __m512i v = _mm512_loadu_si512(chunk);
-                lo = _mm512_and_si512(v, low4);
-                hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            } else {
-                lo = _mm512_xor_si512(_mm512_loadu_si512(chunk), flip);
-                hi = _mm512_xor_si512(_mm512_loadu_si512(chunk + 64), flip);
-            }
-            const int32_t *xk = xq + (k / 4) * MRQ;
-            #pragma GCC unroll 16
-            for (int t = 0; t < mr; t++)
-                dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(xk[t]));
-            #pragma GCC unroll 16
-            for (int t = 0; t < mr; t++)
-                dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(xk[MRQ + t]));
-        }
-        __m512 s, z = _mm512_setzero_ps();
-        group_params(fmt, w, p, b * B / w->group, &s, &z);
-        #pragma GCC unroll 16
-        for (int t = 0; t < mr; t++) {
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(s, _mm512_set1_ps(step[t * nb + b])), acc[t]);
-            if (fmt == FMT_Q4)
-                acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[t * nb + b]), acc[t]);
-        }
-    }
-    #pragma GCC unroll 16
-    for (int t = 0; t < mr; t++)
-        store_rows(job->y + (t0 + t) * N + p * PANEL, acc[t], job->bias ? job->bias + p * PANEL : NULL,
-                   rows_mask(N, p));
-}
-
-#define VNNI_CASES(fmt)                                                                            \
-    static void vnni_##fmt(const Job *job, int64_t p, int64_t t0, int mr)                          \
-    {                                                                                              \
-        switch (mr) {                                                                              \
-        case 1: micro_vnni(fmt, 1, job, p, t0); break;                                             \
-        case 2: micro_vnni(fmt, 2, job, p, t0); break;                                             \
-        case 3: micro_vnni(fmt, 3, job, p, t0); break;                                             \
-        case 4: micro_vnni(fmt, 4, job, p, t0); break;                                             \
-        case 5: micro_vnni(fmt, 5, job, p, t0); break;                                             \
-        case 6: micro_vnni(fmt, 6, job, p, t0); break;                                             \
-        case 7: micro_vnni(fmt, 7, job, p, t0); break;                                             \
-        default: micro_vnni(fmt, 8, job, p, t0); break;                                            \
-        }                                                                                          \
-    }
-VNNI_CASES(FMT_Q4)
-VNNI_CASES(FMT_Q8)
-
-// ----------------------------------------------------------------------------
-// Int16 activations (VNNI), q4 and q8
-
-/* As micro_vnni with 16-bit activations: each 32-bit lane of the 4 u8 codes of a row is widened
- * to two pairs of int16 (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd, so a block's dot
- * is corr + sum(u8 code * s16 x), the portable path's integers, rescaled the same way. */
-INLINE void micro_vnni16(const int fmt, const int mr, const Job *job, int64_t p, int64_t t0)
-{
-    const Weight *w = &job->w;
-    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
-    const int32_t *xw = (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ;  /* [K/2][MRQ] words */
+    /* words of x: int8 [K/4][MRQ] (4 k each), int16 [K/2][MRQ] (2 k each) */
+    const int32_t *xq = wide ? (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ
+                             : (const int32_t *)(job->ws.xq + (t0 / MRQ) * K * MRQ);
     const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
     const int32_t *corr = job->ws.xcorr + t0 * nb;
     const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
@@ -452,16 +381,26 @@ INLINE void micro_vnni16(const int fmt, const int mr, const Job *job, int64_t p,
                 lo = _mm512_xor_si512(_mm512_loadu_si512(chunk), flip);
                 hi = _mm512_xor_si512(_mm512_loadu_si512(chunk + 64), flip);
             }
-            const __m512i c0 = _mm512_shuffle_epi8(lo, pair_lo), c1 = _mm512_shuffle_epi8(lo, pair_hi);
-            const __m512i c2 = _mm512_shuffle_epi8(hi, pair_lo), c3 = _mm512_shuffle_epi8(hi, pair_hi);
-            const int32_t *xk = xw + (k / 2) * MRQ;
-            #pragma GCC unroll 16
-            for (int t = 0; t < mr; t++) {
-                dot[t] = _mm512_dpwssd_epi32(dot[t], c0, _mm512_set1_epi32(xk[t]));
-                dot[t] = _mm512_dpwssd_epi32(dot[t], c1, _mm512_set1_epi32(xk[MRQ + t]));
-                dot[t] = _mm512_dpwssd_epi32(dot[t], c2, _mm512_set1_epi32(xk[2 * MRQ + t]));
-                dot[t] = _mm512_dpwssd_epi32(dot[t], c3, _mm512_set1_epi32(xk[3 * MRQ + t]));
+            if (wide) {
+                const __m512i c0 = _mm512_shuffle_epi8(lo, pair_lo), c1 = _mm512_shuffle_epi8(lo, pair_hi);
+                const __m512i c2 = _mm512_shuffle_epi8(hi, pair_lo), c3 = _mm512_shuffle_epi8(hi, pair_hi);
+                const int32_t *xk = xq + (k / 2) * MRQ;
+                #pragma GCC unroll 16
+                for (int t = 0; t < mr; t++) {
+                    dot[t] = _mm512_dpwssd_epi32(dot[t], c0, _mm512_set1_epi32(xk[t]));
+                    dot[t] = _mm512_dpwssd_epi32(dot[t], c1, _mm512_set1_epi32(xk[MRQ + t]));
+                    dot[t] = _mm512_dpwssd_epi32(dot[t], c2, _mm512_set1_epi32(xk[2 * MRQ + t]));
+                    dot[t] = _mm512_dpwssd_epi32(dot[t], c3, _mm512_set1_epi32(xk[3 * MRQ + t]));
+                }
+                continue;
             }
+            const int32_t *xk = xq + (k / 4) * MRQ;
+            #pragma GCC unroll 16
+            for (int t = 0; t < mr; t++)
+                dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(xk[t]));
+            #pragma GCC unroll 16
+            for (int t = 0; t < mr; t++)
+                dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(xk[MRQ + t]));
         }
         __m512 s, z = _mm512_setzero_ps();
         group_params(fmt, w, p, b * B / w->group, &s, &z);
@@ -478,22 +417,24 @@ INLINE void micro_vnni16(const int fmt, const int mr, const Job *job, int64_t p,
                    rows_mask(N, p));
 }
 
-#define VNNI16_CASES(fmt)                                                                          \
-    static void vnni16_##fmt(const Job *job, int64_t p, int64_t t0, int mr)                        \
+#define VNNI_CASES(name, fmt, wide)                                                                \
+    static void name(const Job *job, int64_t p, int64_t t0, int mr)                                \
     {                                                                                              \
         switch (mr) {                                                                              \
-        case 1: micro_vnni16(fmt, 1, job, p, t0); break;                                           \
-        case 2: micro_vnni16(fmt, 2, job, p, t0); break;                                           \
-        case 3: micro_vnni16(fmt, 3, job, p, t0); break;                                           \
-        case 4: micro_vnni16(fmt, 4, job, p, t0); break;                                           \
-        case 5: micro_vnni16(fmt, 5, job, p, t0); break;                                           \
-        case 6: micro_vnni16(fmt, 6, job, p, t0); break;                                           \
-        case 7: micro_vnni16(fmt, 7, job, p, t0); break;                                           \
-        default: micro_vnni16(fmt, 8, job, p, t0); break;                                          \
+        case 1: micro_vnni(fmt, wide, 1, job, p, t0); break;                                       \
+        case 2: micro_vnni(fmt, wide, 2, job, p, t0); break;                                       \
+        case 3: micro_vnni(fmt, wide, 3, job, p, t0); break;                                       \
+        case 4: micro_vnni(fmt, wide, 4, job, p, t0); break;                                       \
+        case 5: micro_vnni(fmt, wide, 5, job, p, t0); break;                                       \
+        case 6: micro_vnni(fmt, wide, 6, job, p, t0); break;                                       \
+        case 7: micro_vnni(fmt, wide, 7, job, p, t0); break;                                       \
+        default: micro_vnni(fmt, wide, 8, job, p, t0); break;                                      \
         }                                                                                          \
     }
-VNNI16_CASES(FMT_Q4)
-VNNI16_CASES(FMT_Q8)
+VNNI_CASES(vnni_FMT_Q4, FMT_Q4, 0)
+VNNI_CASES(vnni_FMT_Q8, FMT_Q8, 0)
+VNNI_CASES(vnni16_FMT_Q4, FMT_Q4, 1)
+VNNI_CASES(vnni16_FMT_Q8, FMT_Q8, 1)
 
 // ----------------------------------------------------------------------------
 // Per-thread compute
