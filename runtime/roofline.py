@@ -50,6 +50,12 @@ def _best(fn, repeats: int = REPEATS) -> float:
     return best
 
 
+def _read_seconds() -> float:
+    """Best time to sum READ_BYTES of f32 (the buffer is freed on return)."""
+    buffer = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+    return _best(lambda: buffer.sum())
+
+
 @torch.inference_mode()
 def measure_peaks(threads: int | None = None) -> Peaks:
     """The three micro-benchmarks on `threads` threads (default: torch's current count)."""
@@ -57,9 +63,7 @@ def measure_peaks(threads: int | None = None) -> Peaks:
     threads = threads or before
     torch.set_num_threads(threads)
     try:
-        buffer = torch.ones(READ_BYTES // 4, dtype=torch.float32)
-        read = _best(lambda: buffer.sum())
-        del buffer
+        read = _read_seconds()
     finally:
         torch.set_num_threads(before)
     f32, int8 = (max(_qlinear.peak(kind, threads, PEAK_ITERS) for _ in range(REPEATS)) for kind in (0, 1))
