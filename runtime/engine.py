@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.backend import Executor, create_executor, kv_budget
+from runtime.cpus import usable_cpus
 from runtime.engine_format import EngineDir, EngineError, PlanLimits, check_target, open_engine
 from runtime.sampler import Sampler
 from runtime.sampling import SamplingParams
@@ -91,6 +92,8 @@ class LLMEngine:
         self.block_size = manifest.block_size
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
+        elif torch.get_num_threads() > usable_cpus():  # a CPU quota below the CPUs torch counts
+            torch.set_num_threads(usable_cpus())
         self.tokenizer = Tokenizer.from_file(str(engine.path / "tokenizer.json"))
         self.tokenizer_config = _read_json(engine.path / "tokenizer_config.json")
         self.generation_config = _read_json(engine.path / "generation_config.json")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.cpus import usable_cpus
 from runtime.engine_format import EngineError
 from runtime.ranks.rank import Rank
 from runtime.ranks.rendezvous import Rendezvous, is_peer_loss
@@ -30,7 +31,7 @@ def start_ranks(path: Path, world_size: int, timeout: float, kv_cache_gib: float
     if rdzv is None:
         store = Rendezvous(0, world_size, "127.0.0.1", 0, True, timeout).store(True)  # port 0: the system picks one
         rdzv = Rendezvous(0, world_size, "127.0.0.1", store.port, True, timeout)
-        threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)  # ranks share this host's cores
+        threads = num_threads or max(1, usable_cpus() // world_size)  # ranks share the cores this process may use
         torch.set_num_threads(threads)
         for r in range(1, world_size):
             children[r] = subprocess.Popen(
