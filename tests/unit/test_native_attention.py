@@ -140,6 +140,25 @@ def test_many_heads_per_kv_head_and_long_prefill():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("ratio, head_dim, context", [(1, 64, 37), (3, 64, 100), (4, 40, 64), (8, 48, 71)])
+def test_decoded_query_equals_the_last_query_of_a_prefill_chunk(dtype, ratio, head_dim, context):
+    # A lone query (every decode step) takes the kernel's single-query path, which reads each key once
+    # for all the heads of its kv head; the last query of a chunk of six takes the general path. They
+    # must agree bit for bit, or greedy outputs would depend on how the scheduler chunked a prompt.
+    generator = torch.Generator().manual_seed(context)
+    k_cache, v_cache, tables, ctx, qsl, kv_scale = build_step([(context, 6)], 16, 2, head_dim, dtype, generator)
+    query = torch.randn(6, 2 * ratio, head_dim, generator=generator)
+    scale = 1.0 / math.sqrt(head_dim)
+    chunk, alone = torch.empty_like(query), torch.empty_like(query[-1:])
+    paged_attention(chunk, query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale=kv_scale, num_threads=2)
+    paged_attention(alone, query[-1:].clone(), k_cache, v_cache, tables, ctx, torch.tensor([0, 1], dtype=torch.int32),
+                    scale, kv_scale=kv_scale, num_threads=2)
+    assert torch.equal(alone[0], chunk[-1])
+    expected = reference_paged_attention(query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale)
+    torch.testing.assert_close(alone[0], expected[-1], rtol=1e-5, atol=1e-5)
+
+
 def test_thread_count_does_not_change_results():
     single, _ = run_both(MIXED_STEP, 8, 2, 64, 8, torch.float32, seed=4, num_threads=1)
     multi, _ = run_both(MIXED_STEP, 8, 2, 64, 8, torch.float32, seed=4, num_threads=2)

@@ -60,9 +60,10 @@ class FakeModel:
 
 
 def make_scheduler(max_batch_size=4, max_num_tokens=8, max_seq_len=64, num_blocks=16, block_size=4, eos=(),
-                   spread=False, max_batches_in_flight=1):
+                   spread=False, max_batches_in_flight=1, prefill_chunk=None):
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                             num_blocks=num_blocks, block_size=block_size, max_batches_in_flight=max_batches_in_flight)
+                             num_blocks=num_blocks, block_size=block_size, max_batches_in_flight=max_batches_in_flight,
+                             prefill_chunk=prefill_chunk)
     return Scheduler(config, eos_token_ids=eos), FakeModel(num_blocks, block_size, spread)
 
 
@@ -127,6 +128,26 @@ def test_chunked_prefill_splits_a_long_prompt_over_steps():
     assert step(scheduler, model)[0] == [("a", 1, True)]
     assert a.is_finished and a.finish_reason == "length"
     assert a.output_token_ids == reference_output(list(range(1, 21)), 2)
+
+
+def test_prefill_chunk_limits_prefill_only_in_steps_that_decode():
+    scheduler, model = make_scheduler(max_num_tokens=12, num_blocks=32, prefill_chunk=3)
+    a_prompt, b_prompt = [5, 6, 7], list(range(10, 20))
+    scheduler.add(Sequence("a", a_prompt, greedy(max_tokens=6)))
+    assert step(scheduler, model)[0] == [("a", 3, True)]  # nothing decodes yet: the whole budget
+    scheduler.add(Sequence("b", b_prompt, greedy(max_tokens=2)))
+    assert step(scheduler, model)[0] == [("a", 1, True), ("b", 3, False)]  # a decodes: b prefills 3 at a time
+    assert step(scheduler, model)[0] == [("a", 1, True), ("b", 3, False)]
+    assert step(scheduler, model)[0] == [("a", 1, True), ("b", 3, False)]
+    assert step(scheduler, model)[0] == [("a", 1, True), ("b", 1, True)]
+    run_all(scheduler, model)
+    assert scheduler.requests == {}
+
+
+def test_prefill_chunk_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        SchedulerConfig(max_batch_size=4, max_num_tokens=8, max_seq_len=64, num_blocks=16, block_size=4,
+                        prefill_chunk=0)
 
 
 def test_decodes_first_then_partial_prefills_then_new_prompts():

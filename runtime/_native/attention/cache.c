@@ -8,7 +8,7 @@
 
 #include "../numeric.h"
 
-static float f8e4m3_table[256];  /* [256] float value of every e4m3fn byte, built at import */
+float f8e4m3_table[256];  /* [256] float value of every e4m3fn byte, built at import */
 
 /* e4m3fn spends S.1111.111 on NaN. */
 void build_f8e4m3_table(void) {

@@ -176,11 +176,14 @@ typedef struct {
     _Alignas(64) float *acc;  /* [max_rows, hd] running sum of p * v per (query, head) row */
     float *row_max;        /* [max_rows] running max score */
     float *row_sum;        /* [max_rows] running sum of exp(score - row_max) */
-    float *scores;         /* [KEY_CHUNK] scores, then probabilities */
+    float *scores;         /* [max_rows, KEY_CHUNK] scores, then probabilities (one row at a time
+                              on the general path, every row of the item on the single-query one) */
     float *k_decoded;      /* [KEY_CHUNK, hd] float32 keys of a non-f32 cache */
     float *v_decoded;      /* [KEY_CHUNK, hd] float32 values of a non-f32 cache */
     const float *k_rows[KEY_CHUNK];  /* row pointers of the current key chunk */
     const float *v_rows[KEY_CHUNK];  /* row pointers of the current value chunk */
+    const uint8_t *k_src[KEY_CHUNK]; /* single-query path: the chunk's key rows in the cache */
+    const uint8_t *v_src[KEY_CHUNK]; /* ... and its value rows */
 } Scratch;
 
 static void free_scratch(Scratch *scratch, int num_threads) {
@@ -199,7 +202,7 @@ static Scratch *build_scratch(int num_threads, int max_rows, int hd) {
     if (!scratch)
         return NULL;
     size_t acc = cache_lines((size_t)max_rows * hd), rows = cache_lines(max_rows);
-    size_t scores = cache_lines(KEY_CHUNK), decoded = cache_lines((size_t)KEY_CHUNK * hd);
+    size_t scores = cache_lines((size_t)max_rows * KEY_CHUNK), decoded = cache_lines((size_t)KEY_CHUNK * hd);
     for (int i = 0; i < num_threads; i++) {
         Scratch *s = &scratch[i];
         s->acc = aligned_alloc(64, sizeof(float) * (acc + 2 * rows + scores + 2 * decoded));
@@ -272,6 +275,23 @@ static void load_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_
     }
 }
 
+/* Asks for the cache lines of keys and values key_begin .. key_begin + n - 1 of one kv head ahead of
+ * their use. A head's rows are strided between the other heads' rows and its blocks lie anywhere
+ * in the pool, so the hardware prefetchers do not see the stream: without this, batched decode
+ * waits on memory for each row in turn. */
+static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head, int key_begin, int n) {
+    size_t elem = (size_t)cache_elem_size[a->cache_dtype];
+    size_t slot_bytes = (size_t)a->num_kv_heads * a->head_dim * elem, row_bytes = (size_t)a->head_dim * elem;
+    for (int pos = key_begin; pos < key_begin + n; pos++) {
+        size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
+        size_t at = slot * slot_bytes + (size_t)kv_head * row_bytes;
+        for (size_t line = 0; line < row_bytes; line += 64) {
+            _mm_prefetch((const char *)a->k_cache + at + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)a->v_cache + at + line, _MM_HINT_T0);
+        }
+    }
+}
+
 /* Streaming-softmax update of one (query, head) row with the first n keys of the chunk. */
 static void attend_chunk_row(const float *q, int n, float scale, int hd, Scratch *scratch,
                              float *acc, float *row_max, float *row_sum) {
@@ -300,8 +320,12 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
         scratch->row_max[r] = -INFINITY;
         scratch->row_sum[r] = 0.0f;
     }
+    prefetch_key_chunk(a, table, w->kv_head, 0, num_keys < KEY_CHUNK ? num_keys : KEY_CHUNK);
     for (int key_begin = 0; key_begin < num_keys; key_begin += KEY_CHUNK) {
         int chunk = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK;
+        int next = key_begin + KEY_CHUNK;
+        if (next < num_keys)
+            prefetch_key_chunk(a, table, w->kv_head, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
         load_key_chunk(a, table, w->kv_head, key_begin, chunk, scratch);
         for (int r = 0; r < rows; r++) {
             int j = w->q_begin + r / ratio, head = w->kv_head * ratio + r % ratio;
@@ -322,6 +346,190 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
     }
 }
 
+/* ----------------------------------------------------------------------------------------
+ * Paged attention: an item with one query (every item of a decode step), all the query heads
+ * of its kv head at once
+ *
+ * Each key and value row is read once from the cache and converted in registers, where the
+ * general path decodes a chunk into scratch and reads it back once per query head. Each head's
+ * arithmetic is the general path's operation for operation (the same key chunks, dot-product and
+ * reduction order, softmax updates and accumulation order), so a query's output is the same bit
+ * for bit whichever path computes it: decoded alone, in a batch, or as the last query of a
+ * prefill chunk.
+ */
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define ROW_GROUP 3  /* query heads per pass over a chunk (their accumulators stay in registers) */
+
+/* 8 cache elements of type dtype at src as float32, the values decode_rows gives. */
+ALWAYS_INLINE __m256 load8(const uint8_t *src, const int dtype, __m256 kv_scale) {
+    switch (dtype) {
+    case CACHE_F32:
+        return _mm256_loadu_ps((const float *)src);
+    case CACHE_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+    case CACHE_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+    case CACHE_I8:
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src))),
+                             kv_scale);
+    default:
+        return _mm256_mul_ps(_mm256_i32gather_ps(f8e4m3_table, _mm256_cvtepu8_epi32(
+                                 _mm_loadl_epi64((const __m128i *)src)), 4), kv_scale);
+    }
+}
+
+/* scores[r][i .. i+nk) = scale * q[r] . keys i .. i+nk-1 of the chunk (nk = 2 or 4), for the nr heads:
+ * lane-wise FMAs over d, then per key the reduction order of hsum8 (score_eight_keys). nr x nk
+ * accumulators: at most 8, so that none spills out of the 16 registers. */
+ALWAYS_INLINE void score_keys_of_heads(const int nr, const int nk, const int dtype, const float *const *q,
+                                       const uint8_t *const *k_src, int i, int hd, size_t elem, __m256 kv_scale,
+                                       float scale, float *const *scores) {
+    __m256 acc[ROW_GROUP][4];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < nk; j++)
+            acc[r][j] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        __m256 k[4];
+        for (int j = 0; j < nk; j++)
+            k[j] = load8(k_src[i + j] + (size_t)d * elem, dtype, kv_scale);
+        for (int r = 0; r < nr; r++) {
+            __m256 qv = _mm256_loadu_ps(q[r] + d);
+            for (int j = 0; j < nk; j++)
+                acc[r][j] = _mm256_fmadd_ps(qv, k[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        /* lanes of key j: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as hsum8 adds them */
+        __m256 h = nk == 4 ? _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]))
+                           : _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_setzero_ps());
+        __m128 sum = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale));
+        if (nk == 4) {
+            _mm_storeu_ps(scores[r] + i, sum);
+        } else {
+            _mm_storel_pi((__m64 *)(scores[r] + i), sum);
+        }
+    }
+}
+
+/* acc[r][d0 .. d0 + 8 nv) += sum_i p[r][i] * value_i[d0 ...], in key order (as accumulate_values);
+ * nv <= 2, so that the accumulators, values and weight fit the 16 registers. */
+ALWAYS_INLINE void accumulate_slice(const int nr, const int nv, const int dtype, const uint8_t *const *v_src, int n,
+                                    int d0, size_t elem, __m256 kv_scale, float *const *p, float *const *acc) {
+    __m256 c[ROW_GROUP][2];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++)
+            c[r][v] = _mm256_loadu_ps(acc[r] + d0 + 8 * v);
+    for (int i = 0; i < n; i++) {
+        __m256 val[2];
+        for (int v = 0; v < nv; v++)
+            val[v] = load8(v_src[i] + (size_t)(d0 + 8 * v) * elem, dtype, kv_scale);
+        for (int r = 0; r < nr; r++) {
+            __m256 w = _mm256_set1_ps(p[r][i]);
+            for (int v = 0; v < nv; v++)
+                c[r][v] = _mm256_fmadd_ps(w, val[v], c[r][v]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++)
+            _mm256_storeu_ps(acc[r] + d0 + 8 * v, c[r][v]);
+}
+
+/* The streaming-softmax update of nr heads with the n keys and values at scratch->k_src / v_src. */
+ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const AttentionArgs *a, const float *const *q,
+                                      int n, Scratch *scratch, float *const *scores, float *const *acc,
+                                      float *row_max, float *row_sum) {
+    const int hd = a->head_dim, n8 = n / 8 * 8;
+    const size_t elem = (size_t)cache_elem_size[dtype];
+    const __m256 kv_scale = _mm256_set1_ps(a->kv_scale);
+    const int nk = nr == 3 ? 2 : 4;
+    for (int i = 0; i < n8; i += nk)
+        score_keys_of_heads(nr, nk, dtype, q, scratch->k_src, i, hd, elem, kv_scale, a->scale, scores);
+
+    for (int i = n8; i < n; i++) {  /* the chunk's last n % 8 keys, as score_keys scores them */
+        decode_rows(scratch->k_decoded, scratch->k_src[i], 1, 0, hd, dtype, a->kv_scale);
+        for (int r = 0; r < nr; r++)
+            scores[r][i] = dot(q[r], scratch->k_decoded, hd) * a->scale;
+    }
+    for (int r = 0; r < nr; r++) {
+        float chunk_max = -INFINITY;
+        for (int i = 0; i < n; i++)
+            chunk_max = scores[r][i] > chunk_max ? scores[r][i] : chunk_max;
+        if (chunk_max > row_max[r]) {
+            float correction = expf(row_max[r] - chunk_max);
+            scale_row(acc[r], correction, hd);
+            row_sum[r] *= correction;
+            row_max[r] = chunk_max;
+        }
+        row_sum[r] += exp_shifted(scores[r], n, row_max[r]);
+    }
+    int d0 = 0;
+    for (; d0 + 16 <= hd; d0 += 16)
+        accumulate_slice(nr, 2, dtype, scratch->v_src, n, d0, elem, kv_scale, scores, acc);
+    for (; d0 < hd; d0 += 8)
+        accumulate_slice(nr, 1, dtype, scratch->v_src, n, d0, elem, kv_scale, scores, acc);
+}
+
+ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *a, const WorkItem *w,
+                                          Scratch *scratch) {
+    const int hd = a->head_dim, ratio = a->num_heads / a->num_kv_heads, block_size = a->block_size;
+    const int token0 = a->query_start_loc[w->seq] + w->q_begin;
+    const int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
+    const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
+    const size_t elem = (size_t)cache_elem_size[dtype], slot_bytes = (size_t)a->num_kv_heads * hd * elem;
+    memset(scratch->acc, 0, sizeof(float) * (size_t)ratio * hd);
+    for (int r = 0; r < ratio; r++) {
+        scratch->row_max[r] = -INFINITY;
+        scratch->row_sum[r] = 0.0f;
+    }
+    prefetch_key_chunk(a, table, w->kv_head, 0, num_keys < KEY_CHUNK ? num_keys : KEY_CHUNK);
+    for (int key_begin = 0; key_begin < num_keys; key_begin += KEY_CHUNK) {
+        int n = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK, next = key_begin + KEY_CHUNK;
+        if (next < num_keys)
+            prefetch_key_chunk(a, table, w->kv_head, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
+        for (int i = 0; i < n; i++) {
+            int pos = key_begin + i;
+            size_t at = ((size_t)table[pos / block_size] * block_size + pos % block_size) * slot_bytes
+                        + (size_t)w->kv_head * hd * elem;
+            scratch->k_src[i] = a->k_cache + at;
+            scratch->v_src[i] = a->v_cache + at;
+        }
+        for (int r0 = 0; r0 < ratio; r0 += ROW_GROUP) {
+            const float *q[ROW_GROUP];
+            float *scores[ROW_GROUP], *acc[ROW_GROUP];
+            int nr = ratio - r0 < ROW_GROUP ? ratio - r0 : ROW_GROUP;
+            for (int r = 0; r < nr; r++) {
+                q[r] = a->query + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r0 + r) * hd;
+                scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
+                acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
+            }
+            float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
+            if (nr == 3)
+                attend_chunk_heads(3, dtype, a, q, n, scratch, scores, acc, row_max, row_sum);
+            else if (nr == 2)
+                attend_chunk_heads(2, dtype, a, q, n, scratch, scores, acc, row_max, row_sum);
+            else
+                attend_chunk_heads(1, dtype, a, q, n, scratch, scores, acc, row_max, row_sum);
+        }
+    }
+    for (int r = 0; r < ratio; r++) {
+        float *o = a->out + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r) * hd;
+        float inv_sum = 1.0f / scratch->row_sum[r];
+        for (int d = 0; d < hd; d++)
+            o[d] = scratch->acc[(size_t)r * hd + d] * inv_sum;
+    }
+}
+
+static void attend_single_query(const AttentionArgs *a, const WorkItem *w, Scratch *scratch) {
+    switch (a->cache_dtype) {
+    case CACHE_F32: attend_single_query_as(CACHE_F32, a, w, scratch); break;
+    case CACHE_BF16: attend_single_query_as(CACHE_BF16, a, w, scratch); break;
+    case CACHE_F16: attend_single_query_as(CACHE_F16, a, w, scratch); break;
+    case CACHE_I8: attend_single_query_as(CACHE_I8, a, w, scratch); break;
+    default: attend_single_query_as(CACHE_F8E4M3, a, w, scratch); break;
+    }
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_compute(const AttentionArgs *a, int num_threads) {
     Py_ssize_t num_items = build_work_items(a, NULL);
@@ -337,8 +545,12 @@ int paged_attention_compute(const AttentionArgs *a, int num_threads) {
     }
     build_work_items(a, items);
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic)
-    for (Py_ssize_t i = 0; i < num_items; i++)
-        attend_work_item(a, &items[i], &scratch[omp_get_thread_num()]);
+    for (Py_ssize_t i = 0; i < num_items; i++) {
+        if (items[i].q_end - items[i].q_begin == 1 && a->head_dim % 8 == 0)
+            attend_single_query(a, &items[i], &scratch[omp_get_thread_num()]);
+        else
+            attend_work_item(a, &items[i], &scratch[omp_get_thread_num()]);
+    }
     free_scratch(scratch, num_threads);
     free(items);
     return 0;
