@@ -307,6 +307,15 @@ static void attend_chunk_row(const float *q, int n, float scale, int hd, Scratch
     accumulate_values(acc, scores, scratch->v_rows, n, hd);
 }
 
+/* The streaming softmax of `rows` rows before their first key: no sum, no weight, max -inf. */
+static void start_rows(Scratch *scratch, int rows, int hd) {
+    memset(scratch->acc, 0, sizeof(float) * (size_t)rows * hd);
+    for (int r = 0; r < rows; r++) {
+        scratch->row_max[r] = -INFINITY;
+        scratch->row_sum[r] = 0.0f;
+    }
+}
+
 static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch *scratch) {
     int hd = a->head_dim, ratio = a->num_heads / a->num_kv_heads;
     int rows = (w->q_end - w->q_begin) * ratio;
@@ -315,11 +324,7 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
     int num_keys = first_pos + w->q_end;  /* keys seen by the tile's last query */
     const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
 
-    memset(scratch->acc, 0, sizeof(float) * (size_t)rows * hd);
-    for (int r = 0; r < rows; r++) {
-        scratch->row_max[r] = -INFINITY;
-        scratch->row_sum[r] = 0.0f;
-    }
+    start_rows(scratch, rows, hd);
     prefetch_key_chunk(a, table, w->kv_head, 0, num_keys < KEY_CHUNK ? num_keys : KEY_CHUNK);
     for (int key_begin = 0; key_begin < num_keys; key_begin += KEY_CHUNK) {
         int chunk = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK;
@@ -477,11 +482,7 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
     const int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
     const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
     const size_t elem = (size_t)cache_elem_size[dtype], slot_bytes = (size_t)a->num_kv_heads * hd * elem;
-    memset(scratch->acc, 0, sizeof(float) * (size_t)ratio * hd);
-    for (int r = 0; r < ratio; r++) {
-        scratch->row_max[r] = -INFINITY;
-        scratch->row_sum[r] = 0.0f;
-    }
+    start_rows(scratch, ratio, hd);
     prefetch_key_chunk(a, table, w->kv_head, 0, num_keys < KEY_CHUNK ? num_keys : KEY_CHUNK);
     for (int key_begin = 0; key_begin < num_keys; key_begin += KEY_CHUNK) {
         int n = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK, next = key_begin + KEY_CHUNK;
