@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.errors import KilnError
-
-# compute capability -> the TensorRT-RTX enum member that targets it
-RTX_TARGETS = {"7.5": "SM75", "8.0": "SM80", "8.6": "SM86", "8.9": "SM89", "12.0": "SM120", "12.1": "SM121"}
+from runtime.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ FORMAT_VERSION = 2
 
 GIB = 1 << 30
 
+# The compute capabilities TensorRT for RTX 1.x compiles for and runs on, with its enum names. Its
+# runtime refuses any other GPU: on an H100 (9.0) an engine built for 8.0, 8.9 or 12.0 fails to
+# deserialize ("TensorRT-RTX does not support this compute capability"), measured on a lent H100.
+TENSORRT_RTX_TARGETS = {"7.5": "SM75", "8.0": "SM80", "8.6": "SM86", "8.9": "SM89", "12.0": "SM120",
+                        "12.1": "SM121"}
+
 # IR dtype name -> (torch dtype, safetensors dtype name)
 _DTYPES = {
     "f32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "f16": (torch.float16, "F16"),
@@ -260,6 +266,18 @@ def check_target(path: Path, manifest: Manifest, backend: str | None = None) -> 
     return backend
 
 
+def gpu_mismatch(compiled_for: str, flavour: str, gpu: str) -> str | None:
+    """Why an engine compiled by `flavour` for compute capability `compiled_for` cannot run on a GPU of
+    compute capability `gpu`, with what to do instead; None when it can."""
+    if gpu == compiled_for:
+        return None
+    if flavour == "tensorrt-rtx" and gpu not in TENSORRT_RTX_TARGETS:
+        return (f"compiled by TensorRT for RTX for compute capability {compiled_for}; this GPU is {gpu}, which "
+                f"TensorRT for RTX does not run on (it runs on {', '.join(TENSORRT_RTX_TARGETS)}): build the "
+                "plan with --onnx-only and run `engine-build compile DIR` on this host with datacenter TensorRT")
+    return f"compiled for compute capability {compiled_for}, this GPU is {gpu}; rebuild the engine for it"
+
+
 def _check_gpu(path: Path, manifest: Manifest) -> None:
     """A tensorrt engine needs its compiled rank files, a CUDA GPU of its compute capability and the
     TensorRT that compiled it."""
@@ -271,10 +289,10 @@ def _check_gpu(path: Path, manifest: Manifest) -> None:
                           f"{manifest.compute_capability} and this machine has none; run its ONNX on the CPU "
                           "with --backend onnxruntime")
     major, minor = torch.cuda.get_device_capability()
-    if f"{major}.{minor}" != manifest.compute_capability:
-        raise EngineError(f"{path}: compiled for compute capability {manifest.compute_capability}, this GPU is "
-                          f"{major}.{minor}; rebuild the engine for it")
     flavour, version = manifest.tensorrt["flavour"], manifest.tensorrt["version"]
+    mismatch = gpu_mismatch(manifest.compute_capability, flavour, f"{major}.{minor}")
+    if mismatch:
+        raise EngineError(f"{path}: {mismatch}")
     module = "tensorrt" if flavour == "tensorrt" else "tensorrt_rtx_bindings"
     try:
         installed = __import__(module).__version__
