@@ -2,6 +2,7 @@
 
     python benchmarks/bench_quant.py [--model smollm2-135m] [--threads 2] [--decode 64] [--prefill 256]
                                      [--rounds 3] [--engines DIR] [--methods none,int8,int4,fp8,int4:f32]
+                                     [--busy-cores N]
 
 Kiln engines of the model are built with `builder.build.build_engine` into --engines (default: a
 temporary directory; an existing directory is reused when its engines are up to date) and run by
@@ -15,6 +16,8 @@ prefill tok/s: one --prefill-token prompt processed in one step, to its first to
 GB/s: bytes of weights read per decode token / time per token (Kiln: every linear and logits
 operand, the embedding table counted only when the logits read it; llama.cpp: every tensor but an
 untied token embedding).
+--busy-cores N: then every configuration again, rounds interleaved, beside N busy-loop processes
+pinned to this process's last CPUs; each one's busy speed as a share of its quiet speed (medians).
 """
 
 from __future__ import annotations
@@ -178,6 +181,9 @@ def main() -> None:
     parser.add_argument("--methods", default="none,int8,int4,fp8,int4:f32",
                         help="Kiln [quant] methods to build and run; METHOD:f32 or METHOD:int8 sets the "
                              "activations (default: the plan's, int8)")
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="then time every engine again beside this many busy-loop processes pinned to this "
+                             "process's last CPUs, and print each one's share of its quiet speed")
     args = parser.parse_args()
 
     from builder.model import load_model
@@ -221,6 +227,29 @@ def main() -> None:
         ppl = f"{acc['ppl_quantized']:.3f} ({acc['ppl_increase_pct']:+.2f}%)" if "ppl_quantized" in acc else ""
         print(f"{name:18s} {1 / best:9.1f} [{1 / median:7.1f}] {runner.weight_bytes / best / 1e9:6.2f} "
               f"{runner.weight_bytes / 1e6:10.1f} {args.prefill / p_best:9.1f} [{args.prefill / p_median:7.1f}]  {ppl}")
+    if args.busy_cores:
+        busy_beside(runners, args, short, long, decode, prefill)
+
+
+def busy_beside(runners: dict, args, short: list[int], long: list[int], decode: dict, prefill: dict) -> None:
+    """Every engine timed again, interleaved, while busy loops hold `args.busy_cores` of this process's CPUs."""
+    from runtime.bench import BusyCores
+
+    busy_decode = {name: [] for name in runners}
+    busy_prefill = {name: [] for name in runners}
+    with BusyCores(args.busy_cores) as spinning:
+        print(f"\nbusy loops pinned to CPUs {spinning.cpus}; load average {os.getloadavg()[0]:.1f}", flush=True)
+        for _ in range(args.rounds):
+            for name, runner in runners.items():
+                busy_decode[name].append(runner.decode(short, args.decode))
+                busy_prefill[name].append(runner.prefill(long))
+    print(f"load average {os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds, quiet -> busy")
+    print(f"{'engine':18s} {'decode tok/s':>22s} {'share':>6s} {'prefill tok/s':>22s} {'share':>6s}")
+    for name in runners:
+        quiet_d, busy_d = statistics.median(decode[name]), statistics.median(busy_decode[name])
+        quiet_p, busy_p = statistics.median(prefill[name]), statistics.median(busy_prefill[name])
+        print(f"{name:18s} {1 / quiet_d:9.1f} -> {1 / busy_d:9.1f} {100 * quiet_d / busy_d:5.0f}% "
+              f"{args.prefill / quiet_p:9.1f} -> {args.prefill / busy_p:9.1f} {100 * quiet_p / busy_p:5.0f}%")
 
 
 if __name__ == "__main__":

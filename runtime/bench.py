@@ -7,12 +7,19 @@ inter-token latency percentiles, steps/s, and the weight bandwidth that implies 
 all of a rank's weights once), tokens per step and the linear layers' operations per second. With
 the machine's measured peaks (runtime/roofline.py), each level also says what share of the read
 bandwidth and of the compute peak it uses, and which of the two limits it.
+
+With `busy_cores`, the levels run again while that many busy-loop processes are pinned to this
+process's last CPUs (`BusyCores`), and a second table shows each level's share of its quiet speed:
+how far the engine slows down when another process takes cores.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,17 +149,23 @@ def _cell(fmt: str, value) -> str:
     return "-" if missing else fmt.format(value)
 
 
-def table(results: list[LevelResult]) -> str:
-    header = [title for _, title, _ in LevelResult.COLUMNS]
-    rows = [[_cell(fmt, getattr(r, key)) for key, _, fmt in LevelResult.COLUMNS] for r in results]
+def _aligned(header, rows) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
 
 
-def to_json(results: list[LevelResult], context: dict) -> str:
-    return json.dumps({**context, "levels": [asdict(r) for r in results]}, indent=2)
+def table(results: list[LevelResult]) -> str:
+    header = [title for _, title, _ in LevelResult.COLUMNS]
+    return _aligned(header, [[_cell(fmt, getattr(r, key)) for key, _, fmt in LevelResult.COLUMNS] for r in results])
+
+
+def to_json(results: list[LevelResult], context: dict, busy: list[LevelResult] = ()) -> str:
+    doc = {**context, "levels": [asdict(r) for r in results]}
+    if busy:
+        doc["busy_levels"] = [asdict(r) for r in busy]
+    return json.dumps(doc, indent=2)
 
 
 def require_matplotlib():
@@ -191,3 +204,44 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+class BusyCores:
+    """`count` processes that spin on one CPU each, the last CPUs of this process's affinity mask,
+    while the `with` block runs: someone else's work on the cores the engine runs on."""
+
+    def __init__(self, count: int):
+        cpus = sorted(os.sched_getaffinity(0))
+        if not 0 < count <= len(cpus):
+            raise ValueError(f"--busy-cores {count}: this process may use {len(cpus)} CPUs ({cpus}); "
+                             f"give 1 to {len(cpus)}")
+        self.cpus = cpus[-count:]
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> BusyCores:
+        for cpu in self.cpus:
+            self.processes.append(subprocess.Popen(
+                [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.5)  # they are spinning before the first request
+        for process in self.processes:
+            if process.poll() is not None:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"a busy-loop process exited at once (status {process.returncode})")
+        return self
+
+    def __exit__(self, *_) -> None:
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.wait()
+        self.processes.clear()
+
+
+def slowdown_table(quiet: list[LevelResult], busy: list[LevelResult]) -> str:
+    """Per level: output tokens/s quiet and busy, the busy share of the quiet speed, and ITL p50 both ways."""
+    header = ("conc", "quiet tok/s", "busy tok/s", "busy/quiet", "quiet ITL p50 ms", "busy ITL p50 ms")
+    rows = [(f"{q.concurrency:d}", f"{q.output_tok_s:.1f}", f"{b.output_tok_s:.1f}",
+             f"{100 * b.output_tok_s / q.output_tok_s:.0f}%" if q.output_tok_s > 0 else "-",
+             _cell("{:.1f}", q.itl_p50_ms), _cell("{:.1f}", b.itl_p50_ms)) for q, b in zip(quiet, busy)]
+    return _aligned(header, rows)

@@ -185,10 +185,15 @@ def bench(
     prefill_chunk: Optional[int] = PREFILL_CHUNK,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
+    busy_cores: int = typer.Option(0, "--busy-cores", min=0,
+                                   help="Then run the levels again with this many busy-loop processes pinned to "
+                                        "this process's last CPUs, and show each level's share of its quiet "
+                                        "speed."),
 ):
     """Benchmark the engine offline: throughput, time to first token and inter-token latency per concurrency,
     with the weight bandwidth and linear operations each level achieves against this machine's measured
-    peaks. Greedy, synthetic prompts; the table goes to stdout."""
+    peaks. Greedy, synthetic prompts; the table goes to stdout. With --busy-cores, the same levels again
+    beside other processes' busy loops: how much speed survives a busy host."""
     import torch
 
     from runtime import bench as b
@@ -197,6 +202,11 @@ def bench(
 
     if plot_out is not None:  # before minutes of benchmarking, not after
         b.require_matplotlib()
+    if busy_cores:
+        try:
+            b.BusyCores(busy_cores)
+        except ValueError as exc:
+            fail(str(exc))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
                                                 threads, rank_timeout, backend, prefill_chunk)) as llm:
         limit = llm.limits.max_seq_len
@@ -221,6 +231,15 @@ def bench(
             count = requests or max(8, 2 * level)
             typer.echo(f"  concurrency {level}: {count} requests ...", err=True)
             results.append(b.run_level(llm, level, count, prompt_len, output_len, weights, seed=level, linear_params=params))
+        busy = []
+        if busy_cores:
+            with b.BusyCores(busy_cores) as spinning:
+                for level in concurrency:
+                    count = requests or max(8, 2 * level)
+                    typer.echo(f"  concurrency {level}, CPUs {spinning.cpus} busy: {count} requests ...", err=True)
+                    busy.append(b.run_level(llm, level, count, prompt_len, output_len, weights,  # prompts
+                                            seed=1000 + level, linear_params=params))      # not cached yet
+            context["busy_cores"] = spinning.cpus
     if peaks is not None:
         b.annotate(results, peaks, manifest.activations)
     typer.echo(b.table(results))
@@ -228,8 +247,14 @@ def bench(
         typer.echo(f"peaks on {peaks.threads} threads: read {peaks.read_gbs:.1f} GB/s, f32 {peaks.f32_gflops:.0f} "
                    f"GFLOP/s, int8 {peaks.int8_gops:.0f} GOP/s; '% compute' is against the peak of the engine's "
                    "activations", err=True)
+    if busy:
+        if peaks is not None:
+            b.annotate(busy, peaks, manifest.activations)
+        typer.echo(f"\nwith {busy_cores} busy-loop process(es) pinned to CPUs {context['busy_cores']}:")
+        typer.echo(b.table(busy))
+        typer.echo(f"\n{b.slowdown_table(results, busy)}")
     if json_out is not None:
-        json_out.write_text(b.to_json(results, context) + "\n")
+        json_out.write_text(b.to_json(results, context, busy) + "\n")
     if plot_out is not None:
         b.plot(results, plot_out, f"{llm.engine.manifest.model_name}: prompt {prompt_len}, output {output_len}")
         typer.echo(f"plot: {plot_out}", err=True)

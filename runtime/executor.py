@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from runtime.backend import Executor
+from runtime.cpus import ThreadGovernor
 from runtime.engine_format import KV_CACHE_DTYPES, RankFile
 from runtime.ops import attention, reference, rowops, tape
 from runtime.program import Hooks, Program, attention_layers
@@ -107,10 +109,13 @@ class CpuExecutor(Executor):
         self.recorded: RecordedStep | None = None
         self.last_shape: tuple[int, int, int] | None = None
         self.replayed_steps = self.recorded_steps = 0
+        self.governor = ThreadGovernor(torch.get_num_threads())
+        weakref.finalize(self, self.governor.close)
 
     @torch.inference_mode()
     def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states."""
+        self.governor.tick()
         if self.rope_tables and meta.positions.numel():
             rows = int(meta.positions.max()) + 1
             for table in self.rope_tables.values():

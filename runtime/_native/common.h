@@ -84,6 +84,7 @@ typedef struct {
 typedef struct {
     Tape *recording;       /* NULL when no tape records */
     unsigned long thread;  /* the thread whose calls it records (others' calls are not its steps) */
+    int thread_cap;        /* most threads any kernel runs on now, 0: no cap (set_thread_cap) */
 } TapeState;
 
 #define TAPE_STATE_CAPSULE "runtime._native._ops._tape_state"
@@ -93,6 +94,14 @@ static TapeState *tape_state;  /* each module's pointer to _ops' state (set at m
 static inline int tape_import(void) {
     tape_state = PyCapsule_Import(TAPE_STATE_CAPSULE, 0);
     return tape_state ? 0 : -1;
+}
+
+/* The threads a kernel runs on now: the count its call asked for (recorded with it on a tape), at
+ * most the process-wide cap that runtime.cpus.ThreadGovernor lowers while other processes hold
+ * cores. Read when the kernel runs, so a replayed tape follows the cap too. */
+static inline int live_threads(int requested) {
+    const int cap = tape_state ? __atomic_load_n(&tape_state->thread_cap, __ATOMIC_RELAXED) : 0;
+    return cap > 0 && cap < requested ? cap : requested;
 }
 
 static inline void tape_record(TapeCheck check, TapeRun run, const void *args, size_t size) {

@@ -98,7 +98,7 @@ typedef struct {
 
 static int run_rms_norm(const void *p) {
     const RowArgs *a = p;
-    #pragma omp parallel for num_threads(a->threads) if (a->rows * a->n >= PARALLEL_ELEMENTS) schedule(static)
+    #pragma omp parallel for num_threads(live_threads(a->threads)) if (a->rows * a->n >= PARALLEL_ELEMENTS) schedule(static)
     for (Py_ssize_t r = 0; r < a->rows; r++)
         rms_norm_row(a->out + r * a->n, a->x + r * a->n, a->weight, (int)a->n, a->eps);
     return 0;
@@ -107,7 +107,7 @@ static int run_rms_norm(const void *p) {
 static int run_add_rms_norm(const void *p) {
     const RowArgs *a = p;
     Py_ssize_t n = a->n;
-    #pragma omp parallel for num_threads(a->threads) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
+    #pragma omp parallel for num_threads(live_threads(a->threads)) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
     for (Py_ssize_t r = 0; r < a->rows; r++)
         add_rms_norm_row(a->out + r * n, a->total + r * n, a->x + r * n, a->residual + r * n, a->weight, (int)n,
                          a->eps);
@@ -117,7 +117,7 @@ static int run_add_rms_norm(const void *p) {
 static int run_silu_mul(const void *p) {
     const RowArgs *a = p;
     Py_ssize_t n = a->n;
-    #pragma omp parallel for num_threads(a->threads) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
+    #pragma omp parallel for num_threads(live_threads(a->threads)) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
     for (Py_ssize_t r = 0; r < a->rows; r++)
         silu_mul_row(a->out + r * n, a->x + 2 * r * n, a->x + 2 * r * n + n, (int)n);
     return 0;
@@ -250,7 +250,7 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
  * Tapes
  */
 
-static TapeState state = {NULL, 0};
+static TapeState state = {NULL, 0, 0};
 
 static void tape_free(Tape *tape) {
     for (Py_ssize_t i = 0; i < tape->count; i++)
@@ -312,6 +312,27 @@ static PyObject *py_replay(PyObject *Py_UNUSED(self), PyObject *capsule) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_thread_cap(PyObject *Py_UNUSED(self), PyObject *arg) {
+    const long cap = PyLong_AsLong(arg);
+    if (cap == -1 && PyErr_Occurred())
+        return NULL;
+    if (cap < 0)
+        return PyErr_Format(PyExc_ValueError, "set_thread_cap: cap must be 0 (none) or more, got %ld", cap);
+    __atomic_store_n(&state.thread_cap, (int)(cap > 1 << 20 ? 1 << 20 : cap), __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_thread_cap(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused)) {
+    return PyLong_FromLong(__atomic_load_n(&state.thread_cap, __ATOMIC_RELAXED));
+}
+
+static PyObject *py_live_threads(PyObject *Py_UNUSED(self), PyObject *arg) {
+    const long requested = PyLong_AsLong(arg);
+    if (requested == -1 && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLong(live_threads((int)requested));
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(out, x, weight, eps, num_threads): out = weight * x / sqrt(mean(x^2) + eps) per row; "
@@ -332,6 +353,12 @@ static PyMethodDef methods[] = {
     {"tape_size", py_tape_size, METH_O, "tape_size(tape) -> the number of recorded calls."},
     {"replay", py_replay, METH_O,
      "replay(tape): runs the recorded calls again on the same buffers (their index checks first)."},
+    {"set_thread_cap", py_set_thread_cap, METH_O,
+     "set_thread_cap(n): every Kiln kernel (of every Kiln C module, replayed tapes too) runs on at most n "
+     "threads from now on; 0 lifts the cap."},
+    {"thread_cap", py_thread_cap, METH_NOARGS, "thread_cap() -> the cap set_thread_cap set (0: none)."},
+    {"live_threads", py_live_threads, METH_O,
+     "live_threads(n) -> the threads a kernel call that asks for n runs on now (n, at most the cap)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -133,7 +133,7 @@ class LayerAttention:
         _C.qkv_attention(out_np, qkv.numpy(), self.k, self.v, step.block_tables, step.context_lens,
                          step.query_start_loc, step.positions, self._rope[1], step.slot_mapping,
                          self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale, self.dtype,
-                         self.kv_scale, torch.get_num_threads())
+                         self.kv_scale, threads())
         return out
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime._native import _qlinear as _C
-from runtime.ops.checks import buffer, describe, expect_shape, fail
+from runtime.ops.checks import buffer, describe, expect_shape, fail, threads
 from runtime.ops.tape import Outputs, recordable, unrecorded
 from runtime.weights import FORMATS, WeightFormat, bf16, fp8, int4, int8
 
@@ -59,8 +59,7 @@ class BoundLinear:
         elif (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (t, self.n)
               or not out.is_contiguous() or not out.is_cpu):
             fail(self.fn, f"out must be a contiguous f32 CPU tensor [{t}, {self.n}], got {describe(out)}")
-        threads = torch.get_num_threads() if num_threads is None else int(num_threads)
-        _C.run(self.handle, out.data_ptr(), x.data_ptr(), t, threads)
+        _C.run(self.handle, out.data_ptr(), x.data_ptr(), t, threads(num_threads))
         return out
 
 
@@ -169,7 +168,7 @@ def _packed_rows(attrs: dict, operands: dict[str, torch.Tensor]):
         if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous():
             fail("embedding", f"tokens must be a contiguous int64 [T], got {describe(tokens)}")
         out = torch.empty((tokens.shape[0], h), dtype=torch.float32)
-        _C.rows(handle, out.data_ptr(), tokens.data_ptr(), tokens.shape[0], torch.get_num_threads())
+        _C.rows(handle, out.data_ptr(), tokens.data_ptr(), tokens.shape[0], threads())
         return out
 
     return recordable(rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from runtime._native import _ops as _C
+from runtime.ops.checks import threads
 from runtime.ops.tape import Outputs, recordable, unrecorded
 
 
@@ -52,7 +53,7 @@ def bind_rms_norm(weight: torch.Tensor, eps: float, reuse: bool = False):
     def run(x: torch.Tensor) -> torch.Tensor:
         _rows("rms_norm", "x", x, n)
         (out, out_np), = outputs.get(x)
-        _C.rms_norm(out_np, x.numpy(), w, eps, torch.get_num_threads())
+        _C.rms_norm(out_np, x.numpy(), w, eps, threads())
         return out
 
     return recordable(run)
@@ -68,7 +69,7 @@ def bind_add_rms_norm(weight: torch.Tensor, eps: float, reuse: bool = False):
             raise ValueError(f"add_rms_norm: residual {residual.dtype} {tuple(residual.shape)} must be float32 "
                              f"of the shape of x {tuple(x.shape)}")
         (out, out_np), (total, total_np) = outputs.get(x)
-        _C.add_rms_norm(out_np, total_np, x.numpy(), residual.numpy(), w, eps, torch.get_num_threads())
+        _C.add_rms_norm(out_np, total_np, x.numpy(), residual.numpy(), w, eps, threads())
         return out, total
 
     return recordable(run)
@@ -81,7 +82,7 @@ def bind_silu_mul(n: int, reuse: bool = False):
     def run(gate_up: torch.Tensor) -> torch.Tensor:
         _rows("silu_mul", "gate_up", gate_up, 2 * n)
         (out, out_np), = outputs.get(gate_up)
-        _C.silu_mul(out_np, gate_up.numpy(), n, torch.get_num_threads())
+        _C.silu_mul(out_np, gate_up.numpy(), n, threads())
         return out
 
     return recordable(run)

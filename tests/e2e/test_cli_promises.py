@@ -5,6 +5,7 @@ the `--help` of the command it belongs to."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -60,6 +61,33 @@ def test_bench_measures_each_level_and_draws_them(tiny_engine_dir, tmp_path):
     assert doc["levels"][1]["tokens_per_step"] > doc["levels"][0]["tokens_per_step"]
     assert "% read BW" in header and "% compute" in header and header.split()[-1] == "limit"
     assert f"peaks on 1 threads: read {peaks['read_gbs']:.1f} GB/s" in proc.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a busy loop beside the engine needs two CPUs")
+def test_bench_runs_the_levels_again_beside_busy_cores(tiny_engine_dir, tmp_path):
+    figures = tmp_path / "bench.json"
+    proc = cli("engine-run", "bench", tiny_engine_dir, "-c", "1", "-c", "2", "--requests", "2", "--prompt-len", "9",
+               "--output-len", "4", "--no-roofline", "--busy-cores", "1", "--json", figures)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(figures.read_text())
+    assert doc["busy_cores"] == sorted(os.sched_getaffinity(0))[-1:]
+    assert [level["concurrency"] for level in doc["busy_levels"]] == [1, 2]
+    assert all(level["output_tok_s"] > 0 for level in doc["busy_levels"])
+    slowdown = proc.stdout.strip().splitlines()[-3:]
+    assert slowdown[0].split()[:4] == ["conc", "quiet", "tok/s", "busy"]
+    for row, quiet, busy in zip(slowdown[1:], doc["levels"], doc["busy_levels"]):
+        share = f"{100 * busy['output_tok_s'] / quiet['output_tok_s']:.0f}%"
+        assert row.split()[:4] == [str(quiet["concurrency"]), f"{quiet['output_tok_s']:.1f}",
+                                   f"{busy['output_tok_s']:.1f}", share]
+    # the busy loops are gone with the run
+    leftover = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout.split()
+    assert leftover == []
+
+
+def test_bench_refuses_more_busy_cores_than_it_may_use(tiny_engine_dir):
+    cpus = len(os.sched_getaffinity(0))
+    proc = cli("engine-run", "bench", tiny_engine_dir, "--busy-cores", str(cpus + 1))
+    assert_one_line_error(proc, "engine-run", rf"--busy-cores {cpus + 1}: this process may use {cpus} CPUs")
 
 
 def test_bench_refuses_lengths_the_engine_cannot_hold(tiny_engine_dir):

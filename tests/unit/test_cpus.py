@@ -1,9 +1,20 @@
-"""The CPU count a process may use: affinity, capped by a cgroup v1 or v2 CPU quota."""
+"""The CPU count a process may use (affinity, capped by a cgroup v1 or v2 CPU quota), and the thread
+governor that follows the CPUs other processes leave it."""
 
 import math
 import os
+import subprocess
+import sys
+import time
 
-from runtime.cpus import cgroup_cpu_limit, usable_cpus
+import pytest
+import torch
+
+from runtime._native import _ops
+from runtime.cpus import (CpuTimes, ThreadGovernor, cgroup_cpu_limit, free_cpus, kernel_threads, read_cpu_times,
+                          usable_cpus)
+from runtime.ops import linear
+from runtime.weights import int4
 
 
 def test_cgroup_v2_quota_and_no_quota(tmp_path):
@@ -31,3 +42,95 @@ def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path):
     assert usable_cpus(tmp_path) == affinity
     (tmp_path / "cpu.max").write_text("250000 100000\n")
     assert usable_cpus(tmp_path) == min(affinity, math.ceil(2.5))
+
+
+# ------------------------------------------------------------------------------ the thread governor
+
+def test_read_cpu_times_sums_the_affinity_cpus_and_this_process(tmp_path):
+    (tmp_path / "self").mkdir()
+    (tmp_path / "stat").write_text(
+        "cpu  9 9 9 9 9 9 9 9 0 0\n"
+        "cpu0 10 1 5 100 4 1 1 2 7 0\n"      # idle+iowait 104, all 124 (guest 7 is inside user)
+        "cpu1 20 0 10 50 0 0 0 0 0 0\n"      # idle 50, all 80
+        "cpu2 1000 0 0 0 0 0 0 0 0 0\n"      # not ours
+        "intr 12345\n")
+    (tmp_path / "self" / "stat").write_text("4242 (a (weird) name) R 1 2 3 4 5 6 7 8 9 10 33 11 0 0 20 0\n")
+    times = read_cpu_times([0, 1], tmp_path)
+    assert (times.idle, times.total, times.own) == (154, 204, 44)
+    assert read_cpu_times([0], tmp_path / "missing") is None
+
+
+def test_free_cpus_counts_idle_and_own_time_per_cpu_of_wall_time():
+    before = CpuTimes(0.0, idle=0, total=0, own=0)
+    # 2 CPUs for 100 ticks each: 30 idle, this process 120, someone else 50
+    assert free_cpus(before, CpuTimes(1.0, idle=30, total=200, own=120), 2) == 1.5
+    assert free_cpus(before, before, 2) is None
+
+
+def test_the_governor_drops_at_once_and_rises_after_two_readings():
+    governor = ThreadGovernor(2)
+    try:
+        if not governor.active:
+            pytest.skip("no /proc to read here")
+        governor.observe(1.95)
+        assert governor.live == 2 and _ops.thread_cap() == 0
+        governor.observe(1.33)  # another process holds one of the two CPUs
+        assert governor.live == 1 and _ops.thread_cap() == 1 and torch.get_num_threads() == 1
+        assert kernel_threads() == 2  # what kernels ask for (and tapes record) stays the engine's count
+        assert _ops.live_threads(2) == 1 and _ops.live_threads(1) == 1
+        governor.observe(1.9)
+        assert governor.live == 1  # one free reading is not enough
+        governor.observe(1.2)
+        governor.observe(1.9)
+        assert governor.live == 1  # the readings in a row start again
+        governor.observe(2.0)
+        assert governor.live == 2 and _ops.thread_cap() == 0 and _ops.live_threads(2) == 2
+        governor.observe(0.1)
+        assert governor.live == 1  # never below one thread
+        assert governor.changes == 3
+    finally:
+        governor.close()
+    assert _ops.thread_cap() == 0 and torch.get_num_threads() == 2 and _ops.live_threads(2) == 2
+
+
+def test_a_governor_of_one_thread_or_turned_off_never_acts(monkeypatch):
+    assert not ThreadGovernor(1).active
+    monkeypatch.setenv("KILN_ADAPTIVE_THREADS", "0")
+    assert not ThreadGovernor(4).active
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep one busy")
+def test_a_busy_process_on_one_of_two_cpus_takes_the_kernels_to_one_thread_and_back():
+    """Real processes: kernels on 2 threads while a busy loop spins on the second CPU."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    saved = os.sched_getaffinity(0)
+    threads_before = torch.get_num_threads()
+    os.sched_setaffinity(0, {first, second})
+    n, k = 1536, 576
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.full((n, k // 32), 0.01)
+    bound = linear.bind(int4.FORMAT, int4.pack(q, scales, scales * 8, 32), n, k, 32)
+    x = torch.randn(8, k)
+    governor = ThreadGovernor(2, interval=0.1)
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{second}}})\nwhile True: pass"])
+
+    def run_until(live: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            bound(x, num_threads=2)
+            governor.tick()
+            if governor.live == live:
+                return True
+        return False
+
+    try:
+        assert governor.active
+        assert run_until(1, 5.0), "the governor kept 2 threads beside a busy CPU"
+        busy.kill()
+        busy.wait()
+        assert run_until(2, 5.0), "the governor did not come back to 2 threads once the CPU was free"
+    finally:
+        busy.kill()
+        governor.close()
+        os.sched_setaffinity(0, saved)
+        torch.set_num_threads(threads_before)

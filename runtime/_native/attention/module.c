@@ -106,7 +106,7 @@ static PyObject *py_kv_write(PyObject *Py_UNUSED(self), PyObject *args) {
     int status = setup_kv_write(&a, b, nkv, hd, dtype, kv_scale);
     if (status == 0) {
         Py_BEGIN_ALLOW_THREADS
-        kv_write_compute(&a, resolve_threads(num_threads));
+        kv_write_compute(&a, live_threads(resolve_threads(num_threads)));
         Py_END_ALLOW_THREADS
     }
     release_buffers(b, 5);
@@ -175,7 +175,7 @@ static PyObject *py_paged_attention(PyObject *Py_UNUSED(self), PyObject *args) {
     int status = setup_paged_attention(&a, b);
     if (status == 0) {
         Py_BEGIN_ALLOW_THREADS
-        status = paged_attention_compute(&a, resolve_threads(num_threads));
+        status = paged_attention_compute(&a, live_threads(resolve_threads(num_threads)));
         Py_END_ALLOW_THREADS
         if (status < 0)
             PyErr_NoMemory();
@@ -235,7 +235,7 @@ static int check_qkv_call(const void *p) {
 static int run_qkv_call(const void *p) {
     const QKVCall *c = p;
     AttentionArgs a = c->a;  /* qkv_attention_compute points a.query at its own buffer */
-    return qkv_attention_compute(&c->r, &a, c->threads);
+    return qkv_attention_compute(&c->r, &a, live_threads(c->threads));
 }
 
 static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {

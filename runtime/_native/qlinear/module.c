@@ -154,7 +154,7 @@ static int run_linear(const void *p)
     const Kernels *kern = active_kernels;
     Job job = {.w = a->b->w, .act = a->b->act, .t = a->count, .blk = a->b->blk, .direct_t = kern->direct_t,
                .x = a->in, .bias = a->b->bias, .y = a->out};
-    return run_kernels(kern, &job, a->threads);
+    return run_kernels(kern, &job, live_threads(a->threads));
 }
 
 /* run(handle, y_address, x_address, T, threads): y[T, N] = x[T, K] @ W^T (+ bias) */
@@ -219,7 +219,7 @@ static int check_rows(const void *p)
 static int run_rows(const void *p)
 {
     const CallArgs *a = p;
-    dequantize_rows(&a->b->w, a->in, a->count, a->out, a->threads);
+    dequantize_rows(&a->b->w, a->in, a->count, a->out, live_threads(a->threads));
     return 0;
 }
 
