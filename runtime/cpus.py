@@ -11,8 +11,8 @@ the threads and waits for the last of them; when another process holds one of th
 thread that shares it runs in turns of a few milliseconds and every kernel waits for its turn. On
 2 cores with one kept busy, a 2-thread decode ran 6-8x slower than on a quiet machine, and a
 1-thread decode on the free core 1.7-1.9x slower (measured, interleaved runs). So the governor
-watches, a few times a second, how much of this process's CPUs were idle or its own, and runs the
-kernels on that many threads; it goes back up once the CPUs are free again.
+watches, a few times a second, how much of this process's CPUs were idle or its own, and caps the
+kernels' threads at that many; it lifts the cap once the CPUs are free again.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
@@ -63,14 +62,6 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # The thread governor
-
-_engine_threads: int | None = None  # the count kernels ask for while a governor runs
-
-
-def kernel_threads() -> int:
-    """The threads a Kiln kernel call asks for (and a step tape records): the engine's count while a
-    ThreadGovernor runs, since it may lower torch's below that for a while; else torch's."""
-    return _engine_threads or torch.get_num_threads()
 
 
 @dataclass(frozen=True)
@@ -111,21 +102,21 @@ def free_cpus(before: CpuTimes, after: CpuTimes, count: int) -> float | None:
 
 
 class ThreadGovernor:
-    """Runs the kernels on as many threads as this process really gets CPUs, at most `threads`.
+    """Caps the threads of every Kiln kernel in this process at the CPUs it really gets.
 
-    `tick()` is called once a step; every `interval` seconds it reads /proc and sets the thread count
-    to the CPUs that were idle or this process's own, rounded up from 0.7 (HEADROOM). It goes down at
-    once and up after two readings in a row agree, so a short burst elsewhere does not make it
-    oscillate. The count reaches the kernels through a process-wide cap in the C modules (read when a
-    kernel runs, so recorded step tapes follow it) and torch's own thread count (its ops in a step).
-    KILN_ADAPTIVE_THREADS=0 turns it off.
+    `tick()` is called once a step; every `interval` seconds it reads /proc and sets the cap to the
+    CPUs that were idle or this process's own, rounded up from 0.7 (HEADROOM), at most `threads`
+    (where the cap is lifted). It goes down at once and up after two readings in a row agree, so a
+    short burst elsewhere does not make it oscillate. The cap lives in the C modules and each kernel
+    reads it when it runs, so recorded step tapes follow it; torch's own thread count is left alone.
+    One governor serves a process (`process_governor`): what the other processes leave is the
+    process's, whichever engine asks. KILN_ADAPTIVE_THREADS=0 turns it off.
     """
 
     HEADROOM = 0.3
     RISE_AFTER = 2
 
     def __init__(self, threads: int, interval: float = 0.25, proc: Path = PROC):
-        global _engine_threads
         self.threads = self.live = max(1, threads)
         self.interval, self.proc = interval, proc
         self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -134,8 +125,6 @@ class ThreadGovernor:
         enabled = (self.threads > 1 and len(self.cpus) > 0
                    and os.environ.get("KILN_ADAPTIVE_THREADS", "1") != "0")
         self._last = read_cpu_times(self.cpus, proc) if enabled else None  # None: it never acts
-        if self._last is not None:
-            _engine_threads = self.threads
 
     @property
     def active(self) -> bool:
@@ -170,18 +159,26 @@ class ThreadGovernor:
     def _set(self, count: int) -> None:
         from runtime._native import _ops
 
-        log.info("kernel threads %d -> %d (%s)", self.live, count,
+        log.info("kernel threads at most %d of %d (%s)", count, self.threads,
                  "other processes hold CPUs" if count < self.live else "CPUs free again")
         self.live = count
         self.changes += 1
         _ops.set_thread_cap(0 if count >= self.threads else count)
-        torch.set_num_threads(count)
 
     def close(self) -> None:
-        """Give the kernels their full count back (an engine closing while the cap is down)."""
-        global _engine_threads
+        """Lift the cap and stop acting."""
         if self._last is not None:
             if self.live != self.threads:
                 self._set(self.threads)
             self._last = None
-            _engine_threads = None
+
+
+_governor: ThreadGovernor | None = None
+
+
+def process_governor() -> ThreadGovernor:
+    """This process's governor, made on first use over the CPUs it may use (`usable_cpus`)."""
+    global _governor
+    if _governor is None:
+        _governor = ThreadGovernor(usable_cpus())
+    return _governor

@@ -5,13 +5,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from runtime.backend import Executor
-from runtime.cpus import ThreadGovernor
+from runtime.cpus import process_governor
 from runtime.engine_format import KV_CACHE_DTYPES, RankFile
 from runtime.ops import attention, reference, rowops, tape
 from runtime.program import Hooks, Program, attention_layers
@@ -109,8 +108,7 @@ class CpuExecutor(Executor):
         self.recorded: RecordedStep | None = None
         self.last_shape: tuple[int, int, int] | None = None
         self.replayed_steps = self.recorded_steps = 0
-        self.governor = ThreadGovernor(torch.get_num_threads())
-        weakref.finalize(self, self.governor.close)
+        self.governor = process_governor()  # caps the kernels' threads while other processes hold CPUs
 
     @torch.inference_mode()
     def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:

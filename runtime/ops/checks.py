@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from runtime.cpus import kernel_threads
-
 # dtypes numpy cannot hold (or the C side reads as raw 16-bit words), viewed as same-width integers
 _NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
@@ -52,6 +50,6 @@ def buffer(t: torch.Tensor | None):
 
 
 def threads(num_threads: int | None = None) -> int:
-    """The threads a kernel call asks for: its own argument, else the engine's count (what a step tape
-    records; the C side runs on fewer while runtime.cpus.ThreadGovernor caps them)."""
-    return kernel_threads() if num_threads is None else int(num_threads)
+    """The threads a kernel call asks for (and a step tape records): its own argument, else torch's count.
+    The C side runs on fewer while runtime.cpus.ThreadGovernor caps them."""
+    return torch.get_num_threads() if num_threads is None else int(num_threads)
