@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
 

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from runtime._native import _ops
-from runtime.cpus import (CpuTimes, ThreadGovernor, cgroup_cpu_limit, free_cpus, process_governor,
-                          read_cpu_times, usable_cpus)
+from runtime.cpus import (
+    CpuTimes,
+    ThreadGovernor,
+    cgroup_cpu_limit,
+    free_cpus,
+    process_governor,
+    read_cpu_times,
+    usable_cpus,
+)
 from runtime.ops import linear
 from runtime.weights import int4
 
