@@ -1,13 +1,17 @@
-"""Decode and prefill tokens/s of Kiln's float32, INT8, INT4 and FP8 engines beside llama.cpp Q4_0 / Q8_0, in one run.
+"""Decode and prefill tokens/s of Kiln's float32, INT8, INT4 and FP8 engines beside llama.cpp Q4_0 / Q8_0 and
+ONNX Runtime GenAI's int4 CPU model, in one run.
 
     python benchmarks/bench_quant.py [--model smollm2-135m] [--threads 2] [--decode 64] [--prefill 256]
                                      [--rounds 3] [--engines DIR] [--methods none,int8,int4,fp8,int4:f32]
-                                     [--busy-cores N]
+                                     [--busy-cores N] [--ort-genai PYTHON]
 
 Kiln engines of the model are built with `builder.build.build_engine` into --engines (default: a
 temporary directory; an existing directory is reused when its engines are up to date) and run by
 runtime.engine.LLMEngine. llama.cpp runs the same GGUF requantized to Q4_0 and Q8_0 by its own
-`llama_model_quantize` (llama-cpp-python's ctypes API). Every configuration is timed once per
+`llama_model_quantize` (llama-cpp-python's ctypes API). ONNX Runtime GenAI runs in its own venv
+(--ort-genai, default /tmp/venv-ort/bin/python; skipped with a message when absent): its model
+builder makes an int4 CPU model (accuracy level 4) of the GGUF converted to a Hugging Face directory,
+and benchmarks/ort_genai_worker.py serves it over a pipe. Every configuration is timed once per
 round, rounds interleaved, and the best round is reported (the median in brackets): a shared,
 noisy machine slows single runs, never speeds them up.
 
@@ -29,6 +33,7 @@ import json
 import os
 import statistics
 import struct
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -153,6 +158,60 @@ class LlamaCppRunner:
         return time.perf_counter() - start
 
 
+# ------------------------------------------------------------------------------------------ ONNX Runtime GenAI
+
+DEFAULT_ORT_PYTHON = "/tmp/venv-ort/bin/python"  # python -m venv /tmp/venv-ort && /tmp/venv-ort/bin/pip install
+                                                 # onnxruntime-genai onnxruntime torch==2.13.0 transformers onnx
+
+
+def build_ort_genai(python: str, gguf: Path, out: Path, threads: int) -> Path:
+    """ONNX Runtime GenAI's int4 CPU model of the GGUF (converted to a Hugging Face directory first), by its own
+    model builder (MatMulNBits, accuracy level 4: int8 activations, its CPU recipe), with `threads` threads."""
+    if not (out / "genai_config.json").exists():
+        from bench_serving import hf_directory
+
+        hf_dir = hf_directory(str(gguf), out.with_name(out.name + "-hf"))
+        print(f"  building the ONNX Runtime GenAI int4 model into {out} ...", flush=True)
+        built = subprocess.run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+                                "-p", "int4", "-e", "cpu", "-c", str(out.with_name(out.name + "-cache")),
+                                "--extra_options", "int4_accuracy_level=4"], capture_output=True, text=True, check=False)
+        if built.returncode != 0:
+            raise RuntimeError(f"onnxruntime_genai's model builder failed: {built.stderr.strip()[-2000:]}")
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config, indent=4))
+    return out
+
+
+class OrtGenaiRunner:
+    """ONNX Runtime GenAI in its own venv, behind a pipe (benchmarks/ort_genai_worker.py)."""
+
+    def __init__(self, python: str, model_dir: Path):
+        worker = Path(__file__).with_name("ort_genai_worker.py")
+        self.process = subprocess.Popen([python, str(worker), str(model_dir)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self._answer()
+        self.weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.onnx*"))
+
+    def _answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the ONNX Runtime GenAI worker exited (status {self.process.wait()})")
+        return json.loads(line)
+
+    def _ask(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def decode(self, prompt: list[int], tokens: int) -> float:
+        return self._ask(op="decode", prompt=prompt, tokens=tokens)["seconds_per_token"]
+
+    def prefill(self, prompt: list[int]) -> float:
+        return self._ask(op="prefill", prompt=prompt)["seconds"]
+
+
 # ------------------------------------------------------------------------------------------ the run
 
 def build_kiln(model: str, method: str, engines: Path):
@@ -184,6 +243,9 @@ def main() -> None:
     parser.add_argument("--busy-cores", type=int, default=0,
                         help="then time every engine again beside this many busy-loop processes pinned to this "
                              "process's last CPUs, and print each one's share of its quiet speed")
+    parser.add_argument("--ort-genai", default=DEFAULT_ORT_PYTHON, metavar="PYTHON",
+                        help="the Python of a venv with onnxruntime-genai (its int4 CPU model runs beside; skipped "
+                             "with a message when it is not there)")
     args = parser.parse_args()
 
     from builder.model import load_model
@@ -206,6 +268,12 @@ def main() -> None:
         if not quantized.exists():
             llama_cpp_quantize(source, quantized, ftype, args.threads)
         runners[f"llama.cpp {name}"] = LlamaCppRunner(quantized, args.threads, context)
+    if Path(args.ort_genai).exists():
+        model = build_ort_genai(args.ort_genai, source, engines / "ort-genai-int4", args.threads)
+        runners["ORT GenAI int4"] = OrtGenaiRunner(args.ort_genai, model)
+    else:
+        print(f"ONNX Runtime GenAI skipped: no {args.ort_genai} (--ort-genai PYTHON; the venv's two install "
+              "commands are beside DEFAULT_ORT_PYTHON in this script)", flush=True)
 
     rng = np.random.default_rng(PROMPT_SEED)
     vocab = min(load_model(args.model).config.vocab_size, 32000)
