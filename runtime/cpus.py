@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
@@ -101,26 +102,41 @@ def free_cpus(before: CpuTimes, after: CpuTimes, count: int) -> float | None:
 
 
 class ThreadGovernor:
-    """Caps the threads of every Kiln kernel in this process at the CPUs it really gets.
+    """Caps the threads of every Kiln kernel in this process at what runs fastest beside other processes.
 
-    `tick()` is called once a step; every `interval` seconds it reads /proc and sets the cap to the
-    CPUs that were idle or this process's own, rounded up from 0.7 (HEADROOM), at most `threads`
-    (where the cap is lifted). It goes down at once and up after two readings in a row agree, so a
-    short burst elsewhere does not make it oscillate. The cap lives in the C modules and each kernel
-    reads it when it runs, so recorded step tapes follow it; torch's own thread count is left alone.
-    One governor serves a process (`process_governor`): what the other processes leave is the
-    process's, whichever engine asks. KILN_ADAPTIVE_THREADS=0 turns it off.
+    `tick()` is called once a step; every `interval` seconds it reads /proc. While the CPUs that were
+    idle or this process's own add up to all of them (within HEADROOM), the cap is lifted. When they
+    fall short, another process holds CPUs: the cap drops at once to what is left, rounded up from
+    0.7. Which count is then fastest depends on the contention: beside one busy core of two, one
+    thread decoded 4-5x faster than two; with both cores busy, two threads (a larger share of the
+    contended cores) beat one by a third (measured). So while contended, the governor tries the other
+    count now and then on steps of one shape (`observe_step`: replayed decode steps) and keeps the
+    faster, waiting twice as long after each try that loses. The cap is lifted again after
+    RISE_AFTER readings in a row see the CPUs free.
+
+    The cap lives in the C modules and each kernel reads it when it runs, so recorded step tapes follow
+    it; torch's own thread count is left alone. One governor serves a process (`process_governor`).
+    KILN_ADAPTIVE_THREADS=0 turns it off.
     """
 
     HEADROOM = 0.3
     RISE_AFTER = 2
+    PROBE_STEPS = 6      # steps of one shape timed for each count compared
+    FIRST_HOLD = 1.0     # seconds before the first try of the other count; doubled after a losing try
+    LONGEST_HOLD = 32.0
+    WIN_MARGIN = 0.9     # the other count wins when its median step takes under 90% of the current one's
 
-    def __init__(self, threads: int, interval: float = 0.25, proc: Path = PROC):
+    def __init__(self, threads: int, interval: float = 0.25, proc: Path = PROC, clock=time.monotonic):
         self.threads = self.live = max(1, threads)
-        self.interval, self.proc = interval, proc
+        self.interval, self.proc, self.clock = interval, proc, clock
         self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.changes = 0
         self._rising = 0
+        self.lower: int | None = None          # while contended: the count the CPUs left suggest
+        self._hold, self._try_at = self.FIRST_HOLD, 0.0
+        self._shape: object = None
+        self._timed: list[float] = []          # recent step times at the live count, this shape
+        self._trial: list[float] | None = None  # step times of a try of the other count
         enabled = (self.threads > 1 and len(self.cpus) > 0
                    and os.environ.get("KILN_ADAPTIVE_THREADS", "1") != "0")
         self._last = read_cpu_times(self.cpus, proc) if enabled else None  # None: it never acts
@@ -144,32 +160,61 @@ class ThreadGovernor:
     def observe(self, free: float) -> None:
         """Act on one reading: `free` CPUs were idle or this process's own."""
         target = max(1, min(self.threads, math.floor(free + self.HEADROOM)))
-        if target < self.live:
-            self._rising = 0
-            self._set(target)
-        elif target > self.live:
+        if target >= self.threads:
             self._rising += 1
-            if self._rising >= self.RISE_AFTER:
-                self._rising = 0
-                self._set(target)
+            if self.lower is not None and self._rising >= self.RISE_AFTER:
+                self._rising, self.lower, self._trial, self._timed = 0, None, None, []
+                self._set(self.threads)
+            return
+        self._rising = 0
+        if self.lower is None:  # contention starts: the CPUs left, at once; try the full count later
+            self.lower, self._timed = target, []
+            self._hold = self.FIRST_HOLD
+            self._try_at = self.clock() + self._hold
+            self._set(target)
+
+    def observe_step(self, shape: object, seconds: float) -> None:
+        """One step of `shape` took `seconds` at the live count: material for comparing the counts."""
+        if shape != self._shape:
+            self._shape, self._timed = shape, []
+            if self._trial is not None:  # a try over steps of different shapes compares nothing
+                self._end_trial(won=False)
+            return
+        if self._trial is not None:
+            self._trial.append(seconds)
+            if len(self._trial) >= self.PROBE_STEPS:
+                won = median(self._trial) < self.WIN_MARGIN * median(self._timed)
+                self._end_trial(won)
+            return
+        self._timed = (self._timed + [seconds])[-self.PROBE_STEPS:]
+        if (self.lower is not None and len(self._timed) == self.PROBE_STEPS
+                and self.clock() >= self._try_at):
+            self._trial = []
+            self._set(self.threads if self.live < self.threads else self.lower)
+
+    def _end_trial(self, won: bool) -> None:
+        trial, self._trial = self._trial, None
+        if won:
+            self._timed, self._hold = trial[-self.PROBE_STEPS:], self.FIRST_HOLD
         else:
-            self._rising = 0
+            self._set(self.lower if self.live == self.threads else self.threads)
+            self._hold = min(2 * self._hold, self.LONGEST_HOLD)
+        self._try_at = self.clock() + self._hold
 
     def _set(self, count: int) -> None:
         from runtime._native import _ops
 
-        log.info("kernel threads at most %d of %d (%s)", count, self.threads,
-                 "other processes hold CPUs" if count < self.live else "CPUs free again")
+        if count != self.live:
+            log.info("kernel threads at most %d of %d", count, self.threads)
+            self.changes += 1
         self.live = count
-        self.changes += 1
         _ops.set_thread_cap(0 if count >= self.threads else count)
 
     def close(self) -> None:
         """Lift the cap and stop acting."""
         if self._last is not None:
-            if self.live != self.threads:
-                self._set(self.threads)
-            self._last = None
+            self._set(self.threads)
+            self._last = self.lower = self._trial = None
 
 
 _governor: ThreadGovernor | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +127,9 @@ class CpuExecutor(Executor):
                 and meta.block_tables.shape[1] <= recorded.meta.block_tables.shape[1]
                 and all(a is b for a, b in zip(recorded.rope, self._rope_buffers()))):
             _copy_step(recorded.meta, meta)
+            started = time.perf_counter()
             tape.replay(recorded.tape)
+            self.governor.observe_step(shape, time.perf_counter() - started)
             self.replayed_steps += 1
             return recorded.output
         if shape != self.last_shape:  # record a shape only once it repeats (decode), not every prefill chunk

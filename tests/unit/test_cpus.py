@@ -74,14 +74,34 @@ def test_free_cpus_counts_idle_and_own_time_per_cpu_of_wall_time():
     assert free_cpus(before, before, 2) is None
 
 
-def test_the_governor_drops_at_once_and_rises_after_two_readings():
-    governor = ThreadGovernor(2)
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def contended_governor(clock: Clock) -> ThreadGovernor:
+    governor = ThreadGovernor(2, clock=clock)
     if not governor.active:
         pytest.skip("no /proc to read here")
+    return governor
+
+
+def steps(governor: ThreadGovernor, seconds: float, count: int = ThreadGovernor.PROBE_STEPS, shape=(1, 1, 1)):
+    for _ in range(count):
+        governor.observe_step(shape, seconds)
+
+
+def test_the_governor_drops_at_once_and_lifts_after_two_free_readings():
+    governor = contended_governor(Clock())
     threads = torch.get_num_threads()
     try:
+        governor.observe(1.95)
+        assert governor.live == 2 and governor.lower is None
         governor.observe(1.33)  # another process holds one of the two CPUs
-        assert governor.live == 1 and _ops.thread_cap() == 1
+        assert governor.live == 1 and governor.lower == 1 and _ops.thread_cap() == 1
         assert _ops.live_threads(2) == 1 and _ops.live_threads(1) == 1
         assert torch.get_num_threads() == threads  # torch's own count is not the governor's to change
         governor.observe(1.9)
@@ -90,15 +110,46 @@ def test_the_governor_drops_at_once_and_rises_after_two_readings():
         governor.observe(1.9)
         assert governor.live == 1  # the readings in a row start again
         governor.observe(2.0)
-        assert governor.live == 2 and _ops.thread_cap() == 0 and _ops.live_threads(2) == 2
-        governor.observe(1.95)
-        assert governor.live == 2
+        assert governor.live == 2 and governor.lower is None and _ops.thread_cap() == 0
         governor.observe(0.1)
         assert governor.live == 1  # never below one thread
         assert governor.changes == 3
     finally:
         governor.close()
     assert _ops.thread_cap() == 0 and _ops.live_threads(2) == 2
+
+
+def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster():
+    clock = Clock()
+    governor = contended_governor(clock)
+    try:
+        governor.observe(1.0)
+        assert governor.live == 1
+        steps(governor, 0.020, 1)  # a new shape: its first step only sets the shape
+        steps(governor, 0.020)
+        assert governor.live == 1  # not before the hold is over
+        clock.now += ThreadGovernor.FIRST_HOLD
+        steps(governor, 0.020, 1)  # enough steps timed at one thread: try two
+        assert governor.live == 2 and _ops.thread_cap() == 0
+        steps(governor, 0.080)  # two threads lose (one busy core of two)
+        assert governor.live == 1 and _ops.thread_cap() == 1
+        clock.now += ThreadGovernor.FIRST_HOLD  # the next try waits twice as long
+        steps(governor, 0.030)  # every core busy now: one thread got slower
+        assert governor.live == 1
+        clock.now += ThreadGovernor.FIRST_HOLD
+        steps(governor, 0.030, 1)
+        assert governor.live == 2
+        steps(governor, 0.020)  # two threads win and stay, while readings still show contention
+        governor.observe(1.0)
+        assert governor.live == 2 and _ops.thread_cap() == 0
+        # a try over steps of another shape compares nothing: it ends, and the count before it stays
+        clock.now += ThreadGovernor.FIRST_HOLD
+        steps(governor, 0.020, 1)
+        assert governor.live == 1
+        governor.observe_step((8, 8, 8), 0.050)
+        assert governor.live == 2
+    finally:
+        governor.close()
 
 
 def test_one_governor_serves_the_process():
