@@ -279,12 +279,7 @@ def main() -> None:
     vocab = min(load_model(args.model).config.vocab_size, 32000)
     short = rng.integers(100, vocab, 16).tolist()
     long = rng.integers(100, vocab, args.prefill).tolist()
-    decode = {name: [] for name in runners}
-    prefill = {name: [] for name in runners}
-    for _ in range(args.rounds):
-        for name, runner in runners.items():
-            decode[name].append(runner.decode(short, args.decode))
-            prefill[name].append(runner.prefill(long))
+    decode, prefill = time_rounds(runners, args, short, long)
 
     print(f"\nload average {os.getloadavg()[0]:.1f}; best of {args.rounds} rounds [median]")
     print(f"{'engine':18s} {'decode tok/s':>20s} {'GB/s':>6s} {'weights MB':>10s} {'prefill tok/s':>20s}  ppl (+%)")
@@ -299,18 +294,24 @@ def main() -> None:
         busy_beside(runners, args, short, long, decode, prefill)
 
 
+def time_rounds(runners: dict, args, short: list[int], long: list[int]) -> tuple[dict, dict]:
+    """Seconds per decode token and per prefill of every runner, `args.rounds` times, runners interleaved."""
+    decode = {name: [] for name in runners}
+    prefill = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            decode[name].append(runner.decode(short, args.decode))
+            prefill[name].append(runner.prefill(long))
+    return decode, prefill
+
+
 def busy_beside(runners: dict, args, short: list[int], long: list[int], decode: dict, prefill: dict) -> None:
     """Every engine timed again, interleaved, while busy loops hold `args.busy_cores` of this process's CPUs."""
     from runtime.bench import BusyCores
 
-    busy_decode = {name: [] for name in runners}
-    busy_prefill = {name: [] for name in runners}
     with BusyCores(args.busy_cores) as spinning:
         print(f"\nbusy loops pinned to CPUs {spinning.cpus}; load average {os.getloadavg()[0]:.1f}", flush=True)
-        for _ in range(args.rounds):
-            for name, runner in runners.items():
-                busy_decode[name].append(runner.decode(short, args.decode))
-                busy_prefill[name].append(runner.prefill(long))
+        busy_decode, busy_prefill = time_rounds(runners, args, short, long)
     print(f"load average {os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds, quiet -> busy")
     print(f"{'engine':18s} {'decode tok/s':>22s} {'share':>6s} {'prefill tok/s':>22s} {'share':>6s}")
     for name in runners:
