@@ -108,7 +108,7 @@ class ThreadGovernor:
     idle or this process's own add up to all of them (within HEADROOM), the cap is lifted. When they
     fall short, another process holds CPUs: the cap drops at once to what is left, rounded up from
     0.7. Which count is then fastest depends on the contention: beside one busy core of two, one
-    thread decoded 4-5x faster than two; with both cores busy, two threads (a larger share of the
+    thread decoded 4-8x faster than two; with both cores busy, two threads (a larger share of the
     contended cores) beat one by a third (measured). So while contended, the governor tries the other
     count now and then on steps of one shape (`observe_step`: replayed decode steps) and keeps the
     faster, waiting twice as long after each try that loses. The cap is lifted again after
@@ -175,6 +175,8 @@ class ThreadGovernor:
 
     def observe_step(self, shape: object, seconds: float) -> None:
         """One step of `shape` took `seconds` at the live count: material for comparing the counts."""
+        if self.lower is None:  # not contended: nothing to compare
+            return
         if shape != self._shape:
             self._shape, self._timed = shape, []
             if self._trial is not None:  # a try over steps of different shapes compares nothing
