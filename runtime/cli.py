@@ -202,11 +202,10 @@ def bench(
 
     if plot_out is not None:  # before minutes of benchmarking, not after
         b.require_matplotlib()
-    if busy_cores:
-        try:
-            b.BusyCores(busy_cores)
-        except ValueError as exc:
-            fail(str(exc))
+    try:
+        spinning = b.BusyCores(busy_cores) if busy_cores else None
+    except ValueError as exc:
+        fail(str(exc))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
                                                 threads, rank_timeout, backend, prefill_chunk)) as llm:
         limit = llm.limits.max_seq_len
@@ -226,19 +225,20 @@ def bench(
             context["peaks"] = peaks.to_dict()
         typer.echo(f"engine {engine}  prompt {prompt_len}  output {output_len}  threads {context['threads']}  "
                    f"weights {weights / 1e6:.1f} MB per rank", err=True)
-        results = []
-        for level in concurrency:
-            count = requests or max(8, 2 * level)
-            typer.echo(f"  concurrency {level}: {count} requests ...", err=True)
-            results.append(b.run_level(llm, level, count, prompt_len, output_len, weights, seed=level, linear_params=params))
-        busy = []
-        if busy_cores:
-            with b.BusyCores(busy_cores) as spinning:
-                for level in concurrency:
-                    count = requests or max(8, 2 * level)
-                    typer.echo(f"  concurrency {level}, CPUs {spinning.cpus} busy: {count} requests ...", err=True)
-                    busy.append(b.run_level(llm, level, count, prompt_len, output_len, weights,  # prompts
-                                            seed=1000 + level, linear_params=params))      # not cached yet
+
+        def run_levels(seed: int, note: str = "") -> list:
+            levels = []
+            for level in concurrency:
+                count = requests or max(8, 2 * level)
+                typer.echo(f"  concurrency {level}{note}: {count} requests ...", err=True)
+                levels.append(b.run_level(llm, level, count, prompt_len, output_len, weights, seed=seed + level,
+                                          linear_params=params))
+            return levels
+
+        results, busy = run_levels(0), []
+        if spinning is not None:
+            with spinning:  # fresh prompts (seeds), so the prefix cache gives the busy levels nothing
+                busy = run_levels(1000, f", CPUs {spinning.cpus} busy")
             context["busy_cores"] = spinning.cpus
     if peaks is not None:
         b.annotate(results, peaks, manifest.activations)
