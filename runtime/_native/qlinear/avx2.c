@@ -7,7 +7,7 @@
 #include "kernels.h"
 
 #define MR2 6        /* tokens per AVX2 micro-kernel call: 12 of the 16 ymm registers accumulate */
-#define DIRECT_T2 2  /* AVX2, f32 activations: T <= DIRECT_T2 decodes weights in registers */
+#define DIRECT_T2 4  /* AVX2, f32 activations: T <= DIRECT_T2 decodes weights in registers */
 
 typedef struct {
     __m256 lo, hi;  /* rows 0..7, 8..15 of a panel */
@@ -114,16 +114,19 @@ INLINE void avx2_store_rows(float *y, Rows16 v, const float *bias, __m256i mlo, 
 /* y[0 .. mt, panel p] for mt <= DIRECT_T2, as direct_kernel: y += s * sum(q x) + m * sum(x). */
 INLINE void avx2_direct_kernel(const int fmt, const int mt, const Job *job, int64_t p)
 {
-    const int chains = mt == 1 ? 2 : 1;
+    /* Independent accumulators per token: one chain's FMAs wait on each other (4 cycles each), so
+     * with fewer than 8 in flight the loop waits on latency, not on the decode. */
+    const int chains = mt == 1 ? 4 : mt == 2 ? 2 : 1;
     const Weight *w = &job->w;
     const int64_t K = w->k, G = w->group, ng = K / G, bpk = panel_bytes_per_k(fmt);
     Rows16 yacc[DIRECT_T2];
     for (int t = 0; t < mt; t++)
         yacc[t] = avx2_splat(0.0f);
     for (int64_t g = 0; g < ng; g++) {
-        Rows16 acc[DIRECT_T2][2];
+        Rows16 acc[DIRECT_T2][4];
         for (int t = 0; t < mt; t++)
-            acc[t][0] = acc[t][1] = avx2_splat(0.0f);
+            for (int c = 0; c < chains; c++)
+                acc[t][c] = avx2_splat(0.0f);
         for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
             const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
             _mm_prefetch((const char *)chunk + 4096, _MM_HINT_T0);
@@ -138,8 +141,8 @@ INLINE void avx2_direct_kernel(const int fmt, const int mt, const Job *job, int6
         avx2_group_params(fmt, w, p, g, &s, &m);
         for (int t = 0; t < mt; t++) {
             Rows16 sum = acc[t][0];
-            if (chains == 2)
-                sum = (Rows16){_mm256_add_ps(sum.lo, acc[t][1].lo), _mm256_add_ps(sum.hi, acc[t][1].hi)};
+            for (int c = 1; c < chains; c++)
+                sum = (Rows16){_mm256_add_ps(sum.lo, acc[t][c].lo), _mm256_add_ps(sum.hi, acc[t][c].hi)};
             yacc[t] = avx2_fmadd(sum, s, yacc[t]);
             if (fmt == FMT_Q4)
                 yacc[t] = avx2_fmadd(m, avx2_splat(job->ws.xsum[t * ng + g]), yacc[t]);
@@ -208,10 +211,12 @@ static void avx2_micro_any(int mr, const float *xp, const float *tile, int64_t k
 #define AVX2_CASES(fmt)                                                                              \
     static void avx2_direct_##fmt(const Job *job, int64_t p)                                         \
     {                                                                                                \
-        if (job->t == 1)                                                                             \
-            avx2_direct_kernel(fmt, 1, job, p);                                                      \
-        else                                                                                         \
-            avx2_direct_kernel(fmt, 2, job, p);                                                      \
+        switch (job->t) {                                                                            \
+        case 1: avx2_direct_kernel(fmt, 1, job, p); break;                                           \
+        case 2: avx2_direct_kernel(fmt, 2, job, p); break;                                           \
+        case 3: avx2_direct_kernel(fmt, 3, job, p); break;                                           \
+        default: avx2_direct_kernel(fmt, 4, job, p); break;                                          \
+        }                                                                                            \
     }                                                                                                \
     static void avx2_dequant_##fmt(const Weight *w, int64_t p, int64_t k0, int64_t kc, float *tile) \
     {                                                                                                \
