@@ -1,6 +1,5 @@
-/* The AVX2 qlinear path (the module's baseline ISA): f32 and int16 activations; int8 activations
- * use the portable path (AVX2 has no 8-bit dot product that keeps the codes' offset exact). A panel's 16 rows are two 8-lane vectors; codes decode to q (q4: 0..15) and
- * w = q * s + m. */
+/* The AVX2 qlinear path (the module's baseline ISA): f32, int16 and int8 activations. A panel's 16
+ * rows are two 8-lane vectors; codes decode to q (q4: 0..15) and w = q * s + m. */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -277,15 +276,48 @@ INLINE void avx2_int_params(const int fmt, const Weight *w, int64_t p, int h, in
         *z = _mm256_loadu_ps((const float *)w->zeros + idx);
 }
 
+/* The end of activation block b for tokens t0 .. t0+mr, rows 8h..8h+7 of panel p: acc +=
+ * f32(dot) * (s * step) (+ z * xsum for q4), in the portable path's order. */
+INLINE void avx2_int_block_end(const int fmt, const int mr, const Job *job, int64_t p, int h, int64_t t0, int64_t b,
+                               const __m256i *dot, __m256 *acc)
+{
+    const int64_t nb = job->w.k / job->blk;
+    const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
+    __m256 s, z = _mm256_setzero_ps();
+    avx2_int_params(fmt, &job->w, p, h, b * job->blk / job->w.group, &s, &z);
+    #pragma GCC unroll 4
+    for (int t = 0; t < mr; t++) {
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(s, _mm256_set1_ps(step[t * nb + b])), acc[t]);
+        if (fmt == FMT_Q4)
+            acc[t] = _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[t * nb + b]), acc[t]);
+    }
+}
+
+/* y[t0 + t, rows 8h..8h+7 of panel p] = acc[t] (+ bias), the rows below N only. */
+INLINE void avx2_int_store(const int mr, const Job *job, int64_t p, int h, int64_t t0, const __m256 *acc)
+{
+    const int64_t N = job->w.n;
+    __m256i mlo, mhi;
+    avx2_row_masks(N, p, &mlo, &mhi);
+    const __m256i mask = h ? mhi : mlo;
+    const float *bias = job->bias ? job->bias + p * PANEL + 8 * h : NULL;
+    #pragma GCC unroll 4
+    for (int t = 0; t < mr; t++) {
+        __m256 v = acc[t];
+        if (bias)
+            v = _mm256_add_ps(v, _mm256_maskload_ps(bias, mask));
+        _mm256_maskstore_ps(job->y + (t0 + t) * N + p * PANEL + 8 * h, mask, v);
+    }
+}
+
 /* y[t0 .. t0+mr, rows 8h..8h+7 of panel p]: per activation block b, dot = corr + sum(u8 code * s16
  * x) in int32 (pairs of k per vpmaddwd), then acc += f32(dot) * (s * step) (+ z * xsum for q4),
  * the portable path's numbers bit for bit. */
 INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t p, int h, int64_t t0)
 {
     const Weight *w = &job->w;
-    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
+    const int64_t K = w->k, B = job->blk, nb = K / B, bpk = panel_bytes_per_k(fmt);
     const int32_t *xw = (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ + t0 % MRQ;
-    const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
     const int32_t *corr = job->ws.xcorr + t0 * nb;
     const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
     const __m256i pair_lo = PAIR_LO, pair_hi = PAIR_HI;
@@ -321,26 +353,9 @@ INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t 
                 dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(s01, s23));
             }
         }
-        __m256 s, z = _mm256_setzero_ps();
-        avx2_int_params(fmt, w, p, h, b * B / w->group, &s, &z);
-        #pragma GCC unroll 4
-        for (int t = 0; t < mr; t++) {
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(s, _mm256_set1_ps(step[t * nb + b])), acc[t]);
-            if (fmt == FMT_Q4)
-                acc[t] = _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[t * nb + b]), acc[t]);
-        }
+        avx2_int_block_end(fmt, mr, job, p, h, t0, b, dot, acc);
     }
-    __m256i mlo, mhi;
-    avx2_row_masks(N, p, &mlo, &mhi);
-    const __m256i mask = h ? mhi : mlo;
-    const float *bias = job->bias ? job->bias + p * PANEL + 8 * h : NULL;
-    #pragma GCC unroll 4
-    for (int t = 0; t < mr; t++) {
-        __m256 v = acc[t];
-        if (bias)
-            v = _mm256_add_ps(v, _mm256_maskload_ps(bias, mask));
-        _mm256_maskstore_ps(job->y + (t0 + t) * N + p * PANEL + 8 * h, mask, v);
-    }
+    avx2_int_store(mr, job, p, h, t0, acc);
 }
 
 #define I16_CASES(fmt)                                                                             \
@@ -356,20 +371,100 @@ INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t 
 I16_CASES(FMT_Q4)
 I16_CASES(FMT_Q8)
 
-static void avx2_compute_i16(const Job *job, int tid, int nt)
+// ----------------------------------------------------------------------------
+// Int8 activations, q4 and q8: vpmaddubsw (u8 x s8, adjacent pairs summed to s16 with saturation)
+// stays exact for both. q4 codes are 0..15, so a pair is at most 2 * 15 * 127 and 16 pairs fit
+// an int16 lane: a 32-k sub-block sums in int16 before one vpmaddwd widens it. q8 codes are
+// signed: |q| (0..128, unsigned) times x with q's sign moved onto it (vpsignb), 2 * 128 * 127 <
+// 32767, widened after every product. Either way the integer dot is the portable path's (q8
+// without its offset and correction, which cancel), so the numbers are the same bit for bit.
+
+/* y[t0 .. t0+mr, rows 8h..8h+7 of panel p] with int8 activations (see above). */
+INLINE void avx2_micro_i8(const int fmt, const int mr, const Job *job, int64_t p, int h, int64_t t0)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, B = job->blk, nb = K / B, bpk = panel_bytes_per_k(fmt);
+    const int32_t *xw = (const int32_t *)job->ws.xq + (t0 / MRQ) * (K / 4) * MRQ + t0 % MRQ;
+    const int32_t *corr = job->ws.xcorr + t0 * nb;
+    const uint8_t *codes = w->codes + p * K * bpk + 32 * h;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MRI];
+    #pragma GCC unroll 4
+    for (int t = 0; t < mr; t++)
+        acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[MRI];
+        #pragma GCC unroll 4
+        for (int t = 0; t < mr; t++)
+            dot[t] = fmt == FMT_Q4 ? _mm256_set1_epi32(corr[t * nb + b]) : _mm256_setzero_si256();
+        for (int64_t k0 = b * B; k0 < (b + 1) * B; k0 += 32) {
+            if (fmt == FMT_Q4) {
+                __m256i part[MRI];
+                #pragma GCC unroll 4
+                for (int t = 0; t < mr; t++)
+                    part[t] = _mm256_setzero_si256();
+                #pragma GCC unroll 4
+                for (int64_t k = k0; k < k0 + 32; k += 8) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + k * bpk));
+                    const __m256i lo = _mm256_and_si256(v, low4);  /* codes k..k+3 of 8 rows */
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  /* k+4..k+7 */
+                    const int32_t *xk = xw + (k / 4) * MRQ;
+                    #pragma GCC unroll 4
+                    for (int t = 0; t < mr; t++)
+                        part[t] = _mm256_add_epi16(part[t], _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xk[t])),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xk[MRQ + t]))));
+                }
+                #pragma GCC unroll 4
+                for (int t = 0; t < mr; t++)
+                    dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(part[t], ones));
+            } else {
+                #pragma GCC unroll 8
+                for (int64_t k = k0; k < k0 + 32; k += 4) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(codes + k * bpk));
+                    const __m256i mag = _mm256_abs_epi8(q);
+                    const int32_t *xk = xw + (k / 4) * MRQ;
+                    #pragma GCC unroll 4
+                    for (int t = 0; t < mr; t++)
+                        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(xk[t]), q)), ones));
+                }
+            }
+        }
+        avx2_int_block_end(fmt, mr, job, p, h, t0, b, dot, acc);
+    }
+    avx2_int_store(mr, job, p, h, t0, acc);
+}
+
+#define I8_CASES(fmt)                                                                              \
+    static void avx2_i8_##fmt(const Job *job, int64_t p, int h, int64_t t0, int mr)                \
+    {                                                                                              \
+        switch (mr) {                                                                              \
+        case 1: avx2_micro_i8(fmt, 1, job, p, h, t0); break;                                       \
+        case 2: avx2_micro_i8(fmt, 2, job, p, h, t0); break;                                       \
+        case 3: avx2_micro_i8(fmt, 3, job, p, h, t0); break;                                       \
+        default: avx2_micro_i8(fmt, 4, job, p, h, t0); break;                                      \
+        }                                                                                          \
+    }
+I8_CASES(FMT_Q4)
+I8_CASES(FMT_Q8)
+
+/* Integer activations: threads own panels; each 8-row half of a panel runs MRI tokens at a time. */
+static void avx2_compute_int(const Job *job, int tid, int nt)
 {
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
+    const int q4 = job->w.fmt == FMT_Q4, i8 = job->act == ACT_INT8;
     for (int64_t p = lo; p < hi; p++)
         for (int h = 0; h < 2; h++) {
             if (8 * h >= job->w.n - p * PANEL)
                 break;  /* the panel's padding rows: nothing to store */
             for (int64_t t0 = 0; t0 < job->t; t0 += MRI) {
                 const int mr = (int)(job->t - t0 < MRI ? job->t - t0 : MRI);
-                if (job->w.fmt == FMT_Q4)
-                    avx2_i16_FMT_Q4(job, p, h, t0, mr);
+                if (i8)
+                    (q4 ? avx2_i8_FMT_Q4 : avx2_i8_FMT_Q8)(job, p, h, t0, mr);
                 else
-                    avx2_i16_FMT_Q8(job, p, h, t0, mr);
+                    (q4 ? avx2_i16_FMT_Q4 : avx2_i16_FMT_Q8)(job, p, h, t0, mr);
             }
         }
 }
@@ -387,12 +482,8 @@ static void avx2_prepare(Job *job, int tid, int nt)
 
 static void avx2_compute(Job *job, int tid, int nt)
 {
-    if (job->act == ACT_INT8) {
-        portable_compute(job, tid, nt);
-        return;
-    }
-    if (job->act == ACT_INT16) {
-        avx2_compute_i16(job, tid, nt);
+    if (job->act != ACT_F32) {
+        avx2_compute_int(job, tid, nt);
         return;
     }
     float tile[KC * PANEL] __attribute__((aligned(32)));
