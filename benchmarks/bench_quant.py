@@ -3,7 +3,7 @@ ONNX Runtime GenAI's int4 CPU model, in one run.
 
     python benchmarks/bench_quant.py [--model smollm2-135m] [--threads 2] [--decode 64] [--prefill 256]
                                      [--rounds 3] [--engines DIR] [--methods none,int8,int4,fp8,int4:f32]
-                                     [--busy-cores N] [--ort-genai PYTHON]
+                                     [--decode-prompt 16] [--busy-cores N] [--ort-genai PYTHON]
 
 Kiln engines of the model are built with `builder.build.build_engine` into --engines (default: a
 temporary directory; an existing directory is reused when its engines are up to date) and run by
@@ -15,7 +15,8 @@ and benchmarks/ort_genai_worker.py serves it over a pipe. Every configuration is
 round, rounds interleaved, and the best round is reported (the median in brackets): a shared,
 noisy machine slows single runs, never speeds them up.
 
-decode tok/s: one sequence, greedy, --decode tokens after a short prompt (time per token after the first).
+decode tok/s: one sequence, greedy, --decode tokens after a --decode-prompt-token prompt (time per token after
+the first).
 prefill tok/s: one --prefill-token prompt processed in one step, to its first token.
 GB/s: bytes of weights read per decode token / time per token (Kiln: every linear and logits
 operand, the embedding table counted only when the logits read it; llama.cpp: every tensor but an
@@ -215,13 +216,18 @@ class OrtGenaiRunner:
 # ------------------------------------------------------------------------------------------ the run
 
 def build_kiln(model: str, method: str, engines: Path):
-    """`method` is a [quant] method, optionally with ":f32" or ":int8" for the activations (default: the plan's)."""
+    """`method` is a [quant] method, optionally with "+head" (the logits and embedding weights requantized too,
+    nothing excluded) and ":f32", ":int16" or ":int8" for the activations (default: the plan's, f32)."""
     from builder.build import build_engine
     from builder.plan import load_plan
 
     name, _, activations = method.partition(":")
-    plan = load_plan().with_overrides("quant", method=name, activations=activations or None)
-    out = engines / f"kiln-{method.replace(':', '-act')}"
+    name, head, _ = name.partition("+head")
+    overrides = {"method": name, "activations": activations or None}
+    if head:
+        overrides["exclude"] = []
+    plan = load_plan().with_overrides("quant", **overrides)
+    out = engines / f"kiln-{method.replace(':', '-act').replace('+', '-')}"
     start = time.perf_counter()
     result = build_engine(model, plan, out, force=True, show_progress=False)
     print(f"  kiln {method:8s} {'up to date' if result.up_to_date else 'built'} in "
@@ -235,11 +241,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode", type=int, default=64, help="decode tokens per measurement")
     parser.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill measurement")
+    parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens before the decode measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", type=Path, default=None, help="directory for the engines (reused if current)")
     parser.add_argument("--methods", default="none,int8,int4,fp8,int4:f32",
-                        help="Kiln [quant] methods to build and run; METHOD:f32 or METHOD:int8 sets the "
-                             "activations (default: the plan's, int8)")
+                        help="Kiln [quant] methods to build and run; METHOD+head also requantizes the logits "
+                             "(and tied embedding) weights; METHOD:f32, :int16 or :int8 sets the activations "
+                             "(default: the plan's, f32)")
     parser.add_argument("--busy-cores", type=int, default=0,
                         help="then time every engine again beside this many busy-loop processes pinned to this "
                              "process's last CPUs, and print each one's share of its quiet speed")
@@ -262,7 +270,7 @@ def main() -> None:
     for method in args.methods.split(","):
         path, accuracy[f"kiln {method}"] = build_kiln(args.model, method, engines)
         runners[f"kiln {method}"] = KilnRunner(path, args.threads)
-    context = args.prefill + args.decode + 64
+    context = max(args.prefill, args.decode_prompt) + args.decode + 64
     for name, ftype in (("Q4_0", 2), ("Q8_0", 7)):
         quantized = engines / f"{source.stem}.{name}.gguf"
         if not quantized.exists():
@@ -277,7 +285,7 @@ def main() -> None:
 
     rng = np.random.default_rng(PROMPT_SEED)
     vocab = min(load_model(args.model).config.vocab_size, 32000)
-    short = rng.integers(100, vocab, 16).tolist()
+    short = rng.integers(100, vocab, args.decode_prompt).tolist()
     long = rng.integers(100, vocab, args.prefill).tolist()
     decode, prefill = time_rounds(runners, args, short, long)
 

@@ -5,8 +5,8 @@ Activations: act="f32" computes in fp32 against the dequantized weights (matches
 reference to fp32 rounding); act="int16" and act="int8" (int4/int8 weights only) quantize x per
 token and block (step amax / 32767, amax / 127) and use integer dot products, error bounded by that
 rounding. int16 keeps chat answers equal to the float model's and runs on AVX2 (vpmaddwd) and AVX-512
-VNNI (vpdpwssd); int8 needs AVX-512 VNNI to be fast (elsewhere the portable C path runs it, far
-slower than f32).
+VNNI (vpdpwssd); int8 (AVX2 vpmaddubsw, AVX-512 VNNI vpdpbusd) changes answers, as llama.cpp's and
+ONNX Runtime's int8 activations do. CPUs with neither run the portable C path, far slower than f32.
 """
 
 from __future__ import annotations

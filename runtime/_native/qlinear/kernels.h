@@ -6,9 +6,8 @@
  * fp32 rescale per block, as llama.cpp does) and int16 (the same with 16-bit activations, step
  * amax / 32767: u8-widened codes x s16 pair products, vpdpwssd on AVX-512 VNNI, vpmaddwd on AVX2).
  *
- * Kernels: AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2 (f32 and int16
- * activations; int8 activations then run the portable C path, which also serves as the tests'
- * reference).
+ * Kernels: AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2 (vpmaddubsw for int8,
+ * vpmaddwd for int16); the portable C path is the tests' reference.
  * Each call runs one OpenMP region in which threads own contiguous ranges of panels; activations
  * are first prepared (packed or quantized), by the calling thread when T is small, else in the
  * region before a barrier.
