@@ -358,19 +358,6 @@ INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t 
     avx2_int_store(mr, job, p, h, t0, acc);
 }
 
-#define I16_CASES(fmt)                                                                             \
-    static void avx2_i16_##fmt(const Job *job, int64_t p, int h, int64_t t0, int mr)               \
-    {                                                                                              \
-        switch (mr) {                                                                              \
-        case 1: avx2_micro_i16(fmt, 1, job, p, h, t0); break;                                      \
-        case 2: avx2_micro_i16(fmt, 2, job, p, h, t0); break;                                      \
-        case 3: avx2_micro_i16(fmt, 3, job, p, h, t0); break;                                      \
-        default: avx2_micro_i16(fmt, 4, job, p, h, t0); break;                                     \
-        }                                                                                          \
-    }
-I16_CASES(FMT_Q4)
-I16_CASES(FMT_Q8)
-
 // ----------------------------------------------------------------------------
 // Int8 activations, q4 and q8: vpmaddubsw (u8 x s8, adjacent pairs summed to s16 with saturation)
 // stays exact for both. q4 codes are 0..15, so a pair is at most 2 * 15 * 127 and 16 pairs fit
@@ -436,18 +423,22 @@ INLINE void avx2_micro_i8(const int fmt, const int mr, const Job *job, int64_t p
     avx2_int_store(mr, job, p, h, t0, acc);
 }
 
-#define I8_CASES(fmt)                                                                              \
-    static void avx2_i8_##fmt(const Job *job, int64_t p, int h, int64_t t0, int mr)                \
+/* avx2_<kind>_<fmt>(job, p, h, t0, mr): the integer micro-kernel of one kind and format, its
+ * token count a compile-time constant. */
+#define INT_CASES(kind, fmt)                                                                       \
+    static void avx2_##kind##_##fmt(const Job *job, int64_t p, int h, int64_t t0, int mr)          \
     {                                                                                              \
         switch (mr) {                                                                              \
-        case 1: avx2_micro_i8(fmt, 1, job, p, h, t0); break;                                       \
-        case 2: avx2_micro_i8(fmt, 2, job, p, h, t0); break;                                       \
-        case 3: avx2_micro_i8(fmt, 3, job, p, h, t0); break;                                       \
-        default: avx2_micro_i8(fmt, 4, job, p, h, t0); break;                                      \
+        case 1: avx2_micro_##kind(fmt, 1, job, p, h, t0); break;                                   \
+        case 2: avx2_micro_##kind(fmt, 2, job, p, h, t0); break;                                   \
+        case 3: avx2_micro_##kind(fmt, 3, job, p, h, t0); break;                                   \
+        default: avx2_micro_##kind(fmt, 4, job, p, h, t0); break;                                  \
         }                                                                                          \
     }
-I8_CASES(FMT_Q4)
-I8_CASES(FMT_Q8)
+INT_CASES(i16, FMT_Q4)
+INT_CASES(i16, FMT_Q8)
+INT_CASES(i8, FMT_Q4)
+INT_CASES(i8, FMT_Q8)
 
 /* Integer activations: threads own panels; each 8-row half of a panel runs MRI tokens at a time. */
 static void avx2_compute_int(const Job *job, int tid, int nt)
