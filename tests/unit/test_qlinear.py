@@ -17,7 +17,7 @@ from runtime.weights import int4, int8
 EPS32 = 2.0 ** -24
 SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ODD = {"n40_k96": (40, 96), "n17_k320": (17, 320), "n1_k384": (1, 384)}  # N % 16 != 0, K = G * odd
-TOKENS = (1, 2, 3, 4, 17, 64)  # every direct (in-register) width of the AVX2 kernels, then tiles
+TOKENS = (1, 2, 3, 4, 8, 13, 17, 64)  # each AVX2 direct width, then tiles split 4+4, 6+6+1, 6+6+5, 6+6
 ISAS = (["avx512"] if ql.set_isa("auto") == "avx512" else []) + ["avx2", "portable"]
 
 

@@ -185,6 +185,7 @@ INLINE void avx2_micro(const int mr, const float *xp, const float *tile, int64_t
     Rows16 c[MR2];
     for (int t = 0; t < mr; t++)
         c[t] = first ? avx2_splat(0.0f) : avx2_load_rows(y + t * ldy, mlo, mhi);
+#pragma GCC unroll 4
     for (int64_t k = 0; k < kc; k++) {
         const Rows16 b = {_mm256_loadu_ps(tile + k * PANEL), _mm256_loadu_ps(tile + k * PANEL + 8)};
         for (int t = 0; t < mr; t++)
@@ -240,11 +241,19 @@ static void avx2_tile_panel(const Job *job, int64_t p, float *tile /* [KC][16] *
         case FMT_F8: avx2_dequant_FMT_F8(w, p, k0, kc, tile); break;
         default: avx2_dequant_FMT_BF16(w, p, k0, kc, tile); break;
         }
-        for (int64_t t0 = 0; t0 < job->t; t0 += MR2) {
-            const int mr = (int)(job->t - t0 < MR2 ? job->t - t0 : MR2);
-            const float *xp = job->ws.xpack + (t0 / MR) * K * MR + k0 * MR + t0 % MR;
-            avx2_micro_any(mr, xp, tile, kc, job->y + t0 * N + p * PANEL, N, job->bias ? job->bias + p * PANEL : NULL,
-                           mlo, mhi, k0 == 0, k0 + kc == K);
+        /* Each packed tile of MR tokens goes in near-equal calls of at most MR2: 8 tokens as 4 + 4,
+         * not 6 + 2, whose 4 accumulators would leave the loop waiting on FMA latency. */
+        for (int64_t base = 0; base < job->t; base += MR) {
+            const int in_tile = (int)(job->t - base < MR ? job->t - base : MR);
+            const int calls = (in_tile + MR2 - 1) / MR2;
+            for (int c = 0, t = 0; c < calls; c++) {
+                const int mr = (in_tile - t) / (calls - c);
+                const int64_t t0 = base + t;
+                const float *xp = job->ws.xpack + (base / MR) * K * MR + k0 * MR + t;
+                avx2_micro_any(mr, xp, tile, kc, job->y + t0 * N + p * PANEL, N,
+                               job->bias ? job->bias + p * PANEL : NULL, mlo, mhi, k0 == 0, k0 + kc == K);
+                t += mr;
+            }
         }
     }
 }
