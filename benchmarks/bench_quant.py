@@ -3,7 +3,7 @@ ONNX Runtime GenAI's int4 CPU model, in one run.
 
     python benchmarks/bench_quant.py [--model smollm2-135m] [--threads 2] [--decode 64] [--prefill 256]
                                      [--rounds 3] [--engines DIR] [--methods none,int8,int4,fp8,int4:f32]
-                                     [--decode-prompt 16] [--busy-cores N] [--ort-genai PYTHON]
+                                     [--decode-prompt 16] [--batch 1] [--busy-cores N] [--ort-genai PYTHON]
 
 Kiln engines of the model are built with `builder.build.build_engine` into --engines (default: a
 temporary directory; an existing directory is reused when its engines are up to date) and run by
@@ -15,10 +15,10 @@ and benchmarks/ort_genai_worker.py serves it over a pipe. Every configuration is
 round, rounds interleaved, and the best round is reported (the median in brackets): a shared,
 noisy machine slows single runs, never speeds them up.
 
-decode tok/s: one sequence, greedy, --decode tokens after a --decode-prompt-token prompt (time per token after
-the first).
+decode tok/s: --batch sequences (default one) decoded together, greedy, --decode tokens each after
+--decode-prompt-token prompts (time per step after the first token; the sum over the sequences).
 prefill tok/s: one --prefill-token prompt processed in one step, to its first token.
-GB/s: bytes of weights read per decode token / time per token (Kiln: every linear and logits
+GB/s: bytes of weights read per decode step / time per step (Kiln: every linear and logits
 operand, the embedding table counted only when the logits read it; llama.cpp: every tensor but an
 untied token embedding).
 --busy-cores N: then every configuration again, rounds interleaved, beside N busy-loop processes
@@ -79,10 +79,13 @@ class KilnRunner:
 
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
-    def decode(self, prompt: list[int], tokens: int) -> float:
-        """Seconds per decode token."""
-        self.llm.add_request(prompt, self._params(tokens + 1))
-        self.llm.step()  # prefill and the first token
+    def decode(self, prompts: list[list[int]], tokens: int) -> float:
+        """Seconds per decode step of every prompt's sequence at once, after each has its first token."""
+        for prompt in prompts:
+            self.llm.add_request(prompt, self._params(tokens + 1))
+        started: set[str] = set()
+        while len(started) < len(prompts):  # the prefill steps (one, unless the prompts outgrow a chunk)
+            started.update(o.request_id for o in self.llm.step())
         start = time.perf_counter()
         while self.llm.has_unfinished():
             self.llm.step()
@@ -131,6 +134,7 @@ class LlamaCppRunner:
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
                                    n_threads=threads, n_threads_batch=threads, verbose=False)
         self.weight_bytes = gguf_weight_bytes(path)
+        self.threads, self.context, self.batched = threads, context, {}
 
     def next_token(self) -> int:
         """Greedy, as Kiln's sampler: the argmax of the last evaluated position's logits. They are read
@@ -141,14 +145,54 @@ class LlamaCppRunner:
         logits = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
         return int(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
 
-    def decode(self, prompt: list[int], tokens: int) -> float:
+    def decode(self, prompts: list[list[int]], tokens: int) -> float:
+        if len(prompts) > 1:
+            return self.decode_batched(prompts, tokens)
         self.llm.reset()
-        self.llm.eval(prompt)
+        self.llm.eval(prompts[0])
         token = self.next_token()
         start = time.perf_counter()
         for _ in range(tokens):
             self.llm.eval([token])
             token = self.next_token()
+        return (time.perf_counter() - start) / tokens
+
+    def decode_batched(self, prompts: list[list[int]], tokens: int) -> float:
+        """Every prompt a sequence of one llama_batch, prefilled together, then one token each per
+        llama_decode: llama.cpp's own batched decoding (the Llama class runs one sequence), through a
+        context of its own with a sequence slot per prompt."""
+        import llama_cpp
+
+        n = len(prompts)
+        if n not in self.batched:
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx, params.n_seq_max = self.context * n, n
+            params.n_batch = params.n_ubatch = max(sum(map(len, prompts)), n)
+            params.n_threads = params.n_threads_batch = self.threads
+            with quiet_stderr():
+                ctx = llama_cpp.llama_init_from_model(self.llm._model.model, params)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp could not make a context for {n} sequences")
+            self.batched[n] = (ctx, llama_cpp.llama_batch_init(params.n_batch, 0, n))
+        ctx, batch = self.batched[n]
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+
+        def run(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+            """(token, position, sequence, wants logits) each; the greedy next token of each that wants them."""
+            batch.n_tokens = len(entries)
+            for i, (token, pos, seq, logits) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+                batch.seq_id[i][0] = seq
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            vocab = self.llm.n_vocab()
+            return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+                    for i, entry in enumerate(entries) if entry[3]]
+
+        last = run([(t, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, t in enumerate(p)])
+        start = time.perf_counter()
+        for step in range(tokens):
+            last = run([(t, len(p) + step, seq, True) for seq, (t, p) in enumerate(zip(last, prompts))])
         return (time.perf_counter() - start) / tokens
 
     def prefill(self, prompt: list[int]) -> float:
@@ -206,8 +250,8 @@ class OrtGenaiRunner:
         self.process.stdin.flush()
         return self._answer()
 
-    def decode(self, prompt: list[int], tokens: int) -> float:
-        return self._ask(op="decode", prompt=prompt, tokens=tokens)["seconds_per_token"]
+    def decode(self, prompts: list[list[int]], tokens: int) -> float:
+        return self._ask(op="decode", prompts=prompts, tokens=tokens)["seconds_per_step"]
 
     def prefill(self, prompt: list[int]) -> float:
         return self._ask(op="prefill", prompt=prompt)["seconds"]
@@ -236,12 +280,14 @@ def build_kiln(model: str, method: str, engines: Path):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--model", default="smollm2-135m", help="preset or .gguf path (llama.cpp needs a GGUF)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode", type=int, default=64, help="decode tokens per measurement")
     parser.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill measurement")
     parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens before the decode measurement")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences decoded together in the decode measurement (decode tok/s is their sum)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", type=Path, default=None, help="directory for the engines (reused if current)")
     parser.add_argument("--methods", default="none,int8,int4,fp8,int4:f32",
@@ -285,25 +331,26 @@ def main() -> None:
 
     rng = np.random.default_rng(PROMPT_SEED)
     vocab = min(load_model(args.model).config.vocab_size, 32000)
-    short = rng.integers(100, vocab, args.decode_prompt).tolist()
+    short = [rng.integers(100, vocab, args.decode_prompt).tolist() for _ in range(args.batch)]
     long = rng.integers(100, vocab, args.prefill).tolist()
     decode, prefill = time_rounds(runners, args, short, long)
 
-    print(f"\nload average {os.getloadavg()[0]:.1f}; best of {args.rounds} rounds [median]")
+    print(f"\nload average {os.getloadavg()[0]:.1f}; best of {args.rounds} rounds [median]; decode of "
+          f"{args.batch} sequence{'s' if args.batch > 1 else ''}")
     print(f"{'engine':18s} {'decode tok/s':>20s} {'GB/s':>6s} {'weights MB':>10s} {'prefill tok/s':>20s}  ppl (+%)")
     for name, runner in runners.items():
         best, median = min(decode[name]), statistics.median(decode[name])
         p_best, p_median = min(prefill[name]), statistics.median(prefill[name])
         acc = accuracy.get(name) or {}
         ppl = f"{acc['ppl_quantized']:.3f} ({acc['ppl_increase_pct']:+.2f}%)" if "ppl_quantized" in acc else ""
-        print(f"{name:18s} {1 / best:9.1f} [{1 / median:7.1f}] {runner.weight_bytes / best / 1e9:6.2f} "
+        print(f"{name:18s} {args.batch / best:9.1f} [{args.batch / median:7.1f}] {runner.weight_bytes / best / 1e9:6.2f} "
               f"{runner.weight_bytes / 1e6:10.1f} {args.prefill / p_best:9.1f} [{args.prefill / p_median:7.1f}]  {ppl}")
     if args.busy_cores:
         busy_beside(runners, args, short, long, decode, prefill)
 
 
 def time_rounds(runners: dict, args, short: list[int], long: list[int]) -> tuple[dict, dict]:
-    """Seconds per decode token and per prefill of every runner, `args.rounds` times, runners interleaved."""
+    """Seconds per decode step and per prefill of every runner, `args.rounds` times, runners interleaved."""
     decode = {name: [] for name in runners}
     prefill = {name: [] for name in runners}
     for _ in range(args.rounds):
@@ -325,7 +372,7 @@ def busy_beside(runners: dict, args, short: list[int], long: list[int], decode: 
     for name in runners:
         quiet_d, busy_d = statistics.median(decode[name]), statistics.median(busy_decode[name])
         quiet_p, busy_p = statistics.median(prefill[name]), statistics.median(busy_prefill[name])
-        print(f"{name:18s} {1 / quiet_d:9.1f} -> {1 / busy_d:9.1f} {100 * quiet_d / busy_d:5.0f}% "
+        print(f"{name:18s} {args.batch / quiet_d:9.1f} -> {args.batch / busy_d:9.1f} {100 * quiet_d / busy_d:5.0f}% "
               f"{args.prefill / quiet_p:9.1f} -> {args.prefill / busy_p:9.1f} {100 * quiet_p / busy_p:5.0f}%")
 
 
