@@ -103,6 +103,100 @@ def build(
         typer.echo(line)
 
 
+@app.command("plan")
+@one_line_errors
+def plan_command(
+    model: str = typer.Option("smollm2-135m", "--model", "-m",
+                              help="A model preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, qwen2.5-7b, "
+                                   "qwen2.5-72b, mistral-7b, gemma-3-27b, smollm2-135m), a config.json, a Hugging "
+                                   "Face directory or a .gguf file: planning reads the shape, no weights."),
+    plan: Optional[Path] = typer.Option(None, "--plan", "-p", help="Price this one plan file instead of candidates."),
+    device: Optional[list[str]] = typer.Option(None, "--device", "-d",
+                                               help="Devices of the catalog to consider (repeatable; default: "
+                                                    "every GPU of plans/devices.toml)."),
+    tp: Optional[list[int]] = typer.Option(None, "--tp", help="Tensor-parallel degrees (repeatable; default 1, 2, 4, "
+                                                              "8 within a device's node)."),
+    pp: Optional[list[int]] = typer.Option(None, "--pp", help="Pipeline-parallel degrees (repeatable; default: 1, "
+                                                              "and deeper only where shallower does not fit)."),
+    weights: Optional[list[str]] = typer.Option(None, "--weights",
+                                                help="[quant] methods (repeatable): none (16-bit), fp8, int8, int4; "
+                                                     "source for a GGUF's own blocks."),
+    kv_dtype: Optional[list[str]] = typer.Option(None, "--kv-dtype", help="KV cache dtypes (repeatable; default f16)."),
+    input_tokens: int = typer.Option(512, "--input", help="Prompt tokens of a request."),
+    output_tokens: int = typer.Option(256, "--output", help="Answer tokens of a request."),
+    users: Optional[int] = typer.Option(None, "--users", help="Concurrent requests to serve: sizes replicas and cost."),
+    latency: Optional[float] = typer.Option(None, "--latency", help="p99 objective for a whole answer, seconds."),
+    ttft: Optional[float] = typer.Option(None, "--ttft", help="Time-to-first-token objective, seconds."),
+    itl: Optional[float] = typer.Option(None, "--itl", help="Inter-token latency objective, seconds."),
+    price: Optional[list[str]] = typer.Option(None, "--price", help="DEVICE=USD per device-hour (repeatable; "
+                                                                    "overrides the catalog's)."),
+    max_batch: int = typer.Option(256, "--max-batch", help="Largest batch a replica runs."),
+    show_all: bool = typer.Option(False, "--all", help="List every candidate, not the best 12 and one misfit per "
+                                                       "device and format."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: memory per rank and decode tokens/s "
+                                                                  "against batch size of the best candidates."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the recommended plan as a plan TOML "
+                                                                 "for `engine-build build --plan`."),
+):
+    """Choose the device, TP, PP, weight format and KV dtype for a model and a workload before building:
+    memory per rank, KV capacity, roofline prefill and decode estimates, replicas and cost."""
+    from builder import planner
+    from builder.plan import load_plan
+
+    prices = {}
+    for item in price or []:
+        name, sep, value = item.partition("=")
+        try:
+            prices[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or prices[name] < 0:
+            raise KilnError(f"--price {item!r}: expected DEVICE=USD per device-hour, e.g. nvidia-h100-80gb=2.5")
+    if max_batch < 1:
+        raise KilnError(f"--max-batch {max_batch}: must be >= 1")
+    shape = planner.load_shape(model)
+    workload = planner.Workload(input_tokens, output_tokens, users, latency, ttft, itl)
+    report = planner.plan_candidates(shape, device, tp, pp, weights, kv_dtype, workload, prices, max_batch,
+                                     load_plan(plan) if plan else None)
+    best = report.recommended
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_plan_report(report, show_all)
+    if plot_path:
+        planner.plot(report, plot_path)
+        typer.echo(f"wrote {plot_path}", err=as_json)
+    if out:
+        if best is None:
+            raise KilnError(f"--out: nothing written: {planner.no_candidate_message(report)}")
+        out.write_text(planner.plan_toml(best, shape, workload))
+        typer.echo(f"wrote {out} (engine-build build --plan {out})", err=as_json)
+    if best is None:
+        raise KilnError(planner.no_candidate_message(report))
+
+
+def _print_plan_report(report, show_all: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from builder import planner
+
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # a pipe or a log keeps whole rows
+    for line in planner.summary_lines(report):
+        console.print(line, highlight=False, markup=False)
+    titles, rows = planner.table_rows(report, show_all)
+    table = Table(show_lines=False, header_style="bold")
+    for title in titles:
+        table.add_column(title, justify="left" if title in ("device", "weights", "kv", "fits") else "right",
+                         overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for line in planner.recommendation_lines(report):
+        console.print(line, highlight=False, markup=False)
+
+
 @app.command()
 @one_line_errors
 def compile(

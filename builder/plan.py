@@ -49,6 +49,17 @@ class Device:
     fp8_storage: bool
     arch: str | None = None                # GPUs: CUDA arch, "sm_89"
     compute_capability: str | None = None  # GPUs: "8.9", the same number as arch
+    # What the planner reads (plans/devices.toml explains each; builder/planner.py uses them)
+    tflops_16: float = 0.0                 # dense fp16/bf16 tensor TFLOPS (cpu: its f32 peak)
+    tflops_fp8: float = 0.0
+    tops_int8: float = 0.0
+    interconnect: str = "none"
+    link_gbs: float = 0.0                  # one direction, per device
+    link_latency_us: float = 0.0           # one small all-reduce
+    gpus_per_node: int = 1
+    bandwidth_efficiency: float = 0.7
+    compute_efficiency: float = 0.5
+    price_per_hour: float | None = None    # USD
 
     @property
     def cc(self) -> tuple[int, int] | None:

@@ -29,7 +29,7 @@ from builder.onnx_lint import lint_model, load_op_table
 from builder.plan import Plan, load_devices
 from builder.tensorrt_compile import RTX_TARGETS, Profile, Toolchain, compile_segments, find_toolchain
 from builder.verify_onnx import cpu_reference, verify_ranks
-from runtime.engine_format import EngineError, kv_blocks, sha256_file, write_rank_file
+from runtime.engine_format import EngineError, sha256_file, write_rank_file
 
 # |logit difference| a build accepts against the cpu engine: f32 activations compute the same math
 # in another order; f16/bf16 activations round every activation (then: share of the largest logit).
@@ -231,15 +231,8 @@ def _io_contract(program: list[dict]) -> dict:
 
 
 def _pool_blocks(plan: Plan, graph: Graph) -> int:
-    """Most KV blocks a pool may hold: the memory plan's, from the device's memory."""
-    memory = graph.meta.get("memory")
-    if memory and memory.get("kv_blocks"):
-        return int(memory["kv_blocks"])
-    layers = [n.attrs for n in graph.nodes if n.op == "attention"]
-    device = load_devices()[plan.device]
-    per_token = sum(2 * a["num_kv_heads"] * a["head_dim"] * 2 for a in layers) or 1
-    return kv_blocks(device.memory_gib * (1 << 30) * plan.kv_cache.memory_fraction, per_token,
-                     plan.kv_cache.block_size)
+    """Most KV blocks a pool may hold: the rank's memory plan (plan_memory, runtime.memory_plan)."""
+    return max(1, int(graph.meta["memory"]["kv_blocks"]))
 
 
 def _timing_cache(chain: Toolchain, cc: str) -> Path:

@@ -167,7 +167,7 @@ def test_every_flag_the_readme_names_exists_somewhere():
     """Flags in the README's prose (`--flag`) belong to some command's --help."""
     prose = set(re.findall(r"`(--[a-z][a-z0-9-]*)", README.read_text())) - {"--no-deps"}  # pip's own
     everything = "".join(help_text(program, sub) for program, sub in
-                         [("engine-build", s) for s in ("build", "verify", "inspect", "compile")] +
+                         [("engine-build", s) for s in ("build", "plan", "verify", "inspect", "compile")] +
                          [("engine-run", s) for s in ("generate", "serve", "bench")])
     missing = sorted(f for f in prose if not re.search(rf"{f}\b", everything))
     assert not missing, f"the README names flags no command has: {missing}"

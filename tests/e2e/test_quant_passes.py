@@ -16,7 +16,6 @@ from builder.interpret import Interpreter
 from builder.ir import verify
 from builder.model import load_model
 from builder.packing import pack_graph
-from builder.plan import plan_from_dict
 from builder.trace import trace
 from conftest import exact_plan, make_tiny_llama
 from passes.context import PassContext

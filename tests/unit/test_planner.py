@@ -1,0 +1,138 @@
+"""`engine-build plan`'s arithmetic against hand computations: parameters, weight and KV bytes per
+rank, KV capacity, and the sizing of a workload (replicas, devices, cost)."""
+
+import math
+
+import pytest
+
+from builder.plan import load_devices
+from builder.planner import PlanningError, Workload, load_shape, plan_candidates, plan_toml
+from runtime.engine_format import GIB
+
+# Llama 3.1 70B by hand: per layer q and o (8192 x 8192 each), k and v (1024 x 8192 each), gate, up, down.
+LAYER_70B = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672
+PARAMS_70B = 80 * (LAYER_70B + 2 * 8192) + 2 * 128256 * 8192 + 8192  # + norms, embedding, lm_head, final norm
+
+
+def candidate(report, tp, pp=1, weights="none"):
+    return next(c for c in report.candidates if (c.tp, c.pp, c.weights) == (tp, pp, weights))
+
+
+def test_llama_70b_shape_and_kv_bytes_are_the_published_ones():
+    shape = load_shape("llama-3.1-70b")
+    assert shape.parameters == PARAMS_70B == 70_553_706_496
+    assert shape.kv_bytes_per_token("f16") == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert shape.kv_bytes_per_token("fp8") == 163_840
+
+
+def test_fp16_70b_needs_two_h100s_and_each_rank_holds_what_a_hand_computation_says():
+    report = plan_candidates(load_shape("llama-3.1-70b"), devices=["nvidia-h100-80gb"], weights=["none"],
+                             pps=[1])
+    one, two = candidate(report, 1), candidate(report, 2)
+    assert one.weight_gib * GIB == 2 * PARAMS_70B  # 141 GB of 16-bit weights
+    assert not one.fits and "exceed" in one.problem
+    assert two.fits and min(c.tp for c in report.candidates if c.fits) == 2
+    # tp=2: half of every layer's heads and MLP columns, half the vocabulary of each table, every norm
+    rank = 80 * LAYER_70B // 2 + 2 * (128256 // 2) * 8192 + (2 * 80 + 1) * 8192
+    assert two.weight_gib * GIB == 2 * rank
+    workspace = 4 * (6 * 2048 * max(8192, (32 + 2 * 4) * 128, 2 * 14336) + 256 * 128256)
+    assert two.workspace_gib * GIB == workspace
+    per_token = 2 * 80 * 4 * 128 * 2  # each rank caches its 4 KV heads
+    blocks = int((80 * GIB - 2 * rank - workspace) * 0.9 // (per_token * 16))
+    assert two.kv_tokens == 16 * blocks
+    assert two.sequences == blocks // math.ceil((512 + 256) / 16)
+
+
+def test_a_chat_product_for_ten_thousand_users_is_sized_and_priced_consistently():
+    workload = Workload(input_tokens=500, output_tokens=200, users=10_000, latency_s=2.0)
+    report = plan_candidates(load_shape("llama-3.1-70b"), devices=["nvidia-h100-80gb"], workload=workload)
+    best = report.recommended
+    z = best.sizing
+    assert z["feasible"] and z["latency_s"] <= 2.0
+    assert z["latency_s"] == pytest.approx(z["ttft_s"] + 200 * z["itl_s"])
+    assert z["replicas"] == math.ceil(10_000 / (best.pp * z["batch"]))
+    assert z["devices"] == z["replicas"] * best.tp * best.pp
+    price = load_devices()["nvidia-h100-80gb"].price_per_hour
+    assert z["usd_per_hour"] == pytest.approx(z["devices"] * price)
+    tokens_per_s = z["replicas"] * best.pp * z["batch"] / z["itl_s"]
+    assert z["usd_per_million_tokens"] == pytest.approx(z["usd_per_hour"] / (tokens_per_s * 3600) * 1e6)
+    larger = [b for b in best.serving if b > z["batch"]]  # the batch is the largest within the objective
+    if larger:
+        b = larger[0]
+        itl = best.serving[b]
+        assert best.pp * b > best.sequences or best.prefill_s + itl + 200 * itl > 2.0
+    cheapest = min(c.sizing["usd_per_hour"] for c in report.candidates if c.sizing and c.sizing["feasible"])
+    assert z["usd_per_hour"] == cheapest
+
+
+def test_pipeline_stages_appear_only_where_tensor_parallelism_alone_does_not_fit():
+    report = plan_candidates(load_shape("llama-3.1-405b"), devices=["nvidia-h100-80gb"], weights=["none"])
+    assert not any(c.fits for c in report.candidates if c.pp == 1)
+    deep = [c for c in report.candidates if c.fits]
+    assert deep and min(c.pp for c in deep) == 2 and all(c.pp == 2 for c in report.candidates if c.pp > 1)
+
+
+def test_tensor_parallelism_speeds_decode_and_the_all_reduce_costs_something():
+    report = plan_candidates(load_shape("llama-3.1-8b"), devices=["nvidia-h100-80gb"], weights=["fp8"], pps=[1])
+    tp1, tp8 = candidate(report, 1, weights="fp8"), candidate(report, 8, weights="fp8")
+    assert tp8.tokens_per_s(1) > tp1.tokens_per_s(1)
+    assert tp8.tokens_per_s(1) < 8 * tp1.tokens_per_s(1)  # bandwidth scales by 8, the all-reduces do not
+
+
+def test_the_recommended_plan_is_a_valid_plan_file(tmp_path):
+    from builder.plan import load_plan
+
+    shape = load_shape("qwen2.5-7b")
+    report = plan_candidates(shape, devices=["nvidia-l40s"], workload=Workload(users=64))
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(report.recommended, shape, report.workload))
+    plan = load_plan(path)
+    best = report.recommended
+    assert (plan.device, plan.tp, plan.pp, plan.quant.method) == ("nvidia-l40s", best.tp, best.pp, best.weights)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"devices": ["nvidia-z9000"]}, "device 'nvidia-z9000' is not in the catalog"),
+    ({"tps": [5]}, "--tp 5: divides none of the model's sizes"),
+    ({"pps": [81]}, "--pp 81: must be between 1 and the model's 80 layers"),
+    ({"workload": Workload(input_tokens=0)}, "workload: input must be >= 1"),
+    ({"workload": Workload(latency_s=-1.0)}, "workload: latency must be > 0 seconds"),
+    ({"prices": {"h100": 2.0}}, "--price h100: not a device of the catalog"),
+])
+def test_bad_planner_input_is_named(kwargs, message):
+    with pytest.raises(PlanningError, match=message):
+        plan_candidates(load_shape("llama-3.1-70b"), **kwargs)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"hidden_size": 4096, "num_layers": 32}, "config lacks vocab_size, intermediate_size, num_heads, num_kv_heads"),
+    ({"vocab_size": 100, "hidden_size": 100, "intermediate_size": 256, "num_hidden_layers": 2,
+      "num_attention_heads": 3, "num_key_value_heads": 1}, "num_heads 3 does not divide hidden_size 100"),
+    ({"vocab_size": 100, "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
+      "num_attention_heads": 6, "num_key_value_heads": 4}, "num_kv_heads 4 does not divide num_heads 6"),
+    ({"vocab_size": 100, "hidden_size": 96, "intermediate_size": -1, "num_hidden_layers": 2,
+      "num_attention_heads": 6, "num_key_value_heads": 2}, "intermediate_size must be a positive integer"),
+])
+def test_a_bad_config_is_named_in_one_line(config, message, tmp_path):
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(PlanningError, match=message) as error:
+        load_shape(str(path))
+    assert "\n" not in str(error.value)
+
+
+def test_hugging_face_names_and_nested_text_configs_are_read(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                      "text_config": {**load_shape_fields(), "head_dim": 128}}))
+    shape = load_shape(str(tmp_path))
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (62, 32, 16, 128)
+    assert shape.parameters == load_shape("gemma-3-27b").parameters
+
+
+def load_shape_fields():
+    return {"vocab_size": 262208, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "tie_word_embeddings": True}
