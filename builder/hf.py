@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from builder.errors import KilnError
 from builder.model import ModelConfig, ModelSpec, canonical_weight_shapes, make_config, write_json
 
-LLAMA_FAMILY = ("llama", "mistral")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # the Llama decoder; Qwen2 adds biases on q, k and v
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -80,7 +80,8 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         architectures = ", ".join(hf_config.get("architectures") or []) or "no architectures listed"
         raise KilnError(f"model: {where}: unsupported architecture {model_type!r} ({architectures}); "
                         f"Kiln supports the Llama family: {', '.join(LLAMA_FAMILY)}")
-    if hf_config.get("sliding_window") is not None:
+    windowed = hf_config.get("use_sliding_window", True)  # Qwen2 records a window it does not use
+    if hf_config.get("sliding_window") is not None and windowed:
         raise KilnError(f"model: {where}: {model_type} with sliding_window={hf_config['sliding_window']} "
                         "is not supported (only full attention)")
     if hf_config.get("hidden_act", "silu") != "silu":
@@ -110,6 +111,7 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         max_position_embeddings=required("max_position_embeddings"),
         attention_bias=bool(hf_config.get("attention_bias", False)),
+        qkv_bias=model_type == "qwen2",
         mlp_bias=bool(hf_config.get("mlp_bias", False)),
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf_config.get("eos_token_id"), generation.get("eos_token_id")),

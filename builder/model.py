@@ -38,8 +38,9 @@ class ModelConfig:
     rope_scaling: dict | None
     tie_word_embeddings: bool
     max_position_embeddings: int
-    attention_bias: bool = False
+    attention_bias: bool = False   # q, k, v and o projections have biases
     mlp_bias: bool = False
+    qkv_bias: bool = False         # q, k and v only (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -85,10 +86,11 @@ def canonical_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    qkv_bias = config.attention_bias or config.qkv_bias
     projections = {
-        "self_attn.q_proj": (q_out, hidden, config.attention_bias),
-        "self_attn.k_proj": (kv_out, hidden, config.attention_bias),
-        "self_attn.v_proj": (kv_out, hidden, config.attention_bias),
+        "self_attn.q_proj": (q_out, hidden, qkv_bias),
+        "self_attn.k_proj": (kv_out, hidden, qkv_bias),
+        "self_attn.v_proj": (kv_out, hidden, qkv_bias),
         "self_attn.o_proj": (hidden, q_out, config.attention_bias),
         "mlp.gate_proj": (inter, hidden, config.mlp_bias),
         "mlp.up_proj": (inter, hidden, config.mlp_bias),

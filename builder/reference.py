@@ -43,11 +43,11 @@ class Attention(nn.Module):
         super().__init__()
         self.path, self.layer, self.cfg = path, layer, cfg
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        bias = cfg.attention_bias
+        bias = cfg.attention_bias or cfg.qkv_bias
         self.q_proj = Linear(f"{path}.q_proj", cfg.hidden_size, q_width, bias)
         self.k_proj = Linear(f"{path}.k_proj", cfg.hidden_size, kv_width, bias)
         self.v_proj = Linear(f"{path}.v_proj", cfg.hidden_size, kv_width, bias)
-        self.o_proj = Linear(f"{path}.o_proj", q_width, cfg.hidden_size, bias)
+        self.o_proj = Linear(f"{path}.o_proj", q_width, cfg.hidden_size, cfg.attention_bias)
 
     def forward(self, x, positions):
         cfg = self.cfg

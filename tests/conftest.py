@@ -48,18 +48,22 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
     return tokenizer.to_str(pretty=True)
 
 
-def make_tiny_llama(path, *, seed: int = 0, max_shard_size: str | None = None, **config_overrides) -> Path:
-    """Save a seeded random LlamaForCausalLM with a matching tokenizer as a Hugging Face directory at `path`.
+def make_tiny_llama(path, *, seed: int = 0, max_shard_size: str | None = None, family: str = "llama",
+                    **config_overrides) -> Path:
+    """Save a seeded random LlamaForCausalLM (or, with family="qwen2", Qwen2ForCausalLM) with a matching
+    tokenizer as a Hugging Face directory at `path`.
 
-    `config_overrides` are LlamaConfig fields (e.g. tie_word_embeddings=True, rope_scaling={...});
+    `config_overrides` are the config's fields (e.g. tie_word_embeddings=True, rope_scaling={...});
     `max_shard_size` (e.g. "40KB") saves sharded safetensors with a model.safetensors.index.json.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
-    config = LlamaConfig(**{**TINY_LLAMA, **config_overrides})
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config = config_class(**{**TINY_LLAMA, **config_overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():  # norm weights of 1 would hide a missing multiply
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -98,6 +102,20 @@ def tiny_llama_uneven_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_uneven"), seed=2, hidden_size=144,
                            intermediate_size=192, num_hidden_layers=2, num_attention_heads=9,
                            num_key_value_heads=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Qwen2: biases on q, k and v (not o), 6 query / 2 KV heads of 16, untied, rope theta 1e6."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_qwen2"), seed=3, family="qwen2", hidden_size=96,
+                           num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, rope_theta=1e6)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tied_dir(tmp_path_factory) -> Path:
+    """Qwen2 with tied embeddings and 4 query heads per KV head."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_qwen2_tied"), seed=4, family="qwen2",
+                           num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

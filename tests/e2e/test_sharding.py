@@ -203,6 +203,9 @@ class ThreadRanks:
     ("tiny_llama_uneven_dir", 4, 1, "none"),    # 3 KV heads on 4 ranks: replicated
     ("tiny_llama_dir", 2, 2, "none"),
     ("tiny_llama_dir", 2, 1, "int8"),           # logical operands sliced, then packed per rank
+    ("tiny_qwen2_dir", 2, 1, "none"),           # q, k, v biases split with their columns; o has none
+    ("tiny_qwen2_dir", 1, 2, "none"),
+    ("tiny_qwen2_tied_dir", 2, 1, "none"),      # one KV head on two ranks: replicated with its bias
 ])
 def test_rank_programs_together_give_the_one_rank_logits(fixture, tp, pp, quant, request):
     model_dir = request.getfixturevalue(fixture)

@@ -1,0 +1,65 @@
+"""Model families beyond Llama, from Hugging Face directories: Qwen2 (biases on q, k and v, not o).
+
+Each tiny random checkpoint, saved with transformers, builds into an engine whose logits match
+transformers at every position and whose greedy tokens are transformers' own, on one rank and on
+tensor- and pipeline-parallel ranks."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from builder.build import build_engine
+from builder.interpret import Interpreter
+from builder.model import load_model
+from conftest import exact_plan
+from runtime.engine import EngineOptions, LLMEngine
+from runtime.engine_format import map_rank_file
+from runtime.sampling import SamplingParams
+
+PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 60))]
+FAMILIES = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir"]
+
+
+def reference(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_engine(request, tmp_path_factory):
+    model_dir = request.getfixturevalue(request.param)
+    out = tmp_path_factory.mktemp("families") / request.param
+    build_engine(str(model_dir), exact_plan(method="none"), out, show_progress=False)
+    return model_dir, out
+
+
+def test_qwen2_biases_are_read_for_q_k_v_and_not_o(tiny_qwen2_dir):
+    spec = load_model(str(tiny_qwen2_dir))
+    assert spec.config.qkv_bias and not spec.config.attention_bias
+    biases = sorted(n.split(".", 2)[2] for n in spec.weight_names() if n.endswith(".bias") and n.startswith("layers.0."))
+    assert biases == ["self_attn.k_proj.bias", "self_attn.q_proj.bias", "self_attn.v_proj.bias"]
+    state = reference(tiny_qwen2_dir).state_dict()
+    assert torch.equal(spec.load("layers.1.self_attn.q_proj.bias"), state["model.layers.1.self_attn.q_proj.bias"])
+
+
+def test_logits_match_transformers_at_every_position(family_engine):
+    model_dir, engine = family_engine
+    model = reference(model_dir)
+    program, tensors = map_rank_file(engine / "rank0.engine")
+    for ids in PROMPTS:
+        with torch.inference_mode():
+            expected = model(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(Interpreter(program, tensors, all_logits=True).logits(ids), expected,
+                                   atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_is_transformers_token_for_token(family_engine):
+    model_dir, engine = family_engine
+    model = reference(model_dir)
+    llm = LLMEngine.from_dir(engine, EngineOptions(kv_cache_gib=0.02))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for ids in PROMPTS:
+        ours = llm.generate([ids], params)[0].token_ids
+        with torch.inference_mode():
+            theirs = model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+        assert ours == theirs, ids
