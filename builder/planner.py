@@ -612,11 +612,12 @@ def no_candidate_message(report: Report) -> str:
 def plot(report: Report, path: Path, count: int = 6) -> None:
     """PNG: memory per rank of the top candidates (weights, workspace, KV cache) and their decode
     tokens/s against batch size."""
-    import matplotlib
+    from runtime.bench import require_matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    try:
+        plt = require_matplotlib()
+    except ValueError as exc:
+        raise PlanningError(str(exc)) from None  # the message names --plot and the extra
     shown = [c for c in report.candidates if c.fits][:count]
     if not shown:
         raise PlanningError("--plot: no candidate fits, nothing to draw")
