@@ -1,4 +1,10 @@
-"""GGUF source: a llama-architecture .gguf file, dequantized on load, tokenizer rebuilt from its metadata."""
+"""GGUF source: a llama- or qwen2-architecture .gguf file, dequantized on load, tokenizer rebuilt from its metadata.
+
+Weights whose blocks have an exact Kiln format (Q4_0, Q4_1 and Q4_K as int4 group-32; Q8_0 as int8
+group-32) keep them bit for bit under `[quant] method = "source"`; other quantized blocks (Q5_K,
+Q6_K, ...) are dequantized and, under "source", requantized to int8 group-32, with the build's
+accuracy measured.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +22,13 @@ from builder.errors import KilnError
 from builder.model import ModelConfig, ModelSpec, RawBlocks, canonical_weight_shapes, make_config, write_json
 
 GGUF_MAGIC = b"GGUF"
-BLOCK = 32  # elements per Q4_1 / Q8_0 block
+BLOCK = 32  # elements per Kiln group (a Q4_0 / Q4_1 / Q8_0 block, a Q4_K sub-block)
+SUPER_BLOCK = 256  # elements per K-quant block
 DEQUANT_CHUNK = 1 << 22  # elements dequantized at a time when loading a weight
-NATIVE_BLOCK_TYPES = ("Q4_1", "Q8_0")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# GGUF architecture -> whether llama.cpp's converter interleaved the q/k rows for its rope (llama
+# does; qwen2 keeps Hugging Face's order). Metadata keys are prefixed with the architecture name.
+ARCHITECTURES = {"llama": True, "qwen2": False}
 GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                 "output.weight": "lm_head.weight"}
 LAYER_NAMES = {
@@ -46,8 +56,10 @@ def canonical_name(gguf_name: str) -> str | None:
 class GGUFModelSpec(ModelSpec):
     """A llama-architecture GGUF file, memory-mapped; each weight dequantized when it is loaded."""
 
-    def __init__(self, name: str, path: Path, config: ModelConfig, reader: GGUFReader, tensors: dict):
+    def __init__(self, name: str, path: Path, config: ModelConfig, reader: GGUFReader, tensors: dict,
+                 architecture: str = "llama"):
         super().__init__(name, path, config, [path])
+        self.config_architecture = architecture  # the GGUF's general.architecture
         self._path = path
         self._reader = reader
         self._tensors = tensors  # Kiln name -> gguf ReaderTensor
@@ -56,7 +68,8 @@ class GGUFModelSpec(ModelSpec):
         tensor, shape = self._tensors[name], self.weight_shape(name)
         if len(shape) == 1:
             values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-            return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only
+            # a copy: the file is mapped read-only
+            return torch.from_numpy(np.array(self._unpermute(name, values), dtype=np.float32))
         # Row chunks into one float32 array: dequantizing a whole embedding at once needs several
         # temporaries of its float size, the largest share of a streaming build's peak memory.
         blocks = tensor.data.reshape(shape[0], -1)
@@ -67,10 +80,14 @@ class GGUFModelSpec(ModelSpec):
             values[start:start + step] = rows.reshape(-1, shape[1])
         return torch.from_numpy(np.ascontiguousarray(self._unpermute(name, values)))
 
+    def stored_type(self, name: str) -> str:
+        self._check_name(name)
+        return self._tensors[name].tensor_type.name
+
     def raw_blocks(self, name: str) -> RawBlocks | None:
         self._check_name(name)
         tensor = self._tensors[name]
-        if tensor.tensor_type.name not in NATIVE_BLOCK_TYPES:
+        if tensor.tensor_type.name not in BLOCK_FORMATS:
             return None
         rows = self.weight_shape(name)[0]
         data = np.array(self._unpermute(name, tensor.data.reshape(rows, -1)))
@@ -80,8 +97,11 @@ class GGUFModelSpec(ModelSpec):
         """Undo llama.cpp's q/k row order (rotary pairs interleaved) back to Hugging Face's (halves).
 
         The converter stores row h*hd + 2*i + j of HF row h*hd + j*hd/2 + i; this is transformers'
-        LlamaTensorProcessor._reverse_permute_weights. It moves whole rows, so it applies to block bytes too.
+        LlamaTensorProcessor._reverse_permute_weights. It moves whole rows, so it applies to block bytes
+        (and biases) too. Architectures whose converter keeps Hugging Face's order are left alone.
         """
+        if not ARCHITECTURES[self.config_architecture]:
+            return rows
         if ".q_proj." in name:
             num_heads = self.config.num_heads
         elif ".k_proj." in name:
@@ -147,21 +167,21 @@ def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
     except Exception as e:  # the reader fails on truncation with ValueError, IndexError, struct errors...
         raise KilnError(f"model: {path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
     architecture = _field(reader, "general.architecture")
-    if architecture != "llama":
+    if architecture not in ARCHITECTURES:
         raise KilnError(f"model: {path}: unsupported architecture {architecture!r}; "
-                        "Kiln supports the Llama family (GGUF architecture 'llama')")
+                        f"Kiln supports GGUF architectures {', '.join(map(repr, ARCHITECTURES))}")
     gguf_tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in gguf_tensors:
         raise KilnError(f"model: {path}: rope frequency factors (rope_freqs, Llama 3.1 rope scaling) are not "
                         "supported from GGUF; build from the Hugging Face directory instead")
     if "token_embd.weight" not in gguf_tensors:
         raise KilnError(f"model: {path}: tensor token_embd.weight is missing")
-    config = _config_from_metadata(reader, gguf_tensors, str(path))
+    config = _config_from_metadata(reader, gguf_tensors, str(path), architecture)
     tensors = {}
     for gguf_name, tensor in gguf_tensors.items():
         kiln_name = canonical_name(gguf_name)
         if kiln_name is None:
-            raise KilnError(f"model: {path}: unsupported tensor {gguf_name} for a llama model")
+            raise KilnError(f"model: {path}: unsupported tensor {gguf_name} for a {architecture} model")
         tensors[kiln_name] = tensor
     for kiln_name, shape in canonical_weight_shapes(config).items():
         if kiln_name not in tensors:
@@ -170,23 +190,23 @@ def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
         if found != shape:
             raise KilnError(f"model: {path}: {tensors[kiln_name].name} has shape {list(found)}, "
                             f"metadata implies {list(shape)}")
-    return GGUFModelSpec(name or path.stem, path, config, reader, tensors)
+    return GGUFModelSpec(name or path.stem, path, config, reader, tensors, architecture)
 
 
-def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str) -> ModelConfig:
+def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: str) -> ModelConfig:
     def required(key):
-        value = _field(reader, f"llama.{key}")
+        value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise KilnError(f"model: {where}: GGUF metadata has no llama.{key}")
+            raise KilnError(f"model: {where}: GGUF metadata has no {arch}.{key}")
         return value
 
     hidden, num_heads = required("embedding_length"), required("attention.head_count")
-    head_dim = _field(reader, "llama.attention.key_length") or hidden // num_heads
-    rotary_dim = _field(reader, "llama.rope.dimension_count") or head_dim
+    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // num_heads
+    rotary_dim = _field(reader, f"{arch}.rope.dimension_count") or head_dim
     if rotary_dim != head_dim:
         raise KilnError(f"model: {where}: partial rotary (rope.dimension_count {rotary_dim} < head_dim "
                         f"{head_dim}) is not supported")
-    scaling_type = _field(reader, "llama.rope.scaling.type")
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         raise KilnError(f"model: {where}: rope scaling type {scaling_type!r} is not supported from GGUF")
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -198,10 +218,10 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str) -> Mode
         intermediate_size=required("feed_forward_length"),
         num_layers=required("block_count"),
         num_heads=num_heads,
-        num_kv_heads=_field(reader, "llama.attention.head_count_kv") or num_heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv") or num_heads,
         head_dim=head_dim,
         rms_norm_eps=_shortest_float(required("attention.layer_norm_rms_epsilon")),
-        rope_theta=_shortest_float(_field(reader, "llama.rope.freq_base") or 10000.0),
+        rope_theta=_shortest_float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
         rope_scaling=None,
         tie_word_embeddings="output.weight" not in tensors,
         max_position_embeddings=required("context_length"),
@@ -243,6 +263,39 @@ def gguf_blocks_to_int4(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, tor
     return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d), torch.from_numpy(zero)
 
 
+def gguf_q4_0_to_int4(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 blocks (d f16, 16 bytes of nibbles; w = (q - 8) * d) as Kiln's int4: scale = d, zero = 0."""
+    rows, cols = raw.shape
+    blocks = raw.data.reshape(rows, cols // BLOCK, 18)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 2:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d), torch.zeros(d.shape, dtype=torch.float32)
+
+
+def gguf_q4_k_to_int4(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks as Kiln's int4 group-32 layout, exactly.
+
+    A Q4_K block covers 256 weights: d and dmin (f16), 12 bytes packing eight 6-bit sub-block scales
+    sc and mins m, and 128 bytes of nibbles; sub-block j (32 weights) is w = d * sc[j] * q - dmin * m[j].
+    So scale = d * sc[j] and zero = 8 * scale - dmin * m[j]. The nibbles come in 64-weight runs of 32
+    bytes: low nibbles are the run's first 32 weights, high nibbles its last 32.
+    """
+    rows, cols = raw.shape
+    blocks = raw.data.reshape(rows, cols // SUPER_BLOCK, 144)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    packed = blocks[..., 4:16].reshape(rows, -1, 3, 4)  # bytes 0-3: scale low bits, 4-7: min low bits, 8-11: high bits
+    lo_sc, lo_m, hi = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([lo_sc & 0x3F, (hi & 0x0F) | ((lo_sc >> 2) & 0x30)], axis=-1).astype(np.float32)
+    m = np.concatenate([lo_m & 0x3F, (hi >> 4) | ((lo_m >> 2) & 0x30)], axis=-1).astype(np.float32)
+    nibbles = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-2)  # [N, blocks, 4 runs, 2 halves, 32]
+    scale = (d * sc).reshape(rows, -1)
+    zero = (8 * scale - (dmin * m).reshape(rows, -1)).astype(np.float32)
+    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(scale), torch.from_numpy(zero)
+
+
 def gguf_blocks_to_int8(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 blocks (d f16, 32 x int8) as q int8 [N, K] and scale f32 [N, K/32], w = q * scale."""
     if raw.ggml_type != "Q8_0":
@@ -255,4 +308,8 @@ def gguf_blocks_to_int8(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # GGUF block type -> (the Kiln weight format it maps to exactly, its conversion to that format's logical operands)
-BLOCK_FORMATS = {"Q4_1": ("int4", gguf_blocks_to_int4), "Q8_0": ("int8", gguf_blocks_to_int8)}
+BLOCK_FORMATS = {"Q4_0": ("int4", gguf_q4_0_to_int4), "Q4_1": ("int4", gguf_blocks_to_int4),
+                 "Q4_K": ("int4", gguf_q4_k_to_int4), "Q8_0": ("int8", gguf_blocks_to_int8)}
+# Quantized blocks with no exact Kiln format are requantized to this one under method "source":
+# int8 group-32 holds Q5_K's and Q6_K's values to within 1/254 of each group's range.
+REQUANT_SOURCE_FORMAT = "int8"

@@ -80,10 +80,6 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         architectures = ", ".join(hf_config.get("architectures") or []) or "no architectures listed"
         raise KilnError(f"model: {where}: unsupported architecture {model_type!r} ({architectures}); "
                         f"Kiln supports the Llama family: {', '.join(LLAMA_FAMILY)}")
-    windowed = hf_config.get("use_sliding_window", True)  # Qwen2 records a window it does not use
-    if hf_config.get("sliding_window") is not None and windowed:
-        raise KilnError(f"model: {where}: {model_type} with sliding_window={hf_config['sliding_window']} "
-                        "is not supported (only full attention)")
     if hf_config.get("hidden_act", "silu") != "silu":
         raise KilnError(f"model: {where}: hidden_act {hf_config['hidden_act']!r} is not supported (only silu)")
 
@@ -115,7 +111,28 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         mlp_bias=bool(hf_config.get("mlp_bias", False)),
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf_config.get("eos_token_id"), generation.get("eos_token_id")),
+        layer_windows=_layer_windows(hf_config, where),
     )
+
+
+def _layer_windows(hf_config: dict, where: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0 = full attention), from `layer_types` where the config lists them
+    (transformers 5, Gemma 3), else `sliding_window` on every layer (Mistral) unless
+    `use_sliding_window` is false (Qwen2 records a window it does not use)."""
+    window = hf_config.get("sliding_window")
+    if not hf_config.get("use_sliding_window", True):
+        window = None
+    layers = hf_config.get("num_hidden_layers") or 0
+    types = hf_config.get("layer_types")
+    if types is None:
+        return (int(window),) * layers if window else ()
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise KilnError(f"model: {where}: layer_types {', '.join(map(repr, unknown))} are not supported "
+                        "(full_attention, sliding_attention)")
+    if "sliding_attention" in types and not window:
+        raise KilnError(f"model: {where}: layer_types has sliding_attention layers but no sliding_window")
+    return tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
 
 
 def _rope_scaling(rope: dict) -> dict | None:

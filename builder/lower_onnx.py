@@ -412,7 +412,8 @@ class _Lowerer:
             else self._const(1.0, np.float32)
         inputs = [rope.inputs[0], rope.inputs[1], v, rope.inputs[2], cos, sin, k_in, v_in, "slot_mapping",
                   "block_tables", "context_lens", "query_start_loc", scale]
-        self.segment.nodes.append(paged_attention_node(node.name, inputs, [node.outputs[0], k_out, v_out], a["scale"]))
+        self.segment.nodes.append(paged_attention_node(node.name, inputs, [node.outputs[0], k_out, v_out], a["scale"],
+                                                      a.get("window", 0)))
         self.segment.kv_layers.append(layer)
         self.layers[layer] = {**a, "block_size": self.block_size}
         self._define(node.outputs[0], self.act)

@@ -43,6 +43,7 @@ class ModelConfig:
     qkv_bias: bool = False         # q, k and v only (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_windows: tuple[int, ...] = ()  # sliding window of each layer (0 = full attention); () = all full
 
     def __post_init__(self):
         if self.architecture != "llama":
@@ -64,10 +65,21 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"rope_scaling: {rope_type} scaling lacks {', '.join(missing)}")
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows: expected {self.num_layers} windows >= 0 (one per layer), "
+                             f"got {list(self.layer_windows)}")
+        if not any(self.layer_windows):
+            object.__setattr__(self, "layer_windows", ())
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer`: a query sees its last `window` positions; 0 = all of them."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def to_dict(self) -> dict:
         config = dataclasses.asdict(self)
         config["eos_token_ids"] = list(self.eos_token_ids)
+        config["layer_windows"] = list(self.layer_windows)
         return config
 
     @classmethod
@@ -76,7 +88,8 @@ class ModelConfig:
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"model config: unknown fields {', '.join(unknown)}")
-        return cls(**{**config, "eos_token_ids": tuple(config.get("eos_token_ids", ()))})
+        return cls(**{**config, "eos_token_ids": tuple(config.get("eos_token_ids", ())),
+                      "layer_windows": tuple(config.get("layer_windows", ()))})
 
 
 def canonical_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -145,7 +158,13 @@ class ModelSpec:
         return self._load(name)
 
     def raw_blocks(self, name: str) -> RawBlocks | None:
-        """The source's quantized blocks of `name` (GGUF Q4_1/Q8_0), or None for a float weight."""
+        """The source's quantized blocks of `name` where they have an exact Kiln format (GGUF Q4_0, Q4_1,
+        Q4_K, Q8_0), else None."""
+        self._check_name(name)
+        return None
+
+    def stored_type(self, name: str) -> str | None:
+        """The GGUF type `name` is stored in ("Q6_K", "F16", ...), or None for a float checkpoint."""
         self._check_name(name)
         return None
 

@@ -59,7 +59,9 @@ class _Body:
 def paged_attention_function(act: int, cache: int) -> onnx.FunctionProto:
     """The reference body for activations of ONNX type `act` and pools of type `cache`.
 
-    Attributes: `scale` (float, the softmax scale). Everything else comes from the input shapes.
+    Attributes: `scale` (float, the softmax scale) and `window` (int, the sliding window: a token at
+    position p attends to p - window + 1 .. p; 0 for full causal attention). Everything else comes
+    from the input shapes.
     """
     b = _Body()
     i64, f32 = TensorProto.INT64, TensorProto.FLOAT
@@ -115,6 +117,13 @@ def paged_attention_function(act: int, cache: int) -> onnx.FunctionProto:
     width = b("Mul", b("Gather", b("Shape", "block_tables"), one, axis=0), block_size)
     key_pos = b("Range", b.const(0), b("Squeeze", width, zero), b.const(1))           # [L]
     visible = b("LessOrEqual", b("Unsqueeze", key_pos, zero), b("Unsqueeze", last, one))  # [T, L]
+    # A sliding window (the node's `window` > 0) also hides keys at or before last - window.
+    window = "window"
+    b.nodes.append(helper.make_node("Constant", [], [window]))
+    b.nodes[-1].attribute.append(_ref_attr("value_int", "window", onnx.AttributeProto.INT))
+    span = b("Where", b("Greater", window, b.const(0)), window, b.const(1 << 40))
+    recent = b("Greater", b("Unsqueeze", key_pos, zero), b("Unsqueeze", b("Sub", last, span), one))
+    visible = b("And", visible, recent)
     blocks = b("Gather", table, b("Div", key_pos, block_size), axis=1)                # [T, L]
     blocks = b("Where", visible, blocks, b.const(0))                                 # unused entries are -1
     offsets = b("Expand", b("Mod", key_pos, block_size), b("Shape", blocks))
@@ -133,7 +142,7 @@ def paged_attention_function(act: int, cache: int) -> onnx.FunctionProto:
     flat = b("Reshape", attended, b("Concat", tokens, b.const([-1]), axis=0))
     b("Cast", flat, to=act, out="out")
     return helper.make_function(DOMAIN, OP, list(INPUTS), list(OUTPUTS), b.nodes,
-                                opset_imports=[helper.make_opsetid("", 21)], attributes=["scale", "plugin_namespace", "plugin_version"])
+                                opset_imports=[helper.make_opsetid("", 21)], attributes=["scale", "window", "plugin_namespace", "plugin_version"])
 
 
 def _ref_attr(name: str, ref: str, kind: int) -> onnx.AttributeProto:
@@ -155,7 +164,8 @@ def _from_cache(b: _Body, x: str, cache: int) -> str:
     return b("Cast", x, to=TensorProto.FLOAT)
 
 
-def paged_attention_node(name: str, inputs: list[str], outputs: list[str], scale: float) -> onnx.NodeProto:
+def paged_attention_node(name: str, inputs: list[str], outputs: list[str], scale: float,
+                         window: int = 0) -> onnx.NodeProto:
     """A `kiln::PagedAttention` node with the attributes TensorRT's parser maps to a plugin."""
-    return helper.make_node(OP, inputs, outputs, name=name, domain=DOMAIN, scale=float(scale),
+    return helper.make_node(OP, inputs, outputs, name=name, domain=DOMAIN, scale=float(scale), window=int(window),
                             plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION)

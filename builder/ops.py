@@ -31,8 +31,8 @@ def rope(q, k, positions, *, name: str, head_dim: int, num_heads: int, num_kv_he
 
 
 def attention(q, k, v, *, name: str, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
-              scale: float):
-    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale)
+              scale: float, window: int = 0):
+    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window)
     return reference.dense_causal_attention(q, k, v, attrs)
 
 

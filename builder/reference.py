@@ -54,9 +54,10 @@ class Attention(nn.Module):
         q, k = rope(self.q_proj(x), self.k_proj(x), positions, name=f"{self.path}.rope",
                     head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                     theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+        window = cfg.window(self.layer)
         out = attention(q, k, self.v_proj(x), name=f"{self.path}.attn", layer=self.layer,
                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5)
+                        head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5, **({"window": window} if window else {}))
         return self.o_proj(out)
 
 

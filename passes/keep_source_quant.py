@@ -1,16 +1,19 @@
-"""Keep source quantization: a GGUF's Q4_1 / Q8_0 blocks become logical int4 / int8 group-32 operands, exactly.
+"""Keep source quantization: a GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 blocks become logical int4 / int8 group-32
+operands, exactly.
 
-Method "source" keeps every weight the file ships quantized; the requantization methods keep the
-excluded ones (for them "higher precision" means what the file ships); "none" keeps all float.
+Method "source" keeps every weight the file ships quantized; blocks with no exact Kiln format (Q5_K,
+Q6_K, ...) are requantized to int8 group-32 from their dequantized values, and measure_accuracy then
+evaluates the build. The requantization methods keep the excluded weights' blocks (for them "higher
+precision" means what the file ships); "none" keeps all float.
 """
 
 from __future__ import annotations
 
-from builder.gguf_source import BLOCK, BLOCK_FORMATS
+from builder.gguf_source import BLOCK, BLOCK_FORMATS, FLOAT_TYPES, REQUANT_SOURCE_FORMAT
 from builder.ir import Graph
 from passes.context import PassContext
-from passes.quant_rewrite import is_excluded, is_float_weight_node, quantize_node
-from runtime.weights import FORMATS
+from passes.quant_rewrite import is_excluded, is_float_weight_node, logical_operands, quantize_node
+from runtime.weights import FORMATS, int8
 
 
 def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
@@ -26,9 +29,17 @@ def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
         if method != "source" and not is_excluded(node, ctx.plan.quant.exclude):
             continue
         raw = ctx.model.raw_blocks(node.inputs[1])
-        if raw is None:
-            continue
-        quant, convert = BLOCK_FORMATS[raw.ggml_type]
-        quantize_node(out, node, quant, BLOCK, lambda _: (dict(zip(FORMATS[quant].roles, convert(raw))), None), cache)
+        if raw is not None:
+            quant, convert = BLOCK_FORMATS[raw.ggml_type]
+            quantize_node(out, node, quant, BLOCK, lambda _: (dict(zip(FORMATS[quant].roles, convert(raw))), None),
+                          cache)
+        elif method == "source" and ctx.model.stored_type(node.inputs[1]) not in (None, *FLOAT_TYPES):
+            quantize_node(out, node, REQUANT_SOURCE_FORMAT, BLOCK, _requantize, cache)
+            out.meta.setdefault("source_requantized", []).append(node.name)
     out.drop_unused_weights()
     return out
+
+
+def _requantize(weight):
+    quantized = int8.quantize(weight, BLOCK)
+    return logical_operands(REQUANT_SOURCE_FORMAT, quantized), quantized.error

@@ -27,7 +27,8 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     # Only an exact build is not evaluated: the source's blocks (or float weights) with f32
     # activations and an f32 cache. An f16 cache rounds K and V (SmolLM2: +0.0005% perplexity), so a
     # default build measures it too, greedy chat answers included.
-    if quant.method not in REQUANT_METHODS and kv_dtype == "f32" and not integer_activations:
+    requantized = out.meta.pop("source_requantized", [])  # GGUF blocks with no exact Kiln format
+    if quant.method not in REQUANT_METHODS and kv_dtype == "f32" and not integer_activations and not requantized:
         if quant.method == "source" and quantized:
             out.meta["accuracy"] = {"method": "source", "evaluated": False, "quantized_nodes": quantized,
                                     "note": "the source's quantized blocks are kept bit for bit: logits equal "
@@ -39,7 +40,9 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
                "quantized_nodes": quantized}
     # Without requantization the graph's weights are the reference's (float, or the source's blocks
     # bit for bit): the graph itself, run exactly, is the reference, and no second model is loaded.
-    reference = reference_graph(ctx.model) if quant.method in REQUANT_METHODS else out
+    reference = reference_graph(ctx.model) if quant.method in REQUANT_METHODS or requantized else out
+    if requantized:
+        figures["source_requantized"] = {"format": "int8 group 32", "nodes": len(requantized)}
     prompts, templated = chat_prompts(ctx.model)
     figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, quant.activations, ctx.show_progress,
                             prompts, set(ctx.model.config.eos_token_ids)))

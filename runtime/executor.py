@@ -181,7 +181,7 @@ class CpuExecutor(Executor):
             self.rope_tables[key] = reference.RopeTable(rope["head_dim"], rope["theta"], scaling)
         layer = attention.LayerAttention(self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]],
                                          attrs["num_heads"], attrs["scale"], self._kv_scale(attrs),
-                                         self.rope_tables[key], reuse_outputs=True)
+                                         self.rope_tables[key], reuse_outputs=True, window=attrs.get("window", 0))
         return tape.recordable(lambda qkv, positions: layer(qkv, self.arrays))
 
     def _attention(self, attrs: dict):
@@ -196,7 +196,7 @@ class CpuExecutor(Executor):
             out = torch.empty(t, nh, hd)  # [T, num_heads, head_dim]
             attention.paged_attention(out, q.contiguous().view(t, nh, hd), k_cache, v_cache, meta.block_tables,
                                       meta.context_lens, meta.query_start_loc, scale, kv_scale=kv_scale,
-                                      check=False)
+                                      window=attrs.get("window", 0), check=False)
             return out.view(t, nh * hd)
 
         return run

@@ -50,17 +50,19 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
 
 def make_tiny_llama(path, *, seed: int = 0, max_shard_size: str | None = None, family: str = "llama",
                     **config_overrides) -> Path:
-    """Save a seeded random LlamaForCausalLM (or, with family="qwen2", Qwen2ForCausalLM) with a matching
-    tokenizer as a Hugging Face directory at `path`.
+    """Save a seeded random LlamaForCausalLM (or, with family="qwen2" or "mistral", Qwen2ForCausalLM or
+    MistralForCausalLM) with a matching tokenizer as a Hugging Face directory at `path`.
 
     `config_overrides` are the config's fields (e.g. tie_word_embeddings=True, rope_scaling={...});
     `max_shard_size` (e.g. "40KB") saves sharded safetensors with a model.safetensors.index.json.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     path = Path(path)
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "mistral": (MistralConfig, MistralForCausalLM)}[family]
     config = config_class(**{**TINY_LLAMA, **config_overrides})
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -116,6 +118,22 @@ def tiny_qwen2_tied_dir(tmp_path_factory) -> Path:
     """Qwen2 with tied embeddings and 4 query heads per KV head."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_qwen2_tied"), seed=4, family="qwen2",
                            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    """Mistral: a sliding window of 8 positions on every layer (shorter than the test prompts), 4 query /
+    2 KV heads, untied."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_mistral"), seed=5, family="mistral", sliding_window=8,
+                           num_hidden_layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_uneven_dir(tmp_path_factory) -> Path:
+    """Mistral with a 37-position window (across the kernel's 32-key chunks), 9 query / 3 KV heads, tied."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_mistral_uneven"), seed=6, family="mistral",
+                           sliding_window=37, hidden_size=144, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

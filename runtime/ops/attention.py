@@ -49,14 +49,15 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, *, kv_scale: float = 1.0, num_threads: int | None = None,
+                    scale: float, *, kv_scale: float = 1.0, window: int = 0, num_threads: int | None = None,
                     check: bool = True) -> torch.Tensor:
     """Causal attention of packed queries through the paged KV cache; writes and returns out [T, nh, hd] f32.
 
     Sequence s owns query tokens query_start_loc[s] .. query_start_loc[s+1]-1 ([S+1] i32), the
     last qlen positions of its context_lens[s] ([S] i32) cached tokens; query j attends to key
     positions 0 .. context_lens[s] - qlen + j, read through block_tables [S, max_blocks] i32.
-    Query head h uses kv head h // (nh // nkv). kv_scale dequantizes i8/f8e4m3 caches.
+    Query head h uses kv head h // (nh // nkv). kv_scale dequantizes i8/f8e4m3 caches. A sliding
+    window > 0 limits a query at position p to keys p - window + 1 .. p.
     """
     if check:
         _check_paged_attention(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -64,20 +65,21 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     _C.paged_attention(out.numpy(), query.numpy(), buffer(k_cache), buffer(v_cache), block_tables.numpy(),
                        context_lens.numpy(), query_start_loc.numpy(), query.shape[1], k_cache.shape[2],
                        query.shape[2], k_cache.shape[1], float(scale), CACHE_DTYPE_CODES[k_cache.dtype],
-                       float(kv_scale), threads(num_threads))
+                       float(kv_scale), int(window), threads(num_threads))
     return out
 
 
 def qkv_attention(out: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                   positions: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                  scale: float, *, kv_scale: float = 1.0, num_threads: int | None = None,
+                  scale: float, *, kv_scale: float = 1.0, window: int = 0, num_threads: int | None = None,
                   check: bool = True) -> torch.Tensor:
     """One attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32 = q | k | v.
 
     Rotates q and k by position (rope [rows, hd] f32 = cos | sin of the first half of the
     frequencies, as reference.RopeTable.packed; positions [T] int64 index its rows), writes k and v
-    to the caches at slot_mapping like kv_write, then runs paged_attention into out [T, nh, hd].
+    to the caches at slot_mapping like kv_write, then runs paged_attention (with its window) into
+    out [T, nh, hd].
     """
     if check:
         _check_qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions,
@@ -85,7 +87,8 @@ def qkv_attention(out: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, v
     _C.qkv_attention(out.numpy(), qkv.numpy(), buffer(k_cache), buffer(v_cache), block_tables.numpy(),
                      context_lens.numpy(), query_start_loc.numpy(), positions.numpy(), rope.numpy(),
                      slot_mapping.numpy(), num_heads, k_cache.shape[2], k_cache.shape[3], k_cache.shape[1],
-                     float(scale), CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale), threads(num_threads))
+                     float(scale), CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale), int(window),
+                     threads(num_threads))
     return out
 
 
@@ -113,11 +116,11 @@ class LayerAttention:
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                 kv_scale: float, rope_table, reuse_outputs: bool = False):
+                 kv_scale: float, rope_table, reuse_outputs: bool = False, window: int = 0):
         _check_caches("qkv_attention", k_cache, v_cache, kv_scale)
         self.k, self.v = buffer(k_cache), buffer(v_cache)
         _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
-        self.num_heads, self.scale, self.kv_scale = num_heads, float(scale), float(kv_scale)
+        self.num_heads, self.scale, self.kv_scale, self.window = num_heads, float(scale), float(kv_scale), int(window)
         self.dtype = CACHE_DTYPE_CODES[k_cache.dtype]
         self.rope_table = rope_table
         self._rope = (None, None)  # (rope_table.packed, its numpy view): taken again only when the table grows
@@ -133,7 +136,7 @@ class LayerAttention:
         _C.qkv_attention(out_np, qkv.numpy(), self.k, self.v, step.block_tables, step.context_lens,
                          step.query_start_loc, step.positions, self._rope[1], step.slot_mapping,
                          self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale, self.dtype,
-                         self.kv_scale, threads())
+                         self.kv_scale, self.window, threads())
         return out
 
 

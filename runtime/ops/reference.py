@@ -102,15 +102,19 @@ def split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
 
 def dense_causal_attention(q, k, v, attrs: dict) -> torch.Tensor:
     """Attention of one sequence with no paged cache: [T, nh*hd]. q holds the last T of the N
-    positions in k and v (T == N for a whole prompt, the reference path)."""
+    positions in k and v (T == N for a whole prompt, the reference path); attrs["window"] > 0 is a
+    sliding window, as the paged kernel's."""
     t, n = q.shape[0], k.shape[0]
     nh, nkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     q = q.reshape(t, nh, hd).transpose(0, 1)
     k = k.reshape(n, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
     v = v.reshape(n, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, dim=0)
-    if t == n:
+    window = attrs.get("window", 0)
+    if t == n and not window:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attrs["scale"])
-    else:  # query i sits at position n - t + i and sees positions 0..n - t + i
+    else:  # query i sits at position n - t + i and sees positions 0..n - t + i (the last `window` of them)
         mask = torch.ones(t, n, dtype=torch.bool).tril(n - t)
+        if window:
+            mask &= ~torch.ones(t, n, dtype=torch.bool).tril(n - t - window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attrs["scale"])
     return out.transpose(0, 1).reshape(t, nh * hd)

@@ -1,8 +1,12 @@
-"""Model families beyond Llama, from Hugging Face directories: Qwen2 (biases on q, k and v, not o).
+"""Model families beyond Llama, from Hugging Face directories: Qwen2 (biases on q, k and v, not o) and
+Mistral (sliding-window attention, windows shorter than the prompts and the generations).
 
 Each tiny random checkpoint, saved with transformers, builds into an engine whose logits match
 transformers at every position and whose greedy tokens are transformers' own, on one rank and on
 tensor- and pipeline-parallel ranks."""
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -11,13 +15,13 @@ from transformers import AutoModelForCausalLM
 from builder.build import build_engine
 from builder.interpret import Interpreter
 from builder.model import load_model
-from conftest import exact_plan
+from conftest import exact_plan, make_tiny_llama
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import map_rank_file
 from runtime.sampling import SamplingParams
 
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 60))]
-FAMILIES = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir"]
+FAMILIES = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_mistral_dir", "tiny_mistral_uneven_dir"]
 
 
 def reference(model_dir):
@@ -39,6 +43,30 @@ def test_qwen2_biases_are_read_for_q_k_v_and_not_o(tiny_qwen2_dir):
     assert biases == ["self_attn.k_proj.bias", "self_attn.q_proj.bias", "self_attn.v_proj.bias"]
     state = reference(tiny_qwen2_dir).state_dict()
     assert torch.equal(spec.load("layers.1.self_attn.q_proj.bias"), state["model.layers.1.self_attn.q_proj.bias"])
+
+
+def test_mistral_window_is_recorded_per_layer_in_the_manifest(tiny_mistral_dir, tmp_path):
+    build_engine(str(tiny_mistral_dir), exact_plan(method="none"), tmp_path / "e", show_progress=False)
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert manifest["model"]["config"]["layer_windows"] == [8, 8, 8]
+    program, _ = map_rank_file(tmp_path / "e" / "rank0.engine")
+    assert [n["attrs"]["window"] for n in json.loads(program)["nodes"] if n["op"] == "attention"] == [8, 8, 8]
+
+
+def test_window_longer_than_every_prompt_changes_nothing(tmp_path):
+    # A window wider than any context and no window at all are the same model: equal logits, to the bit.
+    windowed = make_tiny_llama(tmp_path / "windowed", family="mistral", sliding_window=200)
+    full = tmp_path / "full"
+    shutil.copytree(windowed, full)
+    config = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    logits = []
+    for model_dir in (windowed, full):
+        build_engine(str(model_dir), exact_plan(method="none"), tmp_path / f"{model_dir.name}.engine",
+                     show_progress=False)
+        program, tensors = map_rank_file(tmp_path / f"{model_dir.name}.engine" / "rank0.engine")
+        logits.append(Interpreter(program, tensors, all_logits=True).logits(PROMPTS[2]))
+    assert torch.equal(*logits)
 
 
 def test_logits_match_transformers_at_every_position(family_engine):

@@ -6,15 +6,14 @@ import importlib.util
 import json
 import shutil
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
+from gguf_export import write_gguf
 from safetensors import safe_open
 
 from builder.errors import KilnError
-from builder.gguf_source import GLOBAL_NAMES, LAYER_NAMES, gguf_blocks_to_int4, gguf_blocks_to_int8
+from builder.gguf_source import gguf_blocks_to_int4, gguf_blocks_to_int8
 from builder.model import ModelConfig, load_model
 
 TEXTS = ["Hello world!", "The year 2024, x = 3.14;  two  spaces\tand a tab\n\nnew lines",
@@ -32,42 +31,9 @@ def hf_key(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
 
 
-def gguf_name(name: str) -> str:
-    """The llama.cpp tensor name of a Kiln weight name (the inverse of builder.gguf_source.canonical_name)."""
-    by_kiln = {kiln: g for g, kiln in GLOBAL_NAMES.items()}
-    if name in by_kiln:
-        return by_kiln[name]
-    _, layer, *module, kind = name.split(".")
-    by_module = {kiln: g for g, kiln in LAYER_NAMES.items()}
-    return f"blk.{layer}.{by_module['.'.join(module)]}.{kind}"
-
-
 def write_f32_gguf(path, spec, architecture="llama"):
-    """Convert a loaded model to an F32 GGUF as llama.cpp's converter does, q/k rows permuted for its rope."""
-    config = spec.config
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_ids[0])
-    for name in spec.weight_names():
-        weight = spec.load(name).numpy()
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
-        if heads:
-            weight = weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(weight))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """An F32 GGUF of a loaded model, as llama.cpp's converter writes it."""
+    return write_gguf(path, spec, architecture)
 
 
 # --- Hugging Face directories ---------------------------------------------------------------------
@@ -323,7 +289,9 @@ def test_refuses_file_that_is_not_gguf(tmp_path):
 @pytest.mark.parametrize("changes, fragments", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
      ("unsupported architecture 'gpt2'", "GPT2LMHeadModel")),
-    ({"model_type": "mistral", "sliding_window": 4096}, ("sliding_window=4096",)),
+    ({"model_type": "mistral", "layer_types": ["chunked_attention"] * 4}, ("'chunked_attention'",)),
+    ({"model_type": "mistral", "sliding_window": None, "layer_types": ["sliding_attention"] * 4},
+     ("no sliding_window",)),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, ("'yarn'", "llama3")),
     ({"num_key_value_heads": 3}, ("num_kv_heads",)),
     ({"tie_word_embeddings": False, "hidden_size": 80}, ("has shape",)),

@@ -78,3 +78,21 @@ def test_the_weights_take_the_form_tensorrt_wants(family):
         assert dequantize in forms, (method, forms)
         # no other weight quantization slipped in (the embedding is dequantized to a float table)
         assert forms == {dequantize}, (method, forms)
+
+
+def test_sliding_window_attention_matches_the_cpu_engine(tiny_mistral_dir, tmp_path):
+    # Windows of 8 positions; the verification's prompts (up to 2 blocks + 1) and decodes run past them,
+    # so an ONNX body that ignored the window would differ from the cpu engine by whole logits.
+    plan = load_plan(PLANS / "a100-tp2-int4.toml").with_overrides(tp=2)
+    plan = plan.with_overrides("quant", method="none", activations="f32").with_overrides("kv_cache", dtype="f32")
+    build_engine(str(tiny_mistral_dir), plan, tmp_path / "e", show_progress=False, onnx_only=True)
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    for step in manifest["verification"]["steps"]:
+        assert step["max_abs_logit_diff"] <= F32_LIMIT, step
+    assert manifest["verification"]["top1_agreement"] == 1.0
+    windows = set()
+    for path in sorted((tmp_path / "e" / manifest["ranks"][0]["onnx"]["dir"]).glob("segment*.onnx")):
+        for node in onnx.load(path, load_external_data=False).graph.node:
+            if node.op_type == "PagedAttention":
+                windows.update(a.i for a in node.attribute if a.name == "window")
+    assert windows == {8}

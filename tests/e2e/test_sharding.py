@@ -206,6 +206,8 @@ class ThreadRanks:
     ("tiny_qwen2_dir", 2, 1, "none"),           # q, k, v biases split with their columns; o has none
     ("tiny_qwen2_dir", 1, 2, "none"),
     ("tiny_qwen2_tied_dir", 2, 1, "none"),      # one KV head on two ranks: replicated with its bias
+    ("tiny_mistral_dir", 2, 1, "none"),         # sliding window on every layer
+    ("tiny_mistral_uneven_dir", 1, 2, "none"),
 ])
 def test_rank_programs_together_give_the_one_rank_logits(fixture, tp, pp, quant, request):
     model_dir = request.getfixturevalue(fixture)

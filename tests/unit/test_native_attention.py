@@ -33,8 +33,9 @@ def dequantize(cache: torch.Tensor, kv_scale: float) -> torch.Tensor:
 
 
 def reference_paged_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                              kv_scale=1.0):
-    """Gather each sequence's K/V through its block table and attend causally, in float64: [T, nh, hd]."""
+                              kv_scale=1.0, window=0):
+    """Gather each sequence's K/V through its block table and attend causally (within the last
+    `window` positions when window > 0), in float64: [T, nh, hd]."""
     num_heads, block_size, num_kv_heads = query.shape[1], k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float64)
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [num_slots, nkv, hd]
@@ -49,6 +50,8 @@ def reference_paged_attention(query, k_cache, v_cache, block_tables, context_len
         scores = torch.einsum("qhd,khd->hqk", query[q0:q1].double(), k) * scale  # [nh, qlen, ctx]
         query_pos = ctx - (q1 - q0) + torch.arange(q1 - q0)
         scores.masked_fill_(pos[None, :] > query_pos[:, None], float("-inf"))
+        if window:
+            scores.masked_fill_(pos[None, :] <= query_pos[:, None] - window, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out.float()
 
@@ -96,7 +99,7 @@ def build_step(seqs, block_size, num_kv_heads, head_dim, dtype, generator):
     return k_cache, v_cache, block_tables, context_lens, query_start_loc, kv_scale
 
 
-def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, num_threads=2):
+def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, num_threads=2, window=0):
     generator = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables, ctx, qsl, kv_scale = build_step(seqs, block_size, num_kv_heads, head_dim,
                                                               dtype, generator)
@@ -104,8 +107,8 @@ def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0,
     scale = 1.0 / math.sqrt(head_dim)
     out = torch.full_like(query, float("nan"))
     paged_attention(out, query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale=kv_scale,
-                    num_threads=num_threads)
-    expected = reference_paged_attention(query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale)
+                    window=window, num_threads=num_threads)
+    expected = reference_paged_attention(query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale, window)
     return out, expected
 
 
@@ -140,9 +143,23 @@ def test_many_heads_per_kv_head_and_long_prefill():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+# Windows shorter than one 32-key chunk, across chunk boundaries, equal to a context, and longer than all.
+@pytest.mark.parametrize("window", [1, 7, 32, 45, 70, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
+def test_sliding_window_matches_reference(window, dtype):
+    out, expected = run_both(MIXED_STEP, 9, 3, 64, 16, dtype, seed=5, window=window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_on_the_general_path_and_odd_head_dim():
+    out, expected = run_both([(90, 90), (75, 1), (40, 33)], 6, 2, 20, 8, torch.float32, seed=6, window=19)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
-@pytest.mark.parametrize("ratio, head_dim, context", [(1, 64, 37), (3, 64, 100), (4, 40, 64), (8, 48, 71)])
-def test_decoded_query_equals_the_last_query_of_a_prefill_chunk(dtype, ratio, head_dim, context):
+@pytest.mark.parametrize("ratio, head_dim, context, window", [(1, 64, 37, 0), (3, 64, 100, 0), (4, 40, 64, 0),
+                                                              (8, 48, 71, 0), (3, 64, 100, 45), (1, 64, 37, 3)])
+def test_decoded_query_equals_the_last_query_of_a_prefill_chunk(dtype, ratio, head_dim, context, window):
     # A lone query (every decode step) takes the kernel's single-query path, which reads each key once
     # for all the heads of its kv head; the last query of a chunk of six takes the general path. They
     # must agree bit for bit, or greedy outputs would depend on how the scheduler chunked a prompt.
@@ -151,11 +168,12 @@ def test_decoded_query_equals_the_last_query_of_a_prefill_chunk(dtype, ratio, he
     query = torch.randn(6, 2 * ratio, head_dim, generator=generator)
     scale = 1.0 / math.sqrt(head_dim)
     chunk, alone = torch.empty_like(query), torch.empty_like(query[-1:])
-    paged_attention(chunk, query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale=kv_scale, num_threads=2)
+    paged_attention(chunk, query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale=kv_scale, window=window,
+                    num_threads=2)
     paged_attention(alone, query[-1:].clone(), k_cache, v_cache, tables, ctx, torch.tensor([0, 1], dtype=torch.int32),
-                    scale, kv_scale=kv_scale, num_threads=2)
+                    scale, kv_scale=kv_scale, window=window, num_threads=2)
     assert torch.equal(alone[0], chunk[-1])
-    expected = reference_paged_attention(query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale)
+    expected = reference_paged_attention(query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale, window)
     torch.testing.assert_close(alone[0], expected[-1], rtol=1e-5, atol=1e-5)
 
 
@@ -245,6 +263,7 @@ def small_attention_args(**overrides):
     (dict(query=torch.randn(4, 3, 16).transpose(0, 1)), "query must be float32 contiguous.*non-contiguous"),
     (dict(out=torch.empty(3, 4, 8)), r"out must be float32 .*\(3, 4, 16\)"),
     (dict(query=torch.randn(3, 3, 16), out=torch.empty(3, 3, 16)), "num_kv_heads dividing num_heads"),
+    (dict(window=-1), "window must be 0 .full attention. or positive, got -1"),
     (dict(v_cache=torch.zeros(4, 2, 2, 16, dtype=torch.float16)), "v_cache must be float32"),
     (dict(k_cache=torch.zeros(4, 2, 2, 16, dtype=torch.float64)), "k_cache dtype must be one of"),
     (dict(context_lens=torch.tensor([4], dtype=torch.int64)), "context_lens must be int32"),

@@ -57,7 +57,14 @@ typedef struct {
     int cache_dtype;                 /* CacheDtype */
     float kv_scale;                  /* dequantization scale of i8/f8 caches */
     float scale;                     /* softmax scale on q . k */
+    int window;                      /* sliding window: a query at position p sees keys p - window + 1 .. p;
+                                        0 = every earlier key */
 } AttentionArgs;
+
+/* The first key position a query at position pos attends to. */
+static inline int first_visible_key(const AttentionArgs *a, int pos) {
+    return a->window > 0 && pos >= a->window ? pos + 1 - a->window : 0;
+}
 
 typedef struct {
     const float *qkv;          /* [T, (nh + 2 nkv) * hd] */

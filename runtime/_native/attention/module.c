@@ -146,6 +146,8 @@ static int setup_attention(const char *fn, AttentionArgs *a, Py_buffer *b, Py_ss
     a->query_start_loc = b[6].buf;
     a->num_seqs = num_seqs;
     a->max_blocks = max_blocks;
+    if (a->window < 0)
+        return fail("%s: window must be 0 (full attention) or positive, got %d", fn, a->window);
     int ratio = a->num_heads / a->num_kv_heads;
     a->queries_per_tile = ratio >= ROWS_PER_TILE ? 1 : ROWS_PER_TILE / ratio;
     return check_sequences(a, num_tokens, num_blocks);
@@ -168,9 +170,9 @@ static PyObject *py_paged_attention(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[7];  /* out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc */
     AttentionArgs a = {0};
     int num_threads;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*y*y*y*iiiififi:paged_attention", &b[0], &b[1], &b[2], &b[3],
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*y*y*iiiififii:paged_attention", &b[0], &b[1], &b[2], &b[3],
                           &b[4], &b[5], &b[6], &a.num_heads, &a.num_kv_heads, &a.head_dim, &a.block_size,
-                          &a.scale, &a.cache_dtype, &a.kv_scale, &num_threads))
+                          &a.scale, &a.cache_dtype, &a.kv_scale, &a.window, &num_threads))
         return NULL;
     int status = setup_paged_attention(&a, b);
     if (status == 0) {
@@ -243,9 +245,10 @@ static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
     QKVCall c = {0};
     AttentionArgs *a = &c.a;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "w*y*w*w*y*y*y*y*y*y*iiiififi:qkv_attention", &b[0], &b[1], &b[2], &b[3],
+    if (!PyArg_ParseTuple(args, "w*y*w*w*y*y*y*y*y*y*iiiififii:qkv_attention", &b[0], &b[1], &b[2], &b[3],
                           &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &a->num_heads, &a->num_kv_heads,
-                          &a->head_dim, &a->block_size, &a->scale, &a->cache_dtype, &a->kv_scale, &num_threads))
+                          &a->head_dim, &a->block_size, &a->scale, &a->cache_dtype, &a->kv_scale, &a->window,
+                          &num_threads))
         return NULL;
     int status = setup_qkv_attention(&c.r, a, b);
     if (status == 0) {
@@ -275,12 +278,13 @@ static PyMethodDef methods[] = {
      "kv_scale, num_threads): scatter key/value rows [T, nkv, hd] f32 into cache slots; slot -1 skips."},
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, "
-     "num_heads, num_kv_heads, head_dim, block_size, scale, cache_dtype, kv_scale, num_threads): "
-     "causal attention of packed queries [T, nh, hd] f32 over the paged KV cache."},
+     "num_heads, num_kv_heads, head_dim, block_size, scale, cache_dtype, kv_scale, window, num_threads): "
+     "causal attention of packed queries [T, nh, hd] f32 over the paged KV cache (window > 0: the last "
+     "window keys only)."},
     {"qkv_attention", py_qkv_attention, METH_VARARGS,
      "qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, "
      "rope, slot_mapping, num_heads, num_kv_heads, head_dim, block_size, scale, cache_dtype, kv_scale, "
-     "num_threads): one attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32: "
+     "window, num_threads): one attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32: "
      "rotary embedding (rope [rows, hd] = cos | sin by position), KV write, paged attention into out."},
     {NULL, NULL, 0, NULL},
 };

@@ -292,11 +292,11 @@ static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int
     }
 }
 
-/* Streaming-softmax update of one (query, head) row with the first n keys of the chunk. */
-static void attend_chunk_row(const float *q, int n, float scale, int hd, Scratch *scratch,
+/* Streaming-softmax update of one (query, head) row with keys skip .. skip + n - 1 of the chunk. */
+static void attend_chunk_row(const float *q, int skip, int n, float scale, int hd, Scratch *scratch,
                              float *acc, float *row_max, float *row_sum) {
     float *scores = scratch->scores;
-    float chunk_max = score_keys(q, scratch->k_rows, n, hd, scale, scores);
+    float chunk_max = score_keys(q, scratch->k_rows + skip, n, hd, scale, scores);
     if (chunk_max > *row_max) {
         float correction = expf(*row_max - chunk_max);
         scale_row(acc, correction, hd);
@@ -304,7 +304,7 @@ static void attend_chunk_row(const float *q, int n, float scale, int hd, Scratch
         *row_max = chunk_max;
     }
     *row_sum += exp_shifted(scores, n, *row_max);
-    accumulate_values(acc, scores, scratch->v_rows, n, hd);
+    accumulate_values(acc, scores, scratch->v_rows + skip, n, hd);
 }
 
 /* The streaming softmax of `rows` rows before their first key: no sum, no weight, max -inf. */
@@ -322,11 +322,14 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
     int token0 = a->query_start_loc[w->seq];
     int first_pos = a->context_lens[w->seq] - seq_query_len(a, w->seq);  /* position of query 0 */
     int num_keys = first_pos + w->q_end;  /* keys seen by the tile's last query */
+    /* Chunks start at multiples of KEY_CHUNK whatever the window, as on the single-query path. */
+    int keys_from = first_visible_key(a, first_pos + w->q_begin) / KEY_CHUNK * KEY_CHUNK;
     const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
 
     start_rows(scratch, rows, hd);
-    prefetch_key_chunk(a, table, w->kv_head, 0, num_keys < KEY_CHUNK ? num_keys : KEY_CHUNK);
-    for (int key_begin = 0; key_begin < num_keys; key_begin += KEY_CHUNK) {
+    prefetch_key_chunk(a, table, w->kv_head, keys_from,
+                       num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK);
+    for (int key_begin = keys_from; key_begin < num_keys; key_begin += KEY_CHUNK) {
         int chunk = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK;
         int next = key_begin + KEY_CHUNK;
         if (next < num_keys)
@@ -335,10 +338,13 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
         for (int r = 0; r < rows; r++) {
             int j = w->q_begin + r / ratio, head = w->kv_head * ratio + r % ratio;
             int visible = first_pos + j + 1 - key_begin;  /* causal limit within the chunk */
-            if (visible <= 0)
+            int skip = first_visible_key(a, first_pos + j) - key_begin;  /* window start within it */
+            skip = skip > 0 ? skip : 0;
+            int end = visible < chunk ? visible : chunk;
+            if (end <= skip)
                 continue;
             const float *q = a->query + ((size_t)(token0 + j) * a->num_heads + head) * hd;
-            attend_chunk_row(q, visible < chunk ? visible : chunk, a->scale, hd, scratch,
+            attend_chunk_row(q, skip, end - skip, a->scale, hd, scratch,
                              scratch->acc + (size_t)r * hd, &scratch->row_max[r], &scratch->row_sum[r]);
         }
     }
@@ -482,14 +488,18 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
     const int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
     const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
     const size_t elem = (size_t)cache_elem_size[dtype], slot_bytes = (size_t)a->num_kv_heads * hd * elem;
+    const int first_key = first_visible_key(a, num_keys - 1), keys_from = first_key / KEY_CHUNK * KEY_CHUNK;
     start_rows(scratch, ratio, hd);
-    prefetch_key_chunk(a, table, w->kv_head, 0, num_keys < KEY_CHUNK ? num_keys : KEY_CHUNK);
-    for (int key_begin = 0; key_begin < num_keys; key_begin += KEY_CHUNK) {
-        int n = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK, next = key_begin + KEY_CHUNK;
+    prefetch_key_chunk(a, table, w->kv_head, keys_from,
+                       num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK);
+    for (int key_begin = keys_from; key_begin < num_keys; key_begin += KEY_CHUNK) {
+        int skip = first_key > key_begin ? first_key - key_begin : 0;  /* keys before the window */
+        int n = (num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK) - skip;
+        int next = key_begin + KEY_CHUNK;
         if (next < num_keys)
             prefetch_key_chunk(a, table, w->kv_head, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
         for (int i = 0; i < n; i++) {
-            int pos = key_begin + i;
+            int pos = key_begin + skip + i;
             size_t at = ((size_t)table[pos / block_size] * block_size + pos % block_size) * slot_bytes
                         + (size_t)w->kv_head * hd * elem;
             scratch->k_src[i] = a->k_cache + at;
