@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,12 @@ from safetensors import SafetensorError, safe_open
 from builder.errors import KilnError
 from builder.model import ModelConfig, ModelSpec, canonical_weight_shapes, make_config, write_json
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # the Llama decoder; Qwen2 adds biases on q, k and v
+# The Llama decoder: Qwen2 adds biases on q, k and v, Mistral a sliding window, Phi-3 fuses q|k|v and
+# gate|up in its checkpoint (split on load) and may scale its rope with LongRoPE.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "phi3")
+# model_type -> {fused checkpoint module: the Kiln modules stacked in its rows, in order}
+FUSED_MODULES = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -23,18 +29,37 @@ def hf_weight_key(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
 
 
+def checkpoint_layout(config: ModelConfig, model_type: str) -> dict[str, tuple[str, int, int]]:
+    """Kiln weight name -> (checkpoint key, first row, end row) of the rows holding it."""
+    shapes = canonical_weight_shapes(config)
+    layout = {name: (hf_weight_key(name), 0, shape[0]) for name, shape in shapes.items()}
+    for fused, parts in FUSED_MODULES.get(model_type, {}).items():
+        for i in range(config.num_layers):
+            row = 0
+            for part in parts:
+                name = f"layers.{i}.{part}.weight"
+                layout[name] = (hf_weight_key(f"layers.{i}.{fused}.weight"), row, row + shapes[name][0])
+                row += shapes[name][0]
+    return layout
+
+
 class HFModelSpec(ModelSpec):
     """A Hugging Face model directory; weights are read through safetensors' mmap, one at a time."""
 
-    def __init__(self, name: str, path: Path, config: ModelConfig, tensor_files: dict[str, Path]):
+    def __init__(self, name: str, path: Path, config: ModelConfig, tensor_files: dict[str, Path],
+                 model_type: str = "llama"):
         super().__init__(name, path, config, list(set(tensor_files.values())))
         self._path = path
         self._tensor_files = tensor_files  # hf key -> shard holding it
+        self._layout = checkpoint_layout(config, model_type)
 
     def _load(self, name: str) -> torch.Tensor:
-        key = hf_weight_key(name)
+        key, start, end = self._layout[name]
         with safe_open(self._tensor_files[key], framework="pt") as f:
-            return f.get_tensor(key).to(torch.float32)
+            rows = f.get_slice(key)
+            if end - start == rows.get_shape()[0]:
+                return f.get_tensor(key).to(torch.float32)
+            return rows[start:end].to(torch.float32)
 
     def write_tokenizer(self, dst_dir: str | Path) -> None:
         dst_dir = Path(dst_dir)
@@ -69,8 +94,9 @@ def load_hf_dir(path: Path, name: str | None = None) -> HFModelSpec:
     if not (path / "tokenizer.json").is_file():
         raise KilnError(f"model: {path}: no tokenizer.json (a fast tokenizer file is required)")
     tensor_files = _tensor_files(path)
-    _check_weights(path, config, tensor_files)
-    return HFModelSpec(name or path.name, path, config, tensor_files)
+    layout = checkpoint_layout(config, hf_config["model_type"])
+    _check_weights(path, layout, config, tensor_files)
+    return HFModelSpec(name or path.name, path, config, tensor_files, hf_config["model_type"])
 
 
 def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig:
@@ -90,6 +116,9 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
 
     num_heads = required("num_attention_heads")
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rotary = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor")) or 1.0
+    if rotary != 1.0:
+        raise KilnError(f"model: {where}: partial rotary embeddings (partial_rotary_factor {rotary}) are not supported")
     rope_theta = hf_config.get("rope_theta") or rope.get("rope_theta") or 10000.0
     return make_config(
         where,
@@ -103,7 +132,7 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         head_dim=hf_config.get("head_dim") or required("hidden_size") // num_heads,
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        rope_scaling=_rope_scaling(rope),
+        rope_scaling=_rope_scaling(rope, hf_config),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         max_position_embeddings=required("max_position_embeddings"),
         attention_bias=bool(hf_config.get("attention_bias", False)),
@@ -135,13 +164,26 @@ def _layer_windows(hf_config: dict, where: str) -> tuple[int, ...]:
     return tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
 
 
-def _rope_scaling(rope: dict) -> dict | None:
-    """Normalise rope_scaling (transformers 4) or rope_parameters (transformers 5); None for plain rope."""
+def _rope_scaling(rope: dict, hf_config: dict) -> dict | None:
+    """Normalise rope_scaling (transformers 4) or rope_parameters (transformers 5); None for plain rope.
+
+    LongRoPE (Phi-3) gets its attention factor here, as transformers derives it: from `factor`, else
+    the ratio of max_position_embeddings to original_max_position_embeddings."""
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "su":
+        rope_type = "longrope"
     if rope_type == "default":
         return None
-    scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
+    scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()
+               if k not in ("type", "rope_theta", "partial_rotary_factor")}
     scaling["rope_type"] = rope_type
+    if rope_type == "longrope":
+        original = scaling.get("original_max_position_embeddings") or hf_config.get("original_max_position_embeddings")
+        if original:
+            scaling["original_max_position_embeddings"] = original
+            factor = scaling.pop("factor", None) or hf_config["max_position_embeddings"] / original
+            if scaling.get("attention_factor") is None:
+                scaling["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return scaling
 
 
@@ -188,9 +230,12 @@ def _safetensors_keys(shard: Path) -> set[str]:
         raise KilnError(f"model: {shard}: corrupt or truncated safetensors file ({e})") from None
 
 
-def _check_weights(path: Path, config: ModelConfig, tensor_files: dict[str, Path]) -> None:
+def _check_weights(path: Path, layout: dict, config: ModelConfig, tensor_files: dict[str, Path]) -> None:
     """Every weight the config implies is present, with that shape and a float dtype."""
-    expected = {hf_weight_key(name): shape for name, shape in canonical_weight_shapes(config).items()}
+    expected = {}
+    for name, shape in canonical_weight_shapes(config).items():
+        key, _, end = layout[name]
+        expected[key] = (max(end, expected.get(key, (0,))[0]), *shape[1:])
     missing = sorted(set(expected) - set(tensor_files))
     if missing:
         raise KilnError(f"model: {path}: weight {missing[0]} is missing (config.json expects it)")

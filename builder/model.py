@@ -17,6 +17,7 @@ from builder.errors import KilnError
 # rope scaling types Kiln implements -> the parameters each needs
 ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"),
 }
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
@@ -60,10 +61,16 @@ class ModelConfig:
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in ROPE_SCALING_KEYS:
-                raise ValueError(f"rope_scaling: type {rope_type!r} is not supported (supported: llama3)")
+                raise ValueError(f"rope_scaling: type {rope_type!r} is not supported "
+                                 f"(supported: {', '.join(ROPE_SCALING_KEYS)})")
             missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling: {rope_type} scaling lacks {', '.join(missing)}")
+            if rope_type == "longrope":
+                for key in ("short_factor", "long_factor"):
+                    if len(self.rope_scaling[key]) != self.head_dim // 2:
+                        raise ValueError(f"rope_scaling: {key} has {len(self.rope_scaling[key])} entries, "
+                                         f"head_dim {self.head_dim} needs {self.head_dim // 2}")
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):

@@ -176,7 +176,7 @@ class CpuExecutor(Executor):
 
     def _qkv_attention(self, rope: dict, attrs: dict):
         scaling = rope.get("scaling")
-        key = (rope["head_dim"], float(rope["theta"]), tuple(sorted(scaling.items())) if scaling else None)
+        key = (rope["head_dim"], float(rope["theta"]), reference.scaling_key(scaling))
         if key not in self.rope_tables:
             self.rope_tables[key] = reference.RopeTable(rope["head_dim"], rope["theta"], scaling)
         layer = attention.LayerAttention(self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]],

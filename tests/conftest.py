@@ -50,19 +50,20 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
 
 def make_tiny_llama(path, *, seed: int = 0, max_shard_size: str | None = None, family: str = "llama",
                     **config_overrides) -> Path:
-    """Save a seeded random LlamaForCausalLM (or, with family="qwen2" or "mistral", Qwen2ForCausalLM or
-    MistralForCausalLM) with a matching tokenizer as a Hugging Face directory at `path`.
+    """Save a seeded random LlamaForCausalLM (or, with family="qwen2", "mistral" or "phi3", the family's
+    ForCausalLM) with a matching tokenizer as a Hugging Face directory at `path`.
 
     `config_overrides` are the config's fields (e.g. tie_word_embeddings=True, rope_scaling={...});
     `max_shard_size` (e.g. "40KB") saves sharded safetensors with a model.safetensors.index.json.
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     path = Path(path)
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "mistral": (MistralConfig, MistralForCausalLM)}[family]
+                                 "mistral": (MistralConfig, MistralForCausalLM),
+                                 "phi3": (Phi3Config, Phi3ForCausalLM)}[family]
     config = config_class(**{**TINY_LLAMA, **config_overrides})
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -134,6 +135,26 @@ def tiny_mistral_uneven_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_mistral_uneven"), seed=6, family="mistral",
                            sliding_window=37, hidden_size=144, intermediate_size=192, num_hidden_layers=2,
                            num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    """Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, 4 query / 2 KV heads, a 16-position window."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_phi3"), seed=7, family="phi3", sliding_window=16,
+                           num_hidden_layers=3)
+
+
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                 "long_factor": [1.5 + 0.4 * i for i in range(8)]}
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_longrope_dir(tmp_path_factory) -> Path:
+    """Phi-3 with LongRoPE: short factors up to position 128, long ones beyond, tied embeddings, 4:1 GQA."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_phi3_longrope"), seed=8, family="phi3",
+                           num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                           max_position_embeddings=512, original_max_position_embeddings=128,
+                           rope_scaling=PHI3_LONGROPE)
 
 
 @pytest.fixture(scope="session")

@@ -19,17 +19,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+def scaling_key(scaling: dict | None) -> tuple | None:
+    """A rope scaling dict as a hashable key (its lists, LongRoPE's factors, as tuples)."""
+    if not scaling:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in scaling.items()))
+
+
 @lru_cache(maxsize=16)
-def _inv_freq(head_dim: int, theta: float, scaling_key: tuple | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _inv_freq(head_dim: int, theta: float, scaling_key: tuple | None, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2]; `long` picks LongRoPE's long factors."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling_key is None:
         return inv_freq
     scaling = dict(scaling_key)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** exponents)
     if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -42,20 +54,37 @@ def _inv_freq(head_dim: int, theta: float, scaling_key: tuple | None) -> torch.T
 
 class RopeTable:
     """cos/sin rows by position, grown on demand: [positions, head_dim]; `packed` is [positions, head_dim]
-    = cos | sin of the first half (the C kernels' layout; the halves of cos and sin repeat)."""
+    = cos | sin of the first half (the C kernels' layout; the halves of cos and sin repeat).
+
+    LongRoPE (Phi-3) rows use the short factors below original_max_position_embeddings and the long
+    ones from there on, all scaled by the attention factor. transformers switches a whole sequence to
+    the long factors once it grows past that length; a paged cache cannot re-rotate the keys it holds,
+    so Kiln (like vLLM) chooses by position: equal for every sequence within the original length.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
-        key = tuple(sorted(scaling.items())) if scaling else None
+        key = scaling_key(scaling)
         self.inv_freq = _inv_freq(head_dim, float(theta), key)
+        self.long_from, self.long_inv_freq, self.mscale = None, None, 1.0
+        if scaling and scaling.get("rope_type") == "longrope":
+            self.long_from = int(scaling["original_max_position_embeddings"])
+            self.long_inv_freq = _inv_freq(head_dim, float(theta), key, long=True)
+            self.mscale = float(scaling["attention_factor"])
         self.cos = self.sin = self.packed = torch.empty(0, head_dim)
 
     def ensure(self, rows: int) -> None:
         """Cover positions 0 .. rows - 1."""
         if rows > self.cos.shape[0]:
             size = max(rows, 2 * self.cos.shape[0], 256)
-            freqs = torch.outer(torch.arange(size, dtype=torch.float32), self.inv_freq)
+            positions = torch.arange(size, dtype=torch.float32)
+            freqs = torch.outer(positions, self.inv_freq)
+            if self.long_from is not None:
+                long = positions[self.long_from:]
+                freqs[self.long_from:] = torch.outer(long, self.long_inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
+            if self.mscale != 1.0:
+                self.cos, self.sin = self.cos * self.mscale, self.sin * self.mscale
             half = self.cos.shape[1] // 2
             self.packed = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=1).contiguous()
 

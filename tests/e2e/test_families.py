@@ -1,5 +1,6 @@
-"""Model families beyond Llama, from Hugging Face directories: Qwen2 (biases on q, k and v, not o) and
-Mistral (sliding-window attention, windows shorter than the prompts and the generations).
+"""Model families beyond Llama, from Hugging Face directories: Qwen2 (biases on q, k and v, not o),
+Mistral (sliding-window attention, windows shorter than the prompts and the generations) and Phi-3
+(fused qkv and gate_up weights split on load; LongRoPE).
 
 Each tiny random checkpoint, saved with transformers, builds into an engine whose logits match
 transformers at every position and whose greedy tokens are transformers' own, on one rank and on
@@ -21,7 +22,8 @@ from runtime.engine_format import map_rank_file
 from runtime.sampling import SamplingParams
 
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 60))]
-FAMILIES = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_mistral_dir", "tiny_mistral_uneven_dir"]
+FAMILIES = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_mistral_dir", "tiny_mistral_uneven_dir",
+            "tiny_phi3_dir", "tiny_phi3_longrope_dir"]
 
 
 def reference(model_dir):
@@ -67,6 +69,38 @@ def test_window_longer_than_every_prompt_changes_nothing(tmp_path):
         program, tensors = map_rank_file(tmp_path / f"{model_dir.name}.engine" / "rank0.engine")
         logits.append(Interpreter(program, tensors, all_logits=True).logits(PROMPTS[2]))
     assert torch.equal(*logits)
+
+
+def test_phi3_fused_weights_are_split_into_kiln_projections(tiny_phi3_dir):
+    spec = load_model(str(tiny_phi3_dir))
+    state = reference(tiny_phi3_dir).state_dict()
+    qkv, gate_up = state["model.layers.2.self_attn.qkv_proj.weight"], state["model.layers.2.mlp.gate_up_proj.weight"]
+    parts = [spec.load(f"layers.2.self_attn.{p}_proj.weight") for p in "qkv"]
+    assert [p.shape[0] for p in parts] == [64, 32, 32] and torch.equal(torch.cat(parts), qkv)
+    assert torch.equal(torch.cat([spec.load("layers.2.mlp.gate_proj.weight"), spec.load("layers.2.mlp.up_proj.weight")]),
+                       gate_up)
+
+
+def test_longrope_rows_use_the_long_factors_past_the_original_length(tiny_phi3_longrope_dir):
+    # transformers switches a whole sequence to the long factors once it passes 128 positions; Kiln's
+    # table does so by position (keys already cached keep their rotation). Both sets, and the attention
+    # factor, must be transformers' own.
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from runtime.ops.reference import RopeTable
+
+    config = AutoConfig.from_pretrained(tiny_phi3_longrope_dir)
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](config, None)
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=129)
+    spec = load_model(str(tiny_phi3_longrope_dir))
+    table = RopeTable(16, spec.config.rope_theta, spec.config.rope_scaling)
+    table.ensure(200)
+    for position, inv_freq in [(5, short), (127, short), (128, long), (199, long)]:
+        angles = position * inv_freq
+        torch.testing.assert_close(table.cos[position, :8], angles.cos() * factor, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(table.sin[position, 8:], angles.sin() * factor, rtol=1e-6, atol=1e-6)
+    assert factor > 1.0 and not torch.equal(short, long)
 
 
 def test_logits_match_transformers_at_every_position(family_engine):

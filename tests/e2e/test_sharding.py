@@ -208,6 +208,8 @@ class ThreadRanks:
     ("tiny_qwen2_tied_dir", 2, 1, "none"),      # one KV head on two ranks: replicated with its bias
     ("tiny_mistral_dir", 2, 1, "none"),         # sliding window on every layer
     ("tiny_mistral_uneven_dir", 1, 2, "none"),
+    ("tiny_phi3_dir", 2, 1, "int8"),            # split fused weights, then sharded like Llama's
+    ("tiny_phi3_longrope_dir", 1, 2, "none"),
 ])
 def test_rank_programs_together_give_the_one_rank_logits(fixture, tp, pp, quant, request):
     model_dir = request.getfixturevalue(fixture)
