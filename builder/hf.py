@@ -7,6 +7,7 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -15,7 +16,9 @@ from builder.model import ModelConfig, ModelSpec, canonical_weight_shapes, make_
 
 # The Llama decoder: Qwen2 adds biases on q, k and v, Mistral a sliding window, Phi-3 fuses q|k|v and
 # gate|up in its checkpoint (split on load) and may scale its rope with LongRoPE.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "phi3")
+# Gemma 3's text model (gemma3_text) is the same decoder with the switches of ModelConfig's Gemma fields.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")
+GEMMA = ("gemma3_text",)
 # model_type -> {fused checkpoint module: the Kiln modules stacked in its rows, in order}
 FUSED_MODULES = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
@@ -52,14 +55,17 @@ class HFModelSpec(ModelSpec):
         self._path = path
         self._tensor_files = tensor_files  # hf key -> shard holding it
         self._layout = checkpoint_layout(config, model_type)
+        self._norm_offset = 1.0 if model_type in GEMMA else 0.0  # Gemma's norms scale by 1 + weight
 
     def _load(self, name: str) -> torch.Tensor:
         key, start, end = self._layout[name]
         with safe_open(self._tensor_files[key], framework="pt") as f:
             rows = f.get_slice(key)
-            if end - start == rows.get_shape()[0]:
-                return f.get_tensor(key).to(torch.float32)
-            return rows[start:end].to(torch.float32)
+            weight = f.get_tensor(key) if end - start == rows.get_shape()[0] else rows[start:end]
+        weight = weight.to(torch.float32)
+        if self._norm_offset and name.endswith("norm.weight"):
+            weight = weight + self._norm_offset
+        return weight
 
     def write_tokenizer(self, dst_dir: str | Path) -> None:
         dst_dir = Path(dst_dir)
@@ -106,8 +112,13 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         architectures = ", ".join(hf_config.get("architectures") or []) or "no architectures listed"
         raise KilnError(f"model: {where}: unsupported architecture {model_type!r} ({architectures}); "
                         f"Kiln supports the Llama family: {', '.join(LLAMA_FAMILY)}")
-    if hf_config.get("hidden_act", "silu") != "silu":
-        raise KilnError(f"model: {where}: hidden_act {hf_config['hidden_act']!r} is not supported (only silu)")
+    gemma = model_type in GEMMA
+    act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "silu"
+    if {"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act) not in ("silu", "gelu_tanh"):
+        raise KilnError(f"model: {where}: hidden activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf_config.get(cap) is not None:
+            raise KilnError(f"model: {where}: {cap}={hf_config[cap]} is not supported yet")
 
     def required(key):
         if hf_config.get(key) is None:
@@ -116,13 +127,17 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
 
     num_heads = required("num_attention_heads")
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    local_theta = hf_config.get("rope_local_base_freq") or 0.0
+    if "full_attention" in rope:  # transformers 5 keeps one set per layer type (Gemma 3)
+        local_theta = rope.get("sliding_attention", {}).get("rope_theta") or local_theta
+        rope = rope["full_attention"]
     rotary = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor")) or 1.0
     if rotary != 1.0:
         raise KilnError(f"model: {where}: partial rotary embeddings (partial_rotary_factor {rotary}) are not supported")
     rope_theta = hf_config.get("rope_theta") or rope.get("rope_theta") or 10000.0
     return make_config(
         where,
-        architecture="llama",
+        architecture="gemma3" if gemma else "llama",
         vocab_size=required("vocab_size"),
         hidden_size=required("hidden_size"),
         intermediate_size=required("intermediate_size"),
@@ -133,7 +148,7 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         rope_scaling=_rope_scaling(rope, hf_config),
-        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", gemma)),
         max_position_embeddings=required("max_position_embeddings"),
         attention_bias=bool(hf_config.get("attention_bias", False)),
         qkv_bias=model_type == "qwen2",
@@ -141,6 +156,12 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf_config.get("eos_token_id"), generation.get("eos_token_id")),
         layer_windows=_layer_windows(hf_config, where),
+        hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
+        qk_norm=gemma,
+        sandwich_norms=gemma,
+        embedding_scale=float(np.float32(required("hidden_size") ** 0.5)) if gemma else 1.0,
+        attention_scale=float(hf_config["query_pre_attn_scalar"]) ** -0.5 if gemma else 0.0,
+        local_rope_theta=float(local_theta) if gemma else 0.0,
     )
 
 

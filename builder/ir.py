@@ -17,6 +17,7 @@ SYMBOLS = ("T", "N")  # T: packed tokens of the step; N: tokens whose logits are
 OPS = {
     "embedding": ((2, 4), 1),
     "rms_norm": ((2, 2), 1),
+    "head_rms_norm": ((2, 2), 1),
     "add_rms_norm": ((3, 3), 2),
     "linear": ((2, 5), 1),
     "split": ((1, 1), None),
@@ -250,6 +251,10 @@ def _check_shapes(graph: Graph, node: Node, where: str) -> None:
         width = ins[0].shape[-1] // (2 if len(ins) == 1 else 1)
         expect(all(i.shape == ins[0].shape for i in ins), "gate and up must match")
         expect(outs[0].shape == (*ins[0].shape[:-1], width), "silu_mul output width")
+    elif op == "head_rms_norm":
+        hd = node.attrs["head_dim"]
+        expect(ins[1].shape == (hd,) and ins[0].shape[-1] % hd == 0, f"head_rms_norm weight [{hd}] on whole heads")
+        expect(outs[0].shape == ins[0].shape, "head_rms_norm keeps its input's shape")
     elif op == "rope":
         expect(outs[0].shape == ins[0].shape and outs[1].shape == ins[1].shape, "rope keeps q/k shapes")
         expect(ins[2].shape == (ins[0].shape[0],), "positions must be [T]")

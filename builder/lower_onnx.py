@@ -282,6 +282,8 @@ class _Lowerer:
     def _embedding(self, node: Node) -> None:
         a = node.attrs
         table = _dequantized(node, self.graph)  # [V, H] f32
+        if a.get("scale", 1.0) != 1.0:  # Gemma: rows times sqrt(hidden) in f32, as the cpu target computes them
+            table = table * a["scale"]
         weight = self._float(f"{node.name}.table", table, self.act)
         tokens = node.inputs[0]
         start, vocab = a.get("vocab_start", 0), a["vocab_size"]
@@ -361,6 +363,16 @@ class _Lowerer:
     def _rms_norm(self, node: Node) -> None:
         self._norm(node.inputs[0], node.inputs[1], node.attrs["eps"], node.outputs[0], node.name)
 
+    def _head_rms_norm(self, node: Node) -> None:
+        """The norm over each head: x [T, heads * hd] as [T * heads, hd], normed, and back."""
+        hd, x = node.attrs["head_dim"], node.inputs[0]
+        rows = self._emit("Reshape", [x, self._const([-1, hd])], hint=node.name)
+        self._define(rows, self.types[x])
+        normed = f"{node.name}.heads"
+        self._norm(rows, node.inputs[1], node.attrs["eps"], normed, node.name)
+        self._emit("Reshape", [normed, self._emit("Shape", [x], hint=node.name)], [node.outputs[0]], hint=node.name)
+        self._define(node.outputs[0], self.act)
+
     def _add_rms_norm(self, node: Node) -> None:
         x, residual, weight = node.inputs
         normed, total = node.outputs
@@ -381,8 +393,11 @@ class _Lowerer:
             self._emit("Split", [node.inputs[0], self._const([width, width])], [gate, up], hint=node.name, axis=-1)
         else:
             gate, up = node.inputs
-        silu = self._emit("Mul", [gate, self._emit("Sigmoid", [gate], hint=node.name)], hint=node.name)
-        self._emit("Mul", [silu, up], [node.outputs[0]], hint=node.name)
+        if node.attrs.get("act", "silu") == "gelu_tanh":  # Gemma's GeGLU: tanh-approximated gelu of the gate
+            act = self._emit("Gelu", [gate], hint=node.name, approximate="tanh")
+        else:
+            act = self._emit("Mul", [gate, self._emit("Sigmoid", [gate], hint=node.name)], hint=node.name)
+        self._emit("Mul", [act, up], [node.outputs[0]], hint=node.name)
         self._define(node.outputs[0], self.act)
 
     def _add(self, node: Node) -> None:

@@ -18,7 +18,10 @@ from builder.errors import KilnError
 ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"),
+    "linear": ("factor",),
 }
+ARCHITECTURES = ("llama", "gemma3")  # the Llama decoder, and it with Gemma 3's norms and activations
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
@@ -45,10 +48,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layer_windows: tuple[int, ...] = ()  # sliding window of each layer (0 = full attention); () = all full
+    # Gemma 3: a gelu-tanh gate, RMS norms on each q and k head, norms after attention and the MLP as well
+    # as before, embeddings scaled by sqrt(hidden), its own softmax scale, and a rope base of its own
+    # for the sliding-window layers (rope_scaling applies to the full-attention layers only).
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    embedding_scale: float = 1.0
+    attention_scale: float = 0.0      # 0: head_dim ** -0.5
+    local_rope_theta: float = 0.0     # 0: rope_theta on every layer
 
     def __post_init__(self):
-        if self.architecture != "llama":
-            raise ValueError(f"architecture: {self.architecture!r} is not supported (only 'llama')")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture: {self.architecture!r} is not supported ({', '.join(ARCHITECTURES)})")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                       "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, field)
@@ -82,6 +96,15 @@ class ModelConfig:
     def window(self, layer: int) -> int:
         """The sliding window of `layer`: a query sees its last `window` positions; 0 = all of them."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rope_of(self, layer: int) -> tuple[float, dict | None]:
+        """(theta, scaling) of `layer`'s rotary embedding: Gemma 3's sliding layers have a base of their own."""
+        if self.local_rope_theta and self.window(layer):
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def softmax_scale(self) -> float:
+        return self.attention_scale or self.head_dim ** -0.5
 
     def to_dict(self) -> dict:
         config = dataclasses.asdict(self)
@@ -119,6 +142,12 @@ def canonical_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         shapes[f"layers.{i}.input_layernorm.weight"] = (hidden,)
         shapes[f"layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm follows attention; these wrap the MLP
+            shapes[f"layers.{i}.pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"layers.{i}.post_feedforward_layernorm.weight"] = (hidden,)
+        if config.qk_norm:
+            shapes[f"layers.{i}.self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"layers.{i}.self_attn.k_norm.weight"] = (head_dim,)
         for proj, (out_features, in_features, has_bias) in projections.items():
             shapes[f"layers.{i}.{proj}.weight"] = (out_features, in_features)
             if has_bias:

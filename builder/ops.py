@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from runtime.ops import reference
 
 
-def embedding(tokens, weight, *, name: str, hidden_size: int, vocab_size: int):
-    return F.embedding(tokens, weight)
+def embedding(tokens, weight, *, name: str, hidden_size: int, vocab_size: int, scale: float = 1.0):
+    return F.embedding(tokens, weight) * scale if scale != 1.0 else F.embedding(tokens, weight)
 
 
 def rms_norm(x, weight, *, name: str, eps: float):
@@ -36,8 +36,12 @@ def attention(q, k, v, *, name: str, layer: int, num_heads: int, num_kv_heads: i
     return reference.dense_causal_attention(q, k, v, attrs)
 
 
-def silu_mul(gate, up, *, name: str):
-    return reference.silu_mul(gate, up)
+def head_rms_norm(x, weight, *, name: str, eps: float, head_dim: int):
+    return reference.head_rms_norm(x, weight, eps, head_dim)
+
+
+def silu_mul(gate, up, *, name: str, act: str = "silu"):
+    return reference.gated_act(act, gate, up)
 
 
 def add(a, b, *, name: str):
@@ -52,5 +56,5 @@ def logits(x, weight, *, name: str, in_features: int, out_features: int):
     return F.linear(x, weight).float()
 
 
-LEAVES = {f.__name__: f for f in (embedding, rms_norm, linear, rope, attention, silu_mul, add,
+LEAVES = {f.__name__: f for f in (embedding, rms_norm, head_rms_norm, linear, rope, attention, silu_mul, add,
                                    gather_last, logits)}

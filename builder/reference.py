@@ -1,5 +1,8 @@
 """Reference torch module of the Llama family, written only with the leaf functions of builder.ops.
 
+The same decoder serves Gemma 3 through its config's switches: q/k head norms, norms after attention
+and the MLP (sandwich_norms), the gelu-tanh gate, scaled embeddings, per-layer windows and rope bases.
+
 Parameters live on the meta device while tracing: the trace needs names and shapes, never data.
 Module paths equal the canonical weight names (`layers.3.self_attn.q_proj.weight`).
 """
@@ -9,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from builder.ops import add, attention, embedding, gather_last, linear, logits, rms_norm, rope, silu_mul
+from builder.ops import (add, attention, embedding, gather_last, head_rms_norm, linear, logits, rms_norm, rope,
+                         silu_mul)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -38,6 +42,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, name=self.path, eps=self.eps)
 
 
+class HeadRMSNorm(nn.Module):
+    def __init__(self, path: str, head_dim: int, eps: float):
+        super().__init__()
+        self.path, self.eps, self.head_dim = path, eps, head_dim
+        self.weight = _param(head_dim)
+
+    def forward(self, x):
+        return head_rms_norm(x, self.weight, name=self.path, eps=self.eps, head_dim=self.head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, path: str, layer: int, cfg):
         super().__init__()
@@ -48,30 +62,38 @@ class Attention(nn.Module):
         self.k_proj = Linear(f"{path}.k_proj", cfg.hidden_size, kv_width, bias)
         self.v_proj = Linear(f"{path}.v_proj", cfg.hidden_size, kv_width, bias)
         self.o_proj = Linear(f"{path}.o_proj", q_width, cfg.hidden_size, cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = HeadRMSNorm(f"{path}.q_norm", cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = HeadRMSNorm(f"{path}.k_norm", cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, positions):
         cfg = self.cfg
-        q, k = rope(self.q_proj(x), self.k_proj(x), positions, name=f"{self.path}.rope",
+        q, k = self.q_proj(x), self.k_proj(x)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        theta, scaling = cfg.rope_of(self.layer)
+        q, k = rope(q, k, positions, name=f"{self.path}.rope",
                     head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                    theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+                    theta=theta, scaling=scaling)
         window = cfg.window(self.layer)
         out = attention(q, k, self.v_proj(x), name=f"{self.path}.attn", layer=self.layer,
                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5, **({"window": window} if window else {}))
+                        head_dim=cfg.head_dim, scale=cfg.softmax_scale(), **({"window": window} if window else {}))
         return self.o_proj(out)
 
 
 class MLP(nn.Module):
     def __init__(self, path: str, cfg):
         super().__init__()
-        self.path = path
+        self.path, self.act = path, cfg.hidden_act
         bias = cfg.mlp_bias
         self.gate_proj = Linear(f"{path}.gate_proj", cfg.hidden_size, cfg.intermediate_size, bias)
         self.up_proj = Linear(f"{path}.up_proj", cfg.hidden_size, cfg.intermediate_size, bias)
         self.down_proj = Linear(f"{path}.down_proj", cfg.intermediate_size, cfg.hidden_size, bias)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), name=f"{self.path}.act"))
+        act = {"act": self.act} if self.act != "silu" else {}
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), name=f"{self.path}.act", **act))
 
 
 class DecoderLayer(nn.Module):
@@ -83,8 +105,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(f"{path}.post_attention_layernorm", cfg.hidden_size,
                                                 cfg.rms_norm_eps)
         self.mlp = MLP(f"{path}.mlp", cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(f"{path}.pre_feedforward_layernorm", cfg.hidden_size,
+                                                     cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(f"{path}.post_feedforward_layernorm", cfg.hidden_size,
+                                                      cfg.rms_norm_eps)
 
     def forward(self, h, positions):
+        if self.sandwich:  # Gemma: norm, block, norm, then the residual
+            attn = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), positions))
+            h = add(h, attn, name=f"{self.path}.attn_residual")
+            mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return add(h, mlp, name=f"{self.path}.mlp_residual")
         h = add(h, self.self_attn(self.input_layernorm(h), positions), name=f"{self.path}.attn_residual")
         return add(h, self.mlp(self.post_attention_layernorm(h)), name=f"{self.path}.mlp_residual")
 
@@ -105,8 +138,9 @@ class LlamaReference(nn.Module):
 
     def forward(self, tokens, positions):
         cfg = self.cfg
+        scale = {"scale": cfg.embedding_scale} if cfg.embedding_scale != 1.0 else {}
         h = embedding(tokens, self.embed_tokens.weight, name="embed_tokens",
-                      hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+                      hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, **scale)
         for layer in self.layers:
             h = layer(h, positions)
         h = self.norm(gather_last(h, name="gather_last"))
@@ -114,4 +148,4 @@ class LlamaReference(nn.Module):
         return logits(h, head, name="lm_head", in_features=cfg.hidden_size, out_features=cfg.vocab_size)
 
 
-ARCHITECTURES = {"llama": LlamaReference}
+ARCHITECTURES = {"llama": LlamaReference, "gemma3": LlamaReference}

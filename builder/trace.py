@@ -107,7 +107,7 @@ def _infer(node: Node, ins: list[Value]) -> list[Value]:
         shapes = [x.shape]
     elif node.op == "gather_last":
         shapes = [("N", *x.shape[1:])]
-    else:  # rms_norm, attention, add keep their first input's shape
+    else:  # rms_norm, head_rms_norm, attention, add keep their first input's shape
         shapes = [x.shape]
     return [Value(o, "f32", s) for o, s in zip(outs, shapes)]
 

@@ -81,6 +81,7 @@ class _Sharder:
             self._resize(rope.outputs[0], q_cols[0].count)
             self._resize(rope.outputs[1], kv_cols[0].count)
             q, k = rope.inputs[0], rope.inputs[1]
+        q, k = self._through_head_norm(q, q_cols[0].count), self._through_head_norm(k, kv_cols[0].count)
         self._keep(q, q_cols)
         self._keep(k, kv_cols)
         self._keep(v, kv_cols)
@@ -88,6 +89,15 @@ class _Sharder:
         self._resize(node.outputs[0], q_cols[0].count)
         for user in self.users[node.outputs[0]]:
             self._row_split(user, q_cols)
+
+    def _through_head_norm(self, value: str, width: int) -> str:
+        """The input of a head_rms_norm producing `value` (resized to this rank's heads), else `value`: a
+        per-head norm keeps whole heads, so its weight [head_dim] is the same on every rank."""
+        norm = self.defined_by.get(value)
+        if norm is None or norm.op != "head_rms_norm":
+            return value
+        self._resize(norm.outputs[0], width)
+        return norm.inputs[0]
 
     def _mlp(self, node: Node) -> None:
         cols = [Span(self.mlp.start, self.mlp.count)]

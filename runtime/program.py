@@ -189,9 +189,24 @@ def _linear(site: Site):
 
 
 def _silu_mul(site: Site):
+    act = site.attrs.get("act", "silu")
+    if act != "silu":  # Gemma's gelu-tanh gate: torch's kernel
+        return lambda *xs: reference.gated_act(act, *xs)
     if len(site.node["inputs"]) == 1:  # the fused gate | up projection
         return rowops.bind_silu_mul(site.node["types"][0]["shape"][-1], site.reuse)
     return reference.silu_mul
+
+
+def _head_rms_norm(site: Site):
+    """The rms_norm kernel over rows of one head each ([T, heads * hd] viewed as [T * heads, hd])."""
+    hd = site.attrs["head_dim"]
+    norm = rowops.bind_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"], False)
+    return lambda x: norm(x.contiguous().view(-1, hd)).view(x.shape)
+
+
+def _embedding(site: Site):
+    rows, scale = linear.bind_embedding(site.attrs, site.operands()), site.attrs.get("scale", 1.0)
+    return rows if scale == 1.0 else (lambda tokens: rows(tokens) * scale)
 
 
 def _split(site: Site):
@@ -219,11 +234,12 @@ def _recv(site: Site):
 BINDERS: dict[str, Callable[[Site], Callable | None]] = {
     "linear": _linear,
     "logits": _linear,
-    "embedding": lambda site: linear.bind_embedding(site.attrs, site.operands()),
+    "embedding": _embedding,
     "rms_norm": lambda site: rowops.bind_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"],
                                                   site.reuse),
     "add_rms_norm": lambda site: rowops.bind_add_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"],
                                                           site.reuse),
+    "head_rms_norm": _head_rms_norm,
     "split": _split,
     "rope": lambda site: reference.make_rope(site.attrs),
     "attention": lambda site: site.hooks.attention(site.attrs),

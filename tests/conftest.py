@@ -50,20 +50,21 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
 
 def make_tiny_llama(path, *, seed: int = 0, max_shard_size: str | None = None, family: str = "llama",
                     **config_overrides) -> Path:
-    """Save a seeded random LlamaForCausalLM (or, with family="qwen2", "mistral" or "phi3", the family's
-    ForCausalLM) with a matching tokenizer as a Hugging Face directory at `path`.
+    """Save a seeded random LlamaForCausalLM (or, with family="qwen2", "mistral", "phi3" or "gemma3", the
+    family's ForCausalLM) with a matching tokenizer as a Hugging Face directory at `path`.
 
     `config_overrides` are the config's fields (e.g. tie_word_embeddings=True, rope_scaling={...});
     `max_shard_size` (e.g. "40KB") saves sharded safetensors with a model.safetensors.index.json.
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     path = Path(path)
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                                  "mistral": (MistralConfig, MistralForCausalLM),
-                                 "phi3": (Phi3Config, Phi3ForCausalLM)}[family]
+                                 "phi3": (Phi3Config, Phi3ForCausalLM),
+                                 "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[family]
     config = config_class(**{**TINY_LLAMA, **config_overrides})
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -142,6 +143,30 @@ def tiny_phi3_dir(tmp_path_factory) -> Path:
     """Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, 4 query / 2 KV heads, a 16-position window."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_phi3"), seed=7, family="phi3", sliding_window=16,
                            num_hidden_layers=3)
+
+
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    """Gemma 3: sliding (window 8, rope base 1e4) and global (rope base 1e6) layers, q/k norms, norms around
+    attention and the MLP, GeGLU, scaled embeddings, softmax scale 24^-0.5, tied, 4 query / 2 KV heads."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_gemma3"), seed=9, family="gemma3", sliding_window=8,
+                           num_hidden_layers=3, tie_word_embeddings=True, query_pre_attn_scalar=24,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           rope_parameters=GEMMA3_ROPE, hidden_activation="gelu_pytorch_tanh")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_mqa_dir(tmp_path_factory) -> Path:
+    """Gemma 3 with one KV head, head_dim 32 over hidden 96, a 37-position window, untied."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_gemma3_mqa"), seed=10, family="gemma3", sliding_window=37,
+                           hidden_size=96, num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                           num_hidden_layers=2, tie_word_embeddings=False, query_pre_attn_scalar=32,
+                           layer_types=["sliding_attention", "full_attention"], rope_parameters=GEMMA3_ROPE,
+                           hidden_activation="gelu_pytorch_tanh")
 
 
 PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],

@@ -112,6 +112,19 @@ def make_rope(attrs: dict):
     return rope
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+    """RMS norm of each head_dim-wide head of x [T, heads * head_dim] (Gemma 3's q and k norms)."""
+    return rms_norm(x.reshape(-1, head_dim), weight, eps).reshape(x.shape)
+
+
+def gated_act(act: str, *xs: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for silu_mul nodes: act "silu" (Llama) or "gelu_tanh" (Gemma's GeGLU)."""
+    if act == "silu":
+        return silu_mul(*xs)
+    gate, up = xs[0].chunk(2, dim=-1) if len(xs) == 1 else xs
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_mul(*xs: torch.Tensor) -> torch.Tensor:
     if len(xs) == 1:
         gate, up = xs[0].chunk(2, dim=-1)

@@ -96,3 +96,15 @@ def test_sliding_window_attention_matches_the_cpu_engine(tiny_mistral_dir, tmp_p
             if node.op_type == "PagedAttention":
                 windows.update(a.i for a in node.attribute if a.name == "window")
     assert windows == {8}
+
+
+def test_gemma3_operators_match_the_cpu_engine(tiny_gemma3_dir, tmp_path):
+    # q/k head norms, GeGLU, scaled embeddings, sandwich norms and per-layer windows and rope bases, on
+    # two tensor-parallel ranks.
+    plan = load_plan(PLANS / "a100-tp2-int4.toml").with_overrides(tp=2)
+    plan = plan.with_overrides("quant", method="none", activations="f32").with_overrides("kv_cache", dtype="f32")
+    build_engine(str(tiny_gemma3_dir), plan, tmp_path / "e", show_progress=False, onnx_only=True)
+    verification = json.loads((tmp_path / "e" / "manifest.json").read_text())["verification"]
+    for step in verification["steps"]:
+        assert step["max_abs_logit_diff"] <= F32_LIMIT, step
+    assert verification["top1_agreement"] == 1.0 and verification["max_abs_logit"] > 0.1
