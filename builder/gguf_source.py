@@ -28,7 +28,7 @@ DEQUANT_CHUNK = 1 << 22  # elements dequantized at a time when loading a weight
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF architecture -> whether llama.cpp's converter interleaved the q/k rows for its rope (llama
 # does; qwen2 keeps Hugging Face's order). Metadata keys are prefixed with the architecture name.
-ARCHITECTURES = {"llama": True, "qwen2": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "gemma3": False}
 GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                 "output.weight": "lm_head.weight"}
 LAYER_NAMES = {
@@ -37,20 +37,33 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3: llama.cpp's ffn_norm is the norm before the MLP, post_attention_norm the one after attention
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's gemma3: every sixth layer attends globally, the rest in the window
+GEMMA3_LOCAL_THETA = 10000.0  # the rope base of its sliding layers, fixed by llama.cpp (not in the file)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 SPECIAL_TOKEN_METADATA = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 SAMPLING_METADATA = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
                      "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p"}
 
 
-def canonical_name(gguf_name: str) -> str | None:
+def layer_names(architecture: str) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names of a GGUF architecture -> Kiln's module paths."""
+    return GEMMA_LAYER_NAMES if architecture == "gemma3" else LAYER_NAMES
+
+
+def canonical_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The Kiln weight name of a llama.cpp tensor name, or None if it has no counterpart."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    match = LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match[2] not in LAYER_NAMES:
+    match, names = LAYER_TENSOR.fullmatch(gguf_name), layer_names(architecture)
+    if match is None or match[2] not in names:
         return None
-    return f"layers.{match[1]}.{LAYER_NAMES[match[2]]}.{match[3]}"
+    return f"layers.{match[1]}.{names[match[2]]}.{match[3]}"
 
 
 class GGUFModelSpec(ModelSpec):
@@ -179,7 +192,7 @@ def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
     config = _config_from_metadata(reader, gguf_tensors, str(path), architecture)
     tensors = {}
     for gguf_name, tensor in gguf_tensors.items():
-        kiln_name = canonical_name(gguf_name)
+        kiln_name = canonical_name(gguf_name, architecture)
         if kiln_name is None:
             raise KilnError(f"model: {path}: unsupported tensor {gguf_name} for a {architecture} model")
         tensors[kiln_name] = tensor
@@ -210,9 +223,10 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: s
     if scaling_type not in (None, "none"):
         raise KilnError(f"model: {where}: rope scaling type {scaling_type!r} is not supported from GGUF")
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    gemma = arch == "gemma3"
     return make_config(
         where,
-        architecture="llama",
+        architecture=arch if gemma else "llama",
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=required("feed_forward_length"),
@@ -230,7 +244,24 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: s
         mlp_bias="blk.0.ffn_gate.bias" in tensors,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+        **(_gemma3_fields(reader, hidden, num_heads, head_dim, required("block_count"), where) if gemma else {}),
     )
+
+
+def _gemma3_fields(reader: GGUFReader, hidden: int, num_heads: int, head_dim: int, layers: int, where: str) -> dict:
+    """Gemma 3's ModelConfig fields. The file stores its norms as 1 + weight already (llama.cpp's converter
+    adds the 1), records the window but not the layer pattern, the local rope base or the softmax scale:
+    those follow llama.cpp (every sixth layer global; base 10000; 1/sqrt(head_dim), and
+    1/sqrt(hidden / heads) for the 62-layer 27B)."""
+    window = _field(reader, "gemma3.attention.sliding_window")
+    if not window:
+        raise KilnError(f"model: {where}: GGUF metadata has no gemma3.attention.sliding_window")
+    every = _field(reader, "gemma3.attention.sliding_window_pattern") or GEMMA3_GLOBAL_EVERY
+    scalar = hidden // num_heads if layers == 62 else head_dim
+    return dict(hidden_act="gelu_tanh", qk_norm=True, sandwich_norms=True,
+                embedding_scale=float(np.float32(hidden ** 0.5)), attention_scale=float(scalar) ** -0.5,
+                local_rope_theta=GEMMA3_LOCAL_THETA,
+                layer_windows=tuple(0 if (i + 1) % every == 0 else int(window) for i in range(layers)))
 
 
 def _shortest_float(value: float) -> float:

@@ -196,6 +196,35 @@ def smollm2_gguf() -> Path:
 
 # ---------------------------------------------------------------------------- engines built once per session
 
+def assert_logits_match(model, engine_dir: Path, prompts) -> None:
+    """The one-rank engine's logits at every position of each prompt equal transformers' `model`'s within 1e-4."""
+    from builder.interpret import Interpreter
+    from runtime.engine_format import map_rank_file
+
+    program, tensors = map_rank_file(Path(engine_dir) / "rank0.engine")
+    for ids in prompts:
+        with torch.inference_mode():
+            expected = model(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(Interpreter(program, tensors, all_logits=True).logits(ids), expected,
+                                   atol=1e-4, rtol=0)
+
+
+def transformers_greedy(model, ids: list[int], count: int) -> list[int]:
+    """`count` greedy tokens of transformers' `model` after `ids`.
+
+    Gemma 3's are from whole-sequence forwards: transformers' cached generation of it (sliding and
+    global layers mixed) departs from its own uncached forward once a prompt outgrows the window
+    (seen with transformers 5.23), so its forward, recomputed per token, is the reference."""
+    with torch.inference_mode():
+        if model.config.model_type != "gemma3_text":
+            return model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+        seq = list(ids)
+        for _ in range(count):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(ids):]
+
+
 def exact_plan(**quant):
     """The default plan computing in float32 end to end (activations and KV cache), with quant overrides:
     the plan of every test that compares logits with a float reference."""

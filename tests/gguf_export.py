@@ -15,16 +15,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from builder.gguf_source import GLOBAL_NAMES, LAYER_NAMES
+from builder.gguf_source import GLOBAL_NAMES, layer_names
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, architecture: str = "llama") -> str:
     """The llama.cpp tensor name of a Kiln weight name (the inverse of builder.gguf_source.canonical_name)."""
     by_kiln = {kiln: g for g, kiln in GLOBAL_NAMES.items()}
     if name in by_kiln:
         return by_kiln[name]
     _, layer, *module, kind = name.split(".")
-    by_module = {kiln: g for g, kiln in LAYER_NAMES.items()}
+    by_module = {kiln: g for g, kiln in layer_names(architecture).items()}
     return f"blk.{layer}.{by_module['.'.join(module)]}.{kind}"
 
 
@@ -74,6 +74,10 @@ def write_gguf(path, spec, architecture: str = "llama", types: dict[str, str] | 
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_ids[0])
+    if architecture == "gemma3":  # the window; the layer pattern and local rope base are llama.cpp's fixed ones
+        writer.add_sliding_window(max(config.layer_windows))
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     if tokenizer_dir is not None:
         _add_tokenizer(writer, Path(tokenizer_dir))
     for name in spec.weight_names():
@@ -83,13 +87,13 @@ def write_gguf(path, spec, architecture: str = "llama", types: dict[str, str] | 
             weight = weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
         kind = next((t for pattern, t in (types or {}).items() if fnmatchcase(name, pattern)), "F32")
         if weight.ndim == 1 or kind == "F32":
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(weight))
+            writer.add_tensor(gguf_name(name, architecture), np.ascontiguousarray(weight))
         elif kind.endswith("_K"):
             blocks = random_k_blocks(kind, *weight.shape, rng)
-            writer.add_tensor(gguf_name(name), blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+            writer.add_tensor(gguf_name(name, architecture), blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(np.ascontiguousarray(weight), qtype),
+            writer.add_tensor(gguf_name(name, architecture), gguf.quants.quantize(np.ascontiguousarray(weight), qtype),
                               raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from builder.build import build_engine
 from builder.interpret import Interpreter
 from builder.model import load_model
-from conftest import exact_plan, make_tiny_llama
+from conftest import assert_logits_match, exact_plan, make_tiny_llama, transformers_greedy
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import map_rank_file
 from runtime.sampling import SamplingParams
@@ -24,16 +24,6 @@ from runtime.sampling import SamplingParams
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 60))]
 FAMILIES = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_mistral_dir", "tiny_mistral_uneven_dir",
             "tiny_phi3_dir", "tiny_phi3_longrope_dir", "tiny_gemma3_dir", "tiny_gemma3_mqa_dir"]
-
-
-def uncached_greedy(model, ids: list[int], count: int) -> list[int]:
-    """Greedy tokens from whole-sequence forwards. transformers' cached generation of Gemma 3 (sliding and
-    global layers mixed) departs from its own uncached forward once a prompt outgrows the window (seen
-    with transformers 5.23), so its forward, recomputed per token, is the reference."""
-    seq = list(ids)
-    for _ in range(count):
-        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
 
 
 def reference(model_dir):
@@ -115,13 +105,7 @@ def test_longrope_rows_use_the_long_factors_past_the_original_length(tiny_phi3_l
 
 def test_logits_match_transformers_at_every_position(family_engine):
     model_dir, engine = family_engine
-    model = reference(model_dir)
-    program, tensors = map_rank_file(engine / "rank0.engine")
-    for ids in PROMPTS:
-        with torch.inference_mode():
-            expected = model(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(Interpreter(program, tensors, all_logits=True).logits(ids), expected,
-                                   atol=1e-4, rtol=0)
+    assert_logits_match(reference(model_dir), engine, PROMPTS)
 
 
 def test_greedy_generation_is_transformers_token_for_token(family_engine):
@@ -130,11 +114,4 @@ def test_greedy_generation_is_transformers_token_for_token(family_engine):
     llm = LLMEngine.from_dir(engine, EngineOptions(kv_cache_gib=0.02))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     for ids in PROMPTS:
-        ours = llm.generate([ids], params)[0].token_ids
-        with torch.inference_mode():
-            if model.config.model_type == "gemma3_text":
-                theirs = uncached_greedy(model, ids, 32)
-            else:
-                theirs = model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                        pad_token_id=0)[0, len(ids):].tolist()
-        assert ours == theirs, ids
+        assert llm.generate([ids], params)[0].token_ids == transformers_greedy(model, ids, 32), ids

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import exact_plan, make_tiny_llama
+from conftest import assert_logits_match, exact_plan, make_tiny_llama, transformers_greedy
 from gguf_export import write_gguf
 
 from builder.build import build_engine
@@ -100,13 +100,7 @@ def float_engine(qwen2_gguf, tmp_path_factory):
 
 
 def test_k_quant_gguf_logits_match_transformers_at_every_position(qwen2_gguf, float_engine):
-    model = transformers_from_gguf(qwen2_gguf)
-    program, tensors = map_rank_file(float_engine / "rank0.engine")
-    for ids in PROMPTS:
-        with torch.inference_mode():
-            expected = model(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(Interpreter(program, tensors, all_logits=True).logits(ids), expected,
-                                   atol=1e-4, rtol=0)
+    assert_logits_match(transformers_from_gguf(qwen2_gguf), float_engine, PROMPTS)
 
 
 def test_k_quant_gguf_greedy_tokens_and_chat_template(qwen2_gguf, qwen2_dir, float_engine):
@@ -114,11 +108,7 @@ def test_k_quant_gguf_greedy_tokens_and_chat_template(qwen2_gguf, qwen2_dir, flo
     llm = LLMEngine.from_dir(float_engine, EngineOptions(kv_cache_gib=0.02))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     for ids in PROMPTS:
-        ours = llm.generate([ids], params)[0].token_ids
-        with torch.inference_mode():
-            theirs = model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                    pad_token_id=0)[0, len(ids):].tolist()
-        assert ours == theirs, ids
+        assert llm.generate([ids], params)[0].token_ids == transformers_greedy(model, ids, 32), ids
     written = json.loads((float_engine / "tokenizer_config.json").read_text())
     assert written["chat_template"] == json.loads((qwen2_dir / "tokenizer_config.json").read_text())["chat_template"]
 
@@ -151,3 +141,32 @@ def test_source_method_requantizes_blocks_without_a_kiln_format_and_measures_it(
     # Q5_K (k_proj) and Q6_K (embedding, down_proj) in two layers: 1 + 2 x 2 nodes at int8 group 32
     assert accuracy["source_requantized"] == {"format": "int8 group 32", "nodes": 5}
     assert accuracy["ppl_quantized"] > 0 and accuracy["kl_mean"] > 0 and "greedy_agreement_pct" in accuracy
+
+
+def test_gemma3_gguf_reads_as_its_hugging_face_checkpoint(tmp_path):
+    # Seven layers, so that llama.cpp's fixed pattern (every sixth layer global) has a global layer and
+    # sliding ones on both sides; the softmax scale is 1/sqrt(head_dim), as llama.cpp assumes.
+    from conftest import GEMMA3_ROPE
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_llama(tmp_path / "gemma3", seed=12, family="gemma3", sliding_window=8, num_hidden_layers=7,
+                                tie_word_embeddings=True, query_pre_attn_scalar=16, rope_parameters=GEMMA3_ROPE,
+                                hidden_activation="gelu_pytorch_tanh")
+    hf = load_model(str(model_dir))
+    assert hf.config.layer_windows == (8, 8, 8, 8, 8, 0, 8)
+    path = write_gguf(tmp_path / "gemma3.gguf", hf, "gemma3", {"layers.*_proj.weight": "Q8_0"},
+                      tokenizer_dir=model_dir)
+    spec = load_model(str(path))
+    assert spec.config == hf.config
+    assert torch.equal(spec.load("layers.3.self_attn.q_norm.weight"), hf.load("layers.3.self_attn.q_norm.weight"))
+    assert torch.equal(spec.load("layers.3.pre_feedforward_layernorm.weight"),
+                       hf.load("layers.3.pre_feedforward_layernorm.weight"))
+    build_engine(str(path), exact_plan(method="none"), tmp_path / "e", show_progress=False)
+    # the Q8_0 projections' values in the Hugging Face checkpoint: the reference is the file's own numbers
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for name in spec.weight_names():
+            if name.endswith("_proj.weight"):
+                state[f"model.{name}"].copy_(spec.load(name))
+    assert_logits_match(model, tmp_path / "e", PROMPTS)
