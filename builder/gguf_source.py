@@ -9,6 +9,7 @@ accuracy measured.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -28,7 +29,7 @@ DEQUANT_CHUNK = 1 << 22  # elements dequantized at a time when loading a weight
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF architecture -> whether llama.cpp's converter interleaved the q/k rows for its rope (llama
 # does; qwen2 keeps Hugging Face's order). Metadata keys are prefixed with the architecture name.
-ARCHITECTURES = {"llama": True, "qwen2": False, "gemma3": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "gemma3": False, "phi3": False}
 GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                 "output.weight": "lm_head.weight"}
 LAYER_NAMES = {
@@ -43,6 +44,10 @@ GEMMA_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Phi-3: llama.cpp keeps the checkpoint's fused tensors (q|k|v rows; gate|up rows in ffn_up)
+PHI3_FUSED = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's gemma3: every sixth layer attends globally, the rest in the window
 GEMMA3_LOCAL_THETA = 10000.0  # the rope base of its sliding layers, fixed by llama.cpp (not in the file)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -75,17 +80,23 @@ class GGUFModelSpec(ModelSpec):
         self.config_architecture = architecture  # the GGUF's general.architecture
         self._path = path
         self._reader = reader
-        self._tensors = tensors  # Kiln name -> gguf ReaderTensor
+        self._tensors = tensors  # Kiln name -> (gguf ReaderTensor, its first row for this weight)
+
+    def _rows(self, name: str) -> np.ndarray:
+        """The stored rows of `name` ([rows, row bytes or values]): a row range of a fused tensor (Phi-3)."""
+        tensor, first = self._tensors[name]
+        stored_rows = int(tensor.shape[-1])  # ggml lists dims innermost first
+        return tensor.data.reshape(stored_rows, -1)[first:first + self.weight_shape(name)[0]]
 
     def _load(self, name: str) -> torch.Tensor:
-        tensor, shape = self._tensors[name], self.weight_shape(name)
+        (tensor, _), shape = self._tensors[name], self.weight_shape(name)
         if len(shape) == 1:
             values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             # a copy: the file is mapped read-only
             return torch.from_numpy(np.array(self._unpermute(name, values), dtype=np.float32))
         # Row chunks into one float32 array: dequantizing a whole embedding at once needs several
         # temporaries of its float size, the largest share of a streaming build's peak memory.
-        blocks = tensor.data.reshape(shape[0], -1)
+        blocks = self._rows(name)
         values = np.empty(shape, dtype=np.float32)
         step = max(1, DEQUANT_CHUNK // shape[1])
         for start in range(0, shape[0], step):
@@ -95,15 +106,14 @@ class GGUFModelSpec(ModelSpec):
 
     def stored_type(self, name: str) -> str:
         self._check_name(name)
-        return self._tensors[name].tensor_type.name
+        return self._tensors[name][0].tensor_type.name
 
     def raw_blocks(self, name: str) -> RawBlocks | None:
         self._check_name(name)
-        tensor = self._tensors[name]
+        tensor, _ = self._tensors[name]
         if tensor.tensor_type.name not in BLOCK_FORMATS:
             return None
-        rows = self.weight_shape(name)[0]
-        data = np.array(self._unpermute(name, tensor.data.reshape(rows, -1)))
+        data = np.array(self._unpermute(name, self._rows(name)))
         return RawBlocks(tensor.tensor_type.name, data, self.weight_shape(name))
 
     def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
@@ -190,19 +200,32 @@ def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
     if "token_embd.weight" not in gguf_tensors:
         raise KilnError(f"model: {path}: tensor token_embd.weight is missing")
     config = _config_from_metadata(reader, gguf_tensors, str(path), architecture)
-    tensors = {}
+    shapes = canonical_weight_shapes(config)
+    tensors, expected = {}, {}
     for gguf_name, tensor in gguf_tensors.items():
+        if gguf_name in ROPE_FACTOR_TENSORS:
+            continue  # read into the config's rope scaling
+        match = LAYER_TENSOR.fullmatch(gguf_name)
+        if architecture == "phi3" and match and match[2] in PHI3_FUSED:
+            first = 0
+            for part in PHI3_FUSED[match[2]]:
+                kiln_name = f"layers.{match[1]}.{part}.{match[3]}"
+                tensors[kiln_name] = (tensor, first)
+                first += shapes[kiln_name][0]
+            expected[gguf_name] = (first, *shapes[kiln_name][1:])
+            continue
         kiln_name = canonical_name(gguf_name, architecture)
         if kiln_name is None:
             raise KilnError(f"model: {path}: unsupported tensor {gguf_name} for a {architecture} model")
-        tensors[kiln_name] = tensor
-    for kiln_name, shape in canonical_weight_shapes(config).items():
+        tensors[kiln_name] = (tensor, 0)
+        expected[gguf_name] = shapes.get(kiln_name)
+    for kiln_name in shapes:
         if kiln_name not in tensors:
             raise KilnError(f"model: {path}: tensor for {kiln_name} is missing")
-        found = tuple(int(n) for n in reversed(tensors[kiln_name].shape))  # ggml lists dims innermost first
+    for gguf_name, shape in expected.items():
+        found = tuple(int(n) for n in reversed(gguf_tensors[gguf_name].shape))  # ggml lists dims innermost first
         if found != shape:
-            raise KilnError(f"model: {path}: {tensors[kiln_name].name} has shape {list(found)}, "
-                            f"metadata implies {list(shape)}")
+            raise KilnError(f"model: {path}: {gguf_name} has shape {list(found)}, metadata implies {list(shape)}")
     return GGUFModelSpec(name or path.stem, path, config, reader, tensors, architecture)
 
 
@@ -222,6 +245,8 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: s
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         raise KilnError(f"model: {where}: rope scaling type {scaling_type!r} is not supported from GGUF")
+    rope_scaling = _longrope(reader, tensors, arch, hidden // num_heads, where) if ROPE_FACTOR_TENSORS[0] in tensors \
+        else None
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     gemma = arch == "gemma3"
     return make_config(
@@ -236,7 +261,7 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: s
         head_dim=head_dim,
         rms_norm_eps=_shortest_float(required("attention.layer_norm_rms_epsilon")),
         rope_theta=_shortest_float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
-        rope_scaling=None,
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensors,
         max_position_embeddings=required("context_length"),
         attention_bias="blk.0.attn_output.bias" in tensors,
@@ -245,7 +270,26 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: s
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
         **(_gemma3_fields(reader, hidden, num_heads, head_dim, required("block_count"), where) if gemma else {}),
+        **({"layer_windows": (window,) * required("block_count")}
+           if arch == "phi3" and (window := _field(reader, "phi3.attention.sliding_window")) else {}),
     )
+
+
+def _longrope(reader: GGUFReader, tensors: dict, arch: str, head_dim: int, where: str) -> dict:
+    """Phi-3's LongRoPE from the file: the factor tensors, the original context length and the attention
+    factor (llama.cpp's converter writes the one transformers derives)."""
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if not original:
+        raise KilnError(f"model: {where}: LongRoPE factors without {arch}.rope.scaling.original_context_length")
+    factors = {key: tuple(_shortest_float(f) for f in np.asarray(tensors[f"rope_factors_{key.split('_')[0]}.weight"].data))
+               for key in ("long_factor", "short_factor")}
+    context = _field(reader, f"{arch}.context_length")
+    attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is None:
+        scale = context / original
+        attention = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+    return {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention)}
 
 
 def _gemma3_fields(reader: GGUFReader, hidden: int, num_heads: int, head_dim: int, layers: int, where: str) -> dict:

@@ -169,8 +169,9 @@ def tiny_gemma3_mqa_dir(tmp_path_factory) -> Path:
                            hidden_activation="gelu_pytorch_tanh")
 
 
-PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
-                 "long_factor": [1.5 + 0.4 * i for i in range(8)]}
+# factors exact in float32, so that a GGUF's float32 factor tensors read back as the config's numbers
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.0625 * i for i in range(8)],
+                 "long_factor": [1.5 + 0.375 * i for i in range(8)]}
 
 
 @pytest.fixture(scope="session")

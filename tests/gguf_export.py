@@ -58,8 +58,8 @@ def write_gguf(path, spec, architecture: str = "llama", types: dict[str, str] | 
                tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
     """Convert a loaded model to a GGUF file; llama's q/k rows are permuted for its rope as llama.cpp does.
 
-    `types`: {glob over Kiln weight names: GGUF type}, first match wins, default F32 (1-D weights are
-    always F32). `tokenizer_dir`: a directory with tokenizer.json and tokenizer_config.json to embed.
+    `types`: {glob over llama.cpp tensor names: GGUF type}, first match wins, default F32 (1-D weights
+    are always F32). `tokenizer_dir`: a directory with tokenizer.json and tokenizer_config.json to embed.
     """
     config, rng = spec.config, np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), architecture)
@@ -74,32 +74,54 @@ def write_gguf(path, spec, architecture: str = "llama", types: dict[str, str] | 
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_ids[0])
-    if architecture == "gemma3":  # the window; the layer pattern and local rope base are llama.cpp's fixed ones
-        writer.add_sliding_window(max(config.layer_windows))
+    if config.layer_windows and architecture in ("gemma3", "phi3"):
+        writer.add_sliding_window(max(config.layer_windows))  # gemma3's layer pattern is llama.cpp's fixed one
+    if architecture == "gemma3":
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    scaling = config.rope_scaling or {}
+    if architecture == "phi3" and scaling.get("rope_type") == "longrope":  # the factors as tensors, as llama.cpp
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        for key in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{key}.weight", np.array(scaling[f"{key}_factor"], dtype=np.float32))
     if tokenizer_dir is not None:
         _add_tokenizer(writer, Path(tokenizer_dir))
-    for name in spec.weight_names():
-        weight = spec.load(name).numpy()
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
-        if heads and architecture == "llama":
-            weight = weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    for name, weight in _stored_weights(spec, architecture):
         kind = next((t for pattern, t in (types or {}).items() if fnmatchcase(name, pattern)), "F32")
         if weight.ndim == 1 or kind == "F32":
-            writer.add_tensor(gguf_name(name, architecture), np.ascontiguousarray(weight))
+            writer.add_tensor(name, np.ascontiguousarray(weight))
         elif kind.endswith("_K"):
             blocks = random_k_blocks(kind, *weight.shape, rng)
-            writer.add_tensor(gguf_name(name, architecture), blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name(name, architecture), gguf.quants.quantize(np.ascontiguousarray(weight), qtype),
-                              raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(weight), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def _stored_weights(spec, architecture: str):
+    """(llama.cpp tensor name, array) of every weight as the converter stores it: llama's q/k rows
+    interleaved for its rope, Phi-3's q|k|v and gate|up fused into attn_qkv and ffn_up."""
+    config, fused = spec.config, {}
+    for name in spec.weight_names():
+        weight = spec.load(name).numpy()
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+        if heads and architecture == "llama":
+            weight = weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+        stored = gguf_name(name, architecture)
+        part = stored.split(".")[-2]
+        if architecture == "phi3" and part in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
+            whole = stored.replace(part, "attn_qkv" if part.startswith("attn") else "ffn_up")
+            fused.setdefault(whole, {})[part] = weight
+            continue
+        yield stored, weight
+    order = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")
+    for whole, parts in fused.items():
+        yield whole, np.concatenate([parts[p] for p in order if p in parts])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:

@@ -26,9 +26,9 @@ K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_
                num_key_value_heads=2, head_dim=64)
 # Every block type, each on a weight that a test reads back: exact ones (Q4_0, Q4_1, Q4_K, Q8_0) and
 # ones Kiln has no format for (Q5_K, Q6_K).
-MIXED_TYPES = {"embed_tokens.weight": "Q6_K", "lm_head.weight": "Q8_0", "*.q_proj.weight": "Q4_K",
-               "*.k_proj.weight": "Q5_K", "*.v_proj.weight": "Q8_0", "*.o_proj.weight": "Q4_0",
-               "*.gate_proj.weight": "Q4_1", "*.up_proj.weight": "Q4_K", "*.down_proj.weight": "Q6_K"}
+MIXED_TYPES = {"token_embd.weight": "Q6_K", "output.weight": "Q8_0", "*.attn_q.weight": "Q4_K",
+               "*.attn_k.weight": "Q5_K", "*.attn_v.weight": "Q8_0", "*.attn_output.weight": "Q4_0",
+               "*.ffn_gate.weight": "Q4_1", "*.ffn_up.weight": "Q4_K", "*.ffn_down.weight": "Q6_K"}
 EXACT_TYPES = {pattern: kind for pattern, kind in MIXED_TYPES.items() if kind in BLOCK_FORMATS}
 
 
@@ -154,7 +154,7 @@ def test_gemma3_gguf_reads_as_its_hugging_face_checkpoint(tmp_path):
                                 hidden_activation="gelu_pytorch_tanh")
     hf = load_model(str(model_dir))
     assert hf.config.layer_windows == (8, 8, 8, 8, 8, 0, 8)
-    path = write_gguf(tmp_path / "gemma3.gguf", hf, "gemma3", {"layers.*_proj.weight": "Q8_0"},
+    path = write_gguf(tmp_path / "gemma3.gguf", hf, "gemma3", {"blk.*.weight": "Q8_0"},
                       tokenizer_dir=model_dir)
     spec = load_model(str(path))
     assert spec.config == hf.config
@@ -170,3 +170,20 @@ def test_gemma3_gguf_reads_as_its_hugging_face_checkpoint(tmp_path):
             if name.endswith("_proj.weight"):
                 state[f"model.{name}"].copy_(spec.load(name))
     assert_logits_match(model, tmp_path / "e", PROMPTS)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_phi3_dir", "tiny_phi3_longrope_dir"])
+def test_phi3_gguf_with_fused_tensors_matches_transformers(fixture, request, tmp_path):
+    # llama.cpp keeps Phi-3's fused attn_qkv and ffn_up (gate | up) and stores LongRoPE's factors as tensors.
+    model_dir = request.getfixturevalue(fixture)
+    hf = load_model(str(model_dir))
+    path = write_gguf(tmp_path / "phi3.gguf", hf, "phi3", tokenizer_dir=model_dir)
+    spec = load_model(str(path))
+    assert spec.config == hf.config
+    for name in hf.weight_names():
+        assert torch.equal(spec.load(name), hf.load(name)), name
+    build_engine(str(path), exact_plan(method="none"), tmp_path / "e", show_progress=False)
+    from transformers import AutoModelForCausalLM
+
+    assert_logits_match(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tmp_path / "e",
+                        PROMPTS)
