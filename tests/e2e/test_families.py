@@ -115,3 +115,13 @@ def test_greedy_generation_is_transformers_token_for_token(family_engine):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     for ids in PROMPTS:
         assert llm.generate([ids], params)[0].token_ids == transformers_greedy(model, ids, 32), ids
+
+
+@pytest.mark.parametrize("method", ["int4-awq", "fp8"])
+def test_gemma3_builds_with_quantization_that_reads_its_graph(tiny_gemma3_dir, tmp_path, method):
+    # AWQ folds scales into the norm before each linear (Gemma: the sandwich norms), fp8 quantizes every
+    # linear; both then measure the build against the float model.
+    plan = exact_plan(method=method, max_ppl_increase=None, min_greedy_agreement=None)
+    build_engine(str(tiny_gemma3_dir), plan, tmp_path / "e", show_progress=False)
+    accuracy = json.loads((tmp_path / "e" / "manifest.json").read_text())["accuracy"]
+    assert accuracy["method"] == method and accuracy["quantized_nodes"] > 0 and accuracy["kl_mean"] > 0

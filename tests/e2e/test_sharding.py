@@ -212,6 +212,7 @@ class ThreadRanks:
     ("tiny_phi3_longrope_dir", 1, 2, "none"),
     ("tiny_gemma3_dir", 2, 1, "none"),          # q/k head norms follow their heads onto the ranks
     ("tiny_gemma3_mqa_dir", 1, 2, "none"),
+    ("tiny_gemma3_mqa_dir", 2, 1, "int8"),      # 3 query heads over 2 ranks, the one KV head replicated
 ])
 def test_rank_programs_together_give_the_one_rank_logits(fixture, tp, pp, quant, request):
     model_dir = request.getfixturevalue(fixture)
