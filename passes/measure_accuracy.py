@@ -42,7 +42,7 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     # bit for bit): the graph itself, run exactly, is the reference, and no second model is loaded.
     reference = reference_graph(ctx.model) if quant.method in REQUANT_METHODS or requantized else out
     if requantized:
-        figures["source_requantized"] = {"format": "int8 group 32", "nodes": len(requantized)}
+        figures["source_requantized"] = {"format": "int8 group 32", "weights": len(requantized)}
     prompts, templated = chat_prompts(ctx.model)
     figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, quant.activations, ctx.show_progress,
                             prompts, set(ctx.model.config.eos_token_ids)))

@@ -138,8 +138,8 @@ def test_source_method_requantizes_blocks_without_a_kiln_format_and_measures_it(
     build_engine(str(qwen2_gguf), exact_plan(method="source", max_ppl_increase=100.0, min_greedy_agreement=0.0),
                  tmp_path / "e", show_progress=False)
     accuracy = json.loads((tmp_path / "e" / "manifest.json").read_text())["accuracy"]
-    # Q5_K (k_proj) and Q6_K (embedding, down_proj) in two layers: 1 + 2 x 2 nodes at int8 group 32
-    assert accuracy["source_requantized"] == {"format": "int8 group 32", "nodes": 5}
+    # Q5_K (k_proj) and Q6_K (embedding, down_proj) in two layers: 1 + 2 x 2 weights at int8 group 32
+    assert accuracy["source_requantized"] == {"format": "int8 group 32", "weights": 5}
     assert accuracy["ppl_quantized"] > 0 and accuracy["kl_mean"] > 0 and "greedy_agreement_pct" in accuracy
 
 
