@@ -12,7 +12,8 @@ from runtime.ops import reference
 
 
 def embedding(tokens, weight, *, name: str, hidden_size: int, vocab_size: int, scale: float = 1.0):
-    return F.embedding(tokens, weight) * scale if scale != 1.0 else F.embedding(tokens, weight)
+    rows = F.embedding(tokens, weight)
+    return rows * scale if scale != 1.0 else rows
 
 
 def rms_norm(x, weight, *, name: str, eps: float):
