@@ -1,4 +1,5 @@
-"""GGUF source: a llama- or qwen2-architecture .gguf file, dequantized on load, tokenizer rebuilt from its metadata.
+"""GGUF source: a .gguf file of the llama, qwen2, phi3 or gemma3 architecture, dequantized on load, its tokenizer
+rebuilt from its metadata.
 
 Weights whose blocks have an exact Kiln format (Q4_0, Q4_1 and Q4_K as int4 group-32; Q8_0 as int8
 group-32) keep them bit for bit under `[quant] method = "source"`; other quantized blocks (Q5_K,
@@ -77,7 +78,7 @@ class GGUFModelSpec(ModelSpec):
     def __init__(self, name: str, path: Path, config: ModelConfig, reader: GGUFReader, tensors: dict,
                  architecture: str = "llama"):
         super().__init__(name, path, config, [path])
-        self.config_architecture = architecture  # the GGUF's general.architecture
+        self.gguf_architecture = architecture  # the GGUF's general.architecture
         self._path = path
         self._reader = reader
         self._tensors = tensors  # Kiln name -> (gguf ReaderTensor, its first row for this weight)
@@ -123,7 +124,7 @@ class GGUFModelSpec(ModelSpec):
         LlamaTensorProcessor._reverse_permute_weights. It moves whole rows, so it applies to block bytes
         (and biases) too. Architectures whose converter keeps Hugging Face's order are left alone.
         """
-        if not ARCHITECTURES[self.config_architecture]:
+        if not ARCHITECTURES[self.gguf_architecture]:
             return rows
         if ".q_proj." in name:
             num_heads = self.config.num_heads
@@ -210,6 +211,8 @@ def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
             first = 0
             for part in PHI3_FUSED[match[2]]:
                 kiln_name = f"layers.{match[1]}.{part}.{match[3]}"
+                if kiln_name not in shapes:
+                    raise KilnError(f"model: {path}: unsupported tensor {gguf_name} for a {architecture} model")
                 tensors[kiln_name] = (tensor, first)
                 first += shapes[kiln_name][0]
             expected[gguf_name] = (first, *shapes[kiln_name][1:])

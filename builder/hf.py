@@ -160,7 +160,7 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         qk_norm=gemma,
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(required("hidden_size") ** 0.5)) if gemma else 1.0,
-        attention_scale=float(hf_config["query_pre_attn_scalar"]) ** -0.5 if gemma else 0.0,
+        attention_scale=float(required("query_pre_attn_scalar")) ** -0.5 if gemma else 0.0,
         local_rope_theta=float(local_theta) if gemma else 0.0,
     )
 
