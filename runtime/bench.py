@@ -51,13 +51,16 @@ class LevelResult:
     memory_pct: float = math.nan   # weight_gbs against the measured read bandwidth
     compute_pct: float = math.nan  # gops against the measured peak of the engine's activations
     limit: str = ""                # "memory", "f32" or "int8": the larger share
+    spec_acceptance_pct: float = math.nan  # speculative guesses that stood (NaN: no speculation)
+    spec_tokens_per_step: float = math.nan  # tokens a speculating sequence gained per step
 
     COLUMNS = (("concurrency", "conc", "{:d}"), ("output_tok_s", "out tok/s", "{:.1f}"),
                ("prefill_tok_s", "prefill tok/s", "{:.0f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
                ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
                ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("tokens_per_step", "tok/step", "{:.1f}"),
                ("weight_gbs", "weights GB/s", "{:.2f}"), ("memory_pct", "% read BW", "{:.0f}"),
-               ("gops", "GOP/s", "{:.1f}"), ("compute_pct", "% compute", "{:.0f}"), ("limit", "limit", "{}"))
+               ("gops", "GOP/s", "{:.1f}"), ("compute_pct", "% compute", "{:.0f}"), ("limit", "limit", "{}"),
+               ("spec_acceptance_pct", "spec accept %", "{:.0f}"), ("spec_tokens_per_step", "spec tok/step", "{:.2f}"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,8 +95,10 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     gaps: list[float] = []
+    seen: dict[str, int] = {}
     steps = 0
     prefill_time = 0.0
+    spec_before = llm.stats()
 
     def submit() -> None:
         arrival[llm.add_request(pending.pop(), params)] = time.perf_counter()
@@ -113,9 +118,11 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
             rid = out.request_id
             if rid not in first:
                 first[rid] = now
-            elif out.token_ids:
-                gaps.append(now - last[rid])
+            elif len(out.token_ids) > seen[rid]:  # a speculative step may bring several tokens: each its share
+                new = len(out.token_ids) - seen[rid]
+                gaps.extend([(now - last[rid]) / new] * new)
             last[rid] = now
+            seen[rid] = len(out.token_ids)
             if out.finished:
                 if out.finish_reason == "error":
                     raise RuntimeError(f"request failed during the benchmark: {out.error}")
@@ -123,6 +130,9 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
                     submit()
     elapsed = time.perf_counter() - start
     ttft = [first[r] - arrival[r] for r in arrival]
+    spec = llm.stats()
+    proposed = spec.spec_proposed_tokens - spec_before.spec_proposed_tokens
+    spec_steps = spec.spec_steps - spec_before.spec_steps
     return LevelResult(
         concurrency=concurrency, requests=requests, prompt_len=prompt_len, output_len=output_len,
         elapsed_s=elapsed, steps=steps, output_tok_s=requests * output_len / elapsed,
@@ -133,7 +143,11 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
         # every prompt token and every output token but the last passes the layers; outputs need logits
         tokens_per_step=requests * (prompt_len + output_len - 1) / steps,
         gops=2 * requests * (linear_params[0] * (prompt_len + output_len - 1) + linear_params[1] * output_len)
-        / elapsed / 1e9)
+        / elapsed / 1e9,
+        spec_acceptance_pct=(100 * (spec.spec_accepted_tokens - spec_before.spec_accepted_tokens) / proposed
+                             if proposed else math.nan),
+        spec_tokens_per_step=((spec.spec_emitted_tokens - spec_before.spec_emitted_tokens) / spec_steps
+                              if spec_steps else math.nan))
 
 
 def annotate(results: list[LevelResult], peaks: Peaks, activations: str) -> None:

@@ -31,15 +31,24 @@ one_line_errors = cli_errors.one_line_errors("engine-run", (EngineError, ValueEr
 
 
 def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0,
-                   backend=None, prefill_chunk=None):
+                   backend=None, prefill_chunk=None, speculative=None, draft=None, speculative_k=4):
     from runtime.engine import DEFAULT_PREFILL_CHUNK, EngineOptions
+    from runtime.speculative import SpeculativeConfig
 
     if prefill_chunk is not None and prefill_chunk < 0:
         fail(f"--prefill-chunk must be >= 0 (0: no limit), got {prefill_chunk}")
     chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else (prefill_chunk or None)
+    spec = None
+    if draft is not None and speculative not in (None, "draft"):
+        fail(f"--draft runs the draft proposer; it cannot be combined with --speculative {speculative}")
+    if speculative == "draft" and draft is None:
+        fail("--speculative draft needs --draft ENGINE (a Kiln engine with the target's tokenizer)")
+    if speculative not in (None, "off") or draft is not None:
+        spec = SpeculativeConfig(proposer="draft" if draft is not None else speculative, max_k=speculative_k,
+                                 draft_engine=None if draft is None else str(draft))
     return EngineOptions(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                          prefill_chunk=chunk, kv_cache_gib=kv_cache_gib, num_threads=threads,
-                         rank_timeout=rank_timeout, backend=backend)
+                         rank_timeout=rank_timeout, backend=backend, speculative=spec)
 
 
 @app.callback()
@@ -60,6 +69,17 @@ BACKEND = typer.Option(None, "--backend",
                        help="What runs the engine: cpu (cpu engines), tensorrt (tensorrt engines, on their GPU), or "
                             "onnxruntime (a tensorrt engine's verified ONNX on this CPU, KV budget 1 GiB unless "
                             "--kv-cache-gib). Default: the engine target's own.")
+SPECULATIVE = typer.Option(None, "--speculative",
+                            help="Speculative decoding: ngram (guess a sequence's next tokens from where its last "
+                                 "few tokens occurred before in it: strong when answers copy their input), draft "
+                                 "(with --draft), or off (the default). Greedy answers stay the same; sampled "
+                                 "ones keep their distribution.")
+DRAFT = typer.Option(None, "--draft",
+                     help="Speculate with this Kiln engine as the draft model (one rank, cpu target, the same "
+                          "tokenizer as the engine); implies --speculative draft.")
+SPECULATIVE_K = typer.Option(4, "--speculative-k", min=1, max=16,
+                             help="Most guesses a sequence verifies per step; each sequence then guesses as many "
+                                  "as its recent acceptance and the step's cost make worth it (0 when none are).")
 RANK_TIMEOUT = typer.Option(60.0, "--rank-timeout",
                             help="Multi-rank engines: seconds a dead or hung rank is given before every rank "
                                  "stops and engine-run exits naming it. Ranks: one process each, started here, "
@@ -82,6 +102,7 @@ def generate(
     prefill_chunk: Optional[int] = PREFILL_CHUNK,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
+    speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
 ):
     """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
     from runtime.launcher import open_llm_engine
@@ -90,7 +111,8 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads, rank_timeout, backend, prefill_chunk)) as llm:
+                                                threads, rank_timeout, backend, prefill_chunk, speculative, draft,
+                                                speculative_k)) as llm:
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         ids = [llm.add_request(t, params) for t in texts]
         stream = len(ids) == 1
@@ -132,6 +154,7 @@ def serve(
     prefill_chunk: Optional[int] = PREFILL_CHUNK,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
+    speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
     import dataclasses
@@ -145,7 +168,7 @@ def serve(
     open_engine(engine, backend=backend)
     check_port_free(host, port)
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
-                             backend, prefill_chunk)
+                             backend, prefill_chunk, speculative, draft, speculative_k)
     options = dataclasses.replace(options, check_hashes=False)
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
                                 max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
@@ -185,6 +208,7 @@ def bench(
     prefill_chunk: Optional[int] = PREFILL_CHUNK,
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
+    speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
     busy_cores: int = typer.Option(0, "--busy-cores", min=0,
                                    help="Then run the levels again with this many busy-loop processes pinned to "
                                         "this process's last CPUs, and show each level's share of its quiet "
@@ -207,7 +231,8 @@ def bench(
     except ValueError as exc:
         fail(str(exc))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads, rank_timeout, backend, prefill_chunk)) as llm:
+                                                threads, rank_timeout, backend, prefill_chunk, speculative, draft,
+                                                speculative_k)) as llm:
         limit = llm.limits.max_seq_len
         if prompt_len + output_len > limit:
             fail(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the engine's max_seq_len {limit}")

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from runtime.sampler import Sampler
 from runtime.sampling import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
+from runtime.speculative import NgramProposer, SpeculativeConfig, Speculator
 from runtime.step import build_step_metadata
 
 log = logging.getLogger("kiln.engine")
@@ -52,6 +54,7 @@ class EngineOptions:
     check_hashes: bool = True
     rank_timeout: float = 60.0          # multi-rank: seconds a silent rank is given before all ranks stop
     backend: str | None = None          # None: the engine target's own (cpu); onnxruntime: a tensorrt engine's ONNX
+    speculative: SpeculativeConfig | None = None  # speculative decoding (runtime/speculative.py); None: off
 
 
 @dataclass
@@ -66,6 +69,8 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[float] | None = None
     error: str | None = None
+    num_proposed_tokens: int = 0     # speculative guesses verified for this request
+    num_accepted_tokens: int = 0     # of those, the ones that stood
 
 
 @dataclass
@@ -87,7 +92,19 @@ class EngineStats:
     generated_tokens: int = 0
     batches_in_flight: int = 0       # submitted to a pipelined executor and not yet collected
     peak_batches_in_flight: int = 0  # the most at once since start (1 when one step runs at a time)
+    spec_proposed_tokens: int = 0    # speculative guesses verified (0 when speculation is off)
+    spec_accepted_tokens: int = 0    # of those, the ones that stood
+    spec_steps: int = 0              # sequence-steps that verified guesses
+    spec_emitted_tokens: int = 0     # tokens those sequence-steps emitted
     extra: dict = field(default_factory=dict)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        return self.spec_emitted_tokens / self.spec_steps if self.spec_steps else 1.0
 
 
 class LLMEngine:
@@ -112,18 +129,29 @@ class LLMEngine:
         self.executor = executor
         self.max_in_flight = executor.max_in_flight
         self.num_blocks = executor.cache.num_blocks
+        self.speculator = self._speculator(options)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.limits.max_batch_size, max_num_tokens=self.limits.max_num_tokens,
             max_seq_len=self.limits.max_seq_len, num_blocks=self.num_blocks, block_size=self.block_size,
             enable_prefix_caching=options.enable_prefix_caching, max_batches_in_flight=self.max_in_flight,
             prefill_chunk=options.prefill_chunk),
-            self.eos_token_ids)
+            self.eos_token_ids, self.speculator)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.in_flight: deque[tuple[ScheduledBatch, object]] = deque()  # submitted batches, oldest first
         self.peak_in_flight = 0
         self._ids = itertools.count()
         self.prompt_tokens = self.generated_tokens = 0
+
+    def _speculator(self, options: EngineOptions) -> Speculator | None:
+        config = options.speculative
+        if config is None:
+            return None
+        if config.proposer == "ngram":
+            return Speculator(config, NgramProposer(config.ngram_min, config.ngram_max))
+        from runtime.draft import DraftProposer
+
+        return Speculator(config, DraftProposer(config.draft_engine, self.engine, num_threads=options.num_threads))
 
     @classmethod
     def from_dir(cls, path: str | Path, options: EngineOptions = EngineOptions()) -> LLMEngine:
@@ -168,11 +196,15 @@ class LLMEngine:
         executor, submit batches until max_in_flight are in flight and collect the oldest."""
         if self.max_in_flight > 1:
             return self._step_pipelined()
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         self.peak_in_flight = max(self.peak_in_flight, 1)
-        return self._complete(batch, lambda: self.executor.execute(build_step_metadata(batch, self.block_size)))
+        outputs = self._complete(batch, lambda: self.executor.execute(build_step_metadata(batch, self.block_size)))
+        if self.speculator is not None and batch.decodes_only:  # decodes only: what guesses are priced on
+            self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
+        return outputs
 
     def _step_pipelined(self) -> list[RequestOutput]:
         while len(self.in_flight) < self.max_in_flight:
@@ -194,11 +226,15 @@ class LLMEngine:
         """Take a batch's logits from run_batch(), sample and record its tokens; its requests' outputs."""
         try:
             logits = run_batch()
-            tokens, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
+            if batch.is_speculative:
+                tokens, logprobs = self.sampler.verify_batch(logits, batch.sampling_seqs, batch.sampling_proposals)
+            else:
+                tokens, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
         except Exception as exc:  # a failing step ends its own requests (see _fail_batch)
             return self._fail_batch(batch, exc)
+        before = sum(seq.num_output_tokens for seq in batch.sampling_seqs)
         self.scheduler.postprocess(batch, tokens, logprobs)
-        self.generated_tokens += len(tokens)
+        self.generated_tokens += sum(seq.num_output_tokens for seq in batch.sampling_seqs) - before
         outputs = []
         for seq in batch.sampling_seqs:
             request = self.requests.get(seq.request_id)
@@ -233,7 +269,8 @@ class LLMEngine:
             request_id=seq.request_id, delta=delta, text=detok.text, token_ids=list(seq.output_token_ids),
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.logprobs) if seq.params.logprobs else None)
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            num_proposed_tokens=seq.num_proposed_tokens, num_accepted_tokens=seq.num_accepted_tokens)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -256,12 +293,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
             prefix_queries=bm.prefix_cache_queries, prefix_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens, batches_in_flight=len(self.in_flight),
-            peak_batches_in_flight=self.peak_in_flight)
+            peak_batches_in_flight=self.peak_in_flight,
+            **({} if spec is None else dict(spec_proposed_tokens=spec.proposed_tokens,
+                                            spec_accepted_tokens=spec.accepted_tokens, spec_steps=spec.spec_steps,
+                                            spec_emitted_tokens=spec.emitted_tokens)))
 
 
 def _lowered(plan_limits: PlanLimits, options: EngineOptions) -> PlanLimits:

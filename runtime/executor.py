@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -82,15 +83,18 @@ class RecordedStep:
 class CpuExecutor(Executor):
     """Runs a rank's program; `execute(meta)` returns the logits rows named by meta.logits_indices.
 
-    Step replay: when a step has the shape (tokens, sequences, logits rows) of the step before it,
-    at most REPLAY_MAX_TOKENS tokens, and every op of the program is one C call, that step's calls
-    are recorded on a tape (tape.Recording); later steps of the same shape copy their inputs
-    into the recorded step's buffers and replay the tape in one C call, with no Python per op. The
-    returned logits are then the recorded step's buffer: valid until the next step (callers sample
-    before they step again). KILN_STEP_REPLAY=0 turns replay off.
+    Step replay: when a step has a shape (tokens, sequences, logits rows) seen before, at most
+    REPLAY_MAX_TOKENS tokens, and every op of the program is one C call, that step's calls are
+    recorded on a tape (tape.Recording); later steps of the same shape copy their inputs into the
+    recorded step's buffers and replay the tape in one C call, with no Python per op. The returned
+    logits are then the recorded step's buffer: valid until the next step (callers sample before
+    they step again). The last MAX_TAPES shapes keep their tapes: decode steps of a steady batch
+    repeat one shape, and speculative decoding's verify steps cycle through a few (k + 1 tokens
+    and logits per speculating sequence, k varying). KILN_STEP_REPLAY=0 turns replay off.
     """
 
     REPLAY_MAX_TOKENS = tape.REUSE_ROWS
+    MAX_TAPES = 8
 
     def __init__(self, rank_file: RankFile, num_blocks: int, block_size: int, kv_dtype: str = "f32",
                  collectives: dict | None = None):
@@ -106,8 +110,8 @@ class CpuExecutor(Executor):
         self.program = Program(doc, rank_file.tensors, hooks, reuse_outputs=True)
         self.replay = (self.program.recordable and bool(self.program.outputs)
                        and os.environ.get("KILN_STEP_REPLAY", "1") != "0")
-        self.recorded: RecordedStep | None = None
-        self.last_shape: tuple[int, int, int] | None = None
+        self.tapes: OrderedDict[tuple[int, int, int], RecordedStep] = OrderedDict()  # shape -> tape, oldest first
+        self.seen_shapes: OrderedDict[tuple[int, int, int], None] = OrderedDict()    # shapes run once, untaped
         self.replayed_steps = self.recorded_steps = 0
         self.governor = process_governor()  # caps the kernels' threads while other processes hold CPUs
 
@@ -122,18 +126,20 @@ class CpuExecutor(Executor):
         if not self.replay or inputs or meta.token_ids.numel() > self.REPLAY_MAX_TOKENS:
             return self._run(meta, {}, inputs)
         shape = (meta.token_ids.numel(), meta.context_lens.numel(), meta.logits_indices.numel())
-        recorded = self.recorded
-        if (recorded is not None and recorded.shape == shape
-                and meta.block_tables.shape[1] <= recorded.meta.block_tables.shape[1]
+        recorded = self.tapes.get(shape)
+        if (recorded is not None and meta.block_tables.shape[1] <= recorded.meta.block_tables.shape[1]
                 and all(a is b for a, b in zip(recorded.rope, self._rope_buffers()))):
+            self.tapes.move_to_end(shape)
             _copy_step(recorded.meta, meta)
             started = time.perf_counter()
             tape.replay(recorded.tape)
             self.governor.observe_step(shape, time.perf_counter() - started)
             self.replayed_steps += 1
             return recorded.output
-        if shape != self.last_shape:  # record a shape only once it repeats (decode), not every prefill chunk
-            self.last_shape = shape
+        if recorded is None and shape not in self.seen_shapes:  # record a shape once it repeats, not every
+            self.seen_shapes[shape] = None                      # prefill chunk
+            if len(self.seen_shapes) > 4 * self.MAX_TAPES:
+                self.seen_shapes.popitem(last=False)
             return self._run(meta, {}, None)
         return self._record(meta, shape)
 
@@ -150,7 +156,7 @@ class CpuExecutor(Executor):
 
     def _record(self, meta: StepMetadata, shape: tuple[int, int, int]) -> torch.Tensor:
         """Run the step on inputs of its own (room for twice the block table columns) and keep its tape."""
-        self.recorded = None
+        self.tapes.pop(shape, None)
         width = max(16, 2 * meta.block_tables.shape[1])
         tables = torch.full((meta.block_tables.shape[0], width), -1, dtype=torch.int32)
         own = StepMetadata(**{name: getattr(meta, name).clone() for name in _STEP_FIELDS}, block_tables=tables)
@@ -160,7 +166,9 @@ class CpuExecutor(Executor):
             output = self._run(own, env, None)
         if recording.tape is not None:
             self.recorded_steps += 1
-            self.recorded = RecordedStep(shape, recording.tape, own, env, output, self._rope_buffers())
+            self.tapes[shape] = RecordedStep(shape, recording.tape, own, env, output, self._rope_buffers())
+            if len(self.tapes) > self.MAX_TAPES:
+                self.tapes.popitem(last=False)
         return output
 
     def _rope_buffers(self) -> list[torch.Tensor]:

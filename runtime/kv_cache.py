@@ -123,6 +123,21 @@ class BlockManager:
         if len(seq.block_table) < self.blocks_needed(seq.num_tokens):
             seq.block_table.append(self._take_free_block())
 
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Make the block table cover num_tokens positions (speculative guesses beyond seq's tokens)."""
+        while len(seq.block_table) < self.blocks_needed(num_tokens):
+            seq.block_table.append(self._take_free_block())
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past seq's tokens (they held only rejected guesses: never hashed)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block.block_id] = None
+                self.free_block_ids.move_to_end(block.block_id, last=False)
+
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the full blocks that became computed since the last call (after each step)."""
         if not self.enable_prefix_caching:

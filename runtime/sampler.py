@@ -11,6 +11,11 @@ Every row depends only on its own logits, params, tokens and generator, never on
 - the token is argmax(probs / e) with e ~ Exp(1) drawn by the row's own generator over the whole
   vocabulary (the exponential race: token i wins with probability probs[i] / sum(probs)), so the
   same seed gives the same tokens in any batch.
+A sequence with speculative guesses has k + 1 rows and goes through verify(): greedy keeps the
+guesses that equal the argmax at their position, sampled ones the rejection rule over the same
+probabilities (temperature, top-k, top-p; renormalised) with the row's generator
+(runtime/speculative.py). Speculation is never given to requests with penalties or min_tokens
+pending, so those adjustments never meet guesses.
 Log-probs are log_softmax of the raw logits, before penalties, temperature and filtering: the
 model's own probability of the chosen token, comparable across requests whatever their sampling settings.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from runtime.sequence import Sequence
+from runtime.speculative import Proposal, accept_greedy, accept_sampled
 
 
 class Sampler:
@@ -52,6 +58,46 @@ class Sampler:
             for i, value in zip(wanted, chosen.squeeze(1).tolist()):
                 logprobs[i] = value
         return token_list, logprobs
+
+    def verify_batch(self, logits: torch.Tensor, seqs: list[Sequence], proposals: list[Proposal]) -> tuple[list, list]:
+        """A step with guesses: k + 1 logits rows for each sequence with k guesses (verify()), one for every
+        other (sampled together, as in sample()). Per sequence: a token, or the list of tokens a verified
+        sequence emits; and its log-prob(s), None where not requested."""
+        tokens: list = [None] * len(seqs)
+        logprobs: list = [None] * len(seqs)
+        plain, plain_rows, row = [], [], 0
+        for i, (seq, proposal) in enumerate(zip(seqs, proposals)):
+            k = len(proposal.tokens)
+            if k:
+                tokens[i], logprobs[i] = self.verify(logits[row:row + k + 1], seq, proposal)
+            else:
+                plain.append(i)
+                plain_rows.append(row)
+            row += k + 1
+        if row != logits.shape[0]:
+            raise ValueError(f"verify_batch: {row} logits rows expected, got {logits.shape[0]}")
+        if plain:
+            sampled, lps = self.sample(logits[plain_rows], [seqs[i] for i in plain])
+            for i, token, lp in zip(plain, sampled, lps):
+                tokens[i], logprobs[i] = token, lp
+        return tokens, logprobs
+
+    def verify(self, rows: torch.Tensor, seq: Sequence, proposal: Proposal) -> tuple[list[int], list[float] | None]:
+        """rows [k + 1, V]: logits after seq's last token and each of its k guesses -> (the tokens the step
+        emits, their log-probs when requested)."""
+        rows = rows.float()
+        if seq.params.is_greedy:
+            tokens = accept_greedy(proposal.tokens, rows.argmax(dim=-1).tolist())
+        else:
+            probs = torch.softmax(rows / seq.params.temperature, dim=-1)
+            if seq.params.uses_top_k or seq.params.uses_top_p:
+                probs = self._filter_top_k_top_p(probs, [seq] * rows.shape[0])
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            tokens = accept_sampled(proposal.tokens, probs, proposal.probs, seq.generator)
+        if not seq.params.logprobs:
+            return tokens, None
+        chosen = torch.log_softmax(rows[:len(tokens)], dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1))
+        return tokens, chosen.squeeze(1).tolist()
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits [R, V] of rows with temperature > 0 -> sampled token ids [R]."""

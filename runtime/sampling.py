@@ -22,6 +22,8 @@ class SamplingParams:
     presence_penalty subtracts from each token already generated, frequency_penalty that times its
     count (OpenAI's, in [-2, 2]; 0 = off).
     logprobs=True returns the log-probability of each chosen token under the raw logits.
+    speculative=False keeps the request out of speculative decoding where the engine runs it (it then
+    decodes one token per step); its tokens are the same either way for greedy requests.
     stop and stop_token_ids accept any sequence and are stored as tuples so the params stay immutable.
     """
 
@@ -39,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not self.temperature >= 0.0:
@@ -73,6 +76,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
         object.__setattr__(self, "eos_token_ids", eos_token_ids)

@@ -14,6 +14,12 @@ Each schedule() builds one step within max_num_tokens:
    its first chunk.
 A sequence is admitted with blocks for all its tokens, so only decodes ask for new blocks.
 
+Speculative decoding (with a Speculator): after step 1, each decoding sequence may get k guesses
+(runtime/speculative.py), which the step carries after its last token as a query chunk of k + 1
+tokens with logits at each. Guesses take the token budget left after the decodes (less one
+prefill chunk while prompts wait) and only blocks that are free: a guess never preempts. After the
+step only the emitted tokens count; blocks that held only rejected guesses are released at once.
+
 Batches in flight (a pipelined engine, pp > 1, runs up to max_batches_in_flight at once): a
 sequence is in at most one batch between schedule() and that batch's postprocess(), since its
 next token depends on the batch's result; schedule() passes over sequences in flight, and each
@@ -36,6 +42,7 @@ from typing import Iterable
 
 from runtime.kv_cache import BlockManager
 from runtime.sequence import Sequence, SequenceStatus
+from runtime.speculative import Proposal, Speculator
 
 
 @dataclass(frozen=True)
@@ -69,13 +76,34 @@ class ScheduledBatch:
     """
 
     seqs: tuple[Sequence, ...]
-    num_new_tokens: tuple[int, ...]
+    num_new_tokens: tuple[int, ...]    # guesses included
     needs_token: tuple[bool, ...]
+    proposals: tuple[Proposal, ...] = ()  # per sequence when speculating: the guesses after its last token
+
+    def guesses(self, i: int) -> list[int]:
+        return self.proposals[i].tokens if self.proposals else []
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
-        """The sequences that get a token this step, in the order of the logits rows."""
+        """The sequences that get a token this step, in the order of their logits rows (k + 1 rows for a
+        sequence with k guesses, one for every other)."""
         return [seq for seq, needed in zip(self.seqs, self.needs_token) if needed]
+
+    @property
+    def sampling_proposals(self) -> list[Proposal]:
+        """The proposal of each of sampling_seqs (empty ones when not speculating)."""
+        if not self.proposals:
+            return [Proposal([])] * sum(self.needs_token)
+        return [p for p, needed in zip(self.proposals, self.needs_token) if needed]
+
+    @property
+    def decodes_only(self) -> bool:
+        """Every sequence computes one token of its own (and its guesses): no prefill in the step."""
+        return all(n - len(self.guesses(i)) == 1 for i, n in enumerate(self.num_new_tokens))
+
+    @property
+    def is_speculative(self) -> bool:
+        return any(p.tokens for p in self.proposals)
 
     @property
     def num_tokens(self) -> int:
@@ -89,8 +117,10 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager; one schedule()/postprocess() per batch."""
 
-    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (),
+                 speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -145,6 +175,11 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(1)
         budget = cfg.max_num_tokens - len(seqs)
+        proposals: list[Proposal] = []
+        if self.speculator is not None and seqs:
+            proposals, counts = self._speculate(seqs, budget)
+            budget -= sum(counts) - len(seqs)
+            budget = max(budget, 0)
         if seqs and cfg.prefill_chunk is not None:
             budget = min(budget, cfg.prefill_chunk)
         for seq in self.running:
@@ -165,17 +200,42 @@ class Scheduler:
             seqs.append(seq)
             counts.append(min(seq.num_pending_tokens, budget))
             budget -= counts[-1]
-        needs_token = tuple(s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts))
+        if proposals:
+            proposals += [Proposal([])] * (len(seqs) - len(proposals))
+        guessed = [len(p.tokens) for p in proposals] or [0] * len(seqs)
+        needs_token = tuple(s.num_computed_tokens + n - g == s.num_tokens for s, n, g in zip(seqs, counts, guessed))
         self.in_flight.update(seqs)
-        return ScheduledBatch(tuple(seqs), tuple(counts), needs_token)
+        return ScheduledBatch(tuple(seqs), tuple(counts), needs_token, tuple(proposals))
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
-                    logprobs: list[float | None] | None = None) -> list[Sequence]:
+    def _speculate(self, decoding: list[Sequence], budget: int) -> tuple[list[Proposal], list[int]]:
+        """Guesses for the decoding sequences within `budget` tokens (one prefill chunk kept for waiting
+        prompts) and the free blocks; each sequence's token count, 1 + its guesses."""
+        cfg, bm = self.config, self.block_manager
+        prefill = 0
+        admissible = self.waiting and len(self.running) < cfg.max_batch_size
+        if admissible or any(s.num_pending_tokens > 1 and s not in self.in_flight for s in self.running):
+            prefill = min(budget, cfg.prefill_chunk or budget)
+        proposals = self.speculator.propose(decoding, budget - prefill, len(decoding) + prefill)
+        counts = []
+        for i, (seq, proposal) in enumerate(zip(decoding, proposals)):
+            guesses = proposal.tokens
+            # Slots for positions num_tokens .. num_tokens + k - 1, from blocks nobody holds.
+            fits = len(seq.block_table) * bm.block_size + bm.num_free_blocks * bm.block_size - seq.num_tokens
+            if len(guesses) > fits:
+                guesses = guesses[:max(fits, 0)]
+                proposals[i] = Proposal(guesses, None if proposal.probs is None else proposal.probs[:len(guesses)])
+            bm.append_slots(seq, seq.num_tokens + len(guesses))
+            counts.append(1 + len(guesses))
+        return proposals, counts
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int | list[int]],
+                    logprobs: list | None = None) -> list[Sequence]:
         """Record a step's results: advance computed tokens, append sampled tokens, finish on EOS/length.
 
-        token_ids (and logprobs) follow batch.sampling_seqs. Sequences aborted or finished since
-        schedule() are skipped (one aborted in flight is finished now). Returns the sequences that
-        finished here.
+        token_ids (and logprobs) follow batch.sampling_seqs: one token each, or for a sequence with
+        guesses the list of tokens the step emitted (accepted guesses, then the target's own token).
+        Sequences aborted or finished since schedule() are skipped (one aborted in flight is finished
+        now). Returns the sequences that finished here.
         """
         sampling_seqs = batch.sampling_seqs
         if len(token_ids) != len(sampling_seqs):
@@ -186,16 +246,35 @@ class Scheduler:
             self.in_flight.discard(seq)
             if seq in self.aborted_in_flight:
                 self.finish(seq, "abort")
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += n
-                self.block_manager.cache_blocks(seq)
+        emitted = {}
+        for seq, tokens, lps in zip(sampling_seqs, token_ids, logprobs):
+            if not isinstance(tokens, list):
+                tokens, lps = [tokens], [lps]
+            emitted[seq] = (tokens, lps if lps is not None else [None] * len(tokens))
         finished = []
-        for seq, token_id, logprob in zip(sampling_seqs, token_ids, logprobs):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.append_token(int(token_id), logprob)
-            reason = self._finish_reason(seq, int(token_id))
+            guesses = batch.guesses(i)
+            if seq not in emitted:  # a prefill chunk before the last
+                seq.num_computed_tokens += n
+                self.block_manager.cache_blocks(seq)
+                continue
+            reason = None
+            tokens, lps = emitted[seq]
+            appended = 0
+            for token_id, logprob in zip(tokens, lps):
+                seq.append_token(int(token_id), logprob)
+                appended += 1
+                reason = self._finish_reason(seq, int(token_id))
+                if reason is not None:
+                    break
+            # Valid K/V now: the step's tokens up to the last accepted guess (n - len(guesses) without any).
+            seq.num_computed_tokens += n - len(guesses) + appended - 1
+            self.block_manager.cache_blocks(seq)
+            if guesses:
+                self.block_manager.trim(seq)
+                self.speculator.record(seq, len(guesses), appended)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
@@ -210,6 +289,8 @@ class Scheduler:
         self.aborted_in_flight.discard(seq)
         if seq.is_finished:
             return
+        if self.speculator is not None:
+            self.speculator.release(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)

@@ -48,6 +48,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of leading full computed blocks (BlockManager's)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.adaptive_k = None        # speculative decoding's AdaptiveK for this sequence, once it speculates
+        self.num_proposed_tokens = 0  # guesses verified for this sequence
+        self.num_accepted_tokens = 0  # of those, the ones that stood
         seed = self.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())

@@ -26,7 +26,9 @@ def build_step_metadata(batch: ScheduledBatch, block_size: int) -> StepMetadata:
     """Pack batch.seqs in order: seq s computes tokens num_computed_tokens .. +num_new_tokens[s].
 
     Call after schedule() and before postprocess() (it reads each sequence's num_computed_tokens).
-    logits_indices holds the last packed token of each sequence in batch.sampling_seqs, in order.
+    logits_indices holds the last packed token of each sequence in batch.sampling_seqs, in order; a
+    sequence with speculative guesses computes its last token and then the guesses, and has logits
+    at all of them (k + 1 rows).
     """
     token_ids: list[int] = []
     positions: list[int] = []
@@ -34,16 +36,17 @@ def build_step_metadata(batch: ScheduledBatch, block_size: int) -> StepMetadata:
     context_lens: list[int] = []
     query_start_loc = [0]
     logits_indices: list[int] = []
-    for seq, n, needs_token in zip(batch.seqs, batch.num_new_tokens, batch.needs_token):
-        start, table = seq.num_computed_tokens, seq.block_table
-        token_ids.extend(seq.token_ids[start:start + n])
+    for i, (seq, n, needs_token) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.needs_token)):
+        start, table, guesses = seq.num_computed_tokens, seq.block_table, batch.guesses(i)
+        token_ids.extend(seq.token_ids[start:start + n - len(guesses)])
+        token_ids.extend(guesses)
         span = range(start, start + n)
         positions.extend(span)
         slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
         context_lens.append(start + n)
         query_start_loc.append(query_start_loc[-1] + n)
         if needs_token:
-            logits_indices.append(query_start_loc[-1] - 1)
+            logits_indices.extend(range(query_start_loc[-1] - 1 - len(guesses), query_start_loc[-1]))
     max_blocks = max((len(seq.block_table) for seq in batch.seqs), default=0)
     block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)  # [S, max_blocks]
     for row, seq in zip(block_tables, batch.seqs):

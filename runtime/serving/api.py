@@ -251,6 +251,7 @@ def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Calla
                         max_tokens=(answer.max_tokens if answer.max_tokens is not None
                                     else max(1, context_len(llm) - len(ids))),
                         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, eos_token_ids=llm.eos_token_ids,
+                        speculative=body.speculative,
                         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                         presence_penalty=body.presence_penalty or 0.0,
                         frequency_penalty=body.frequency_penalty or 0.0,

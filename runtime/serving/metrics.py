@@ -35,6 +35,13 @@ class ServerMetrics:
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("kiln_num_preemptions", "Sequences preempted for lack of KV blocks.", registry=r)
+        self.spec_proposed = Counter("kiln_spec_proposed_tokens", "Speculative guesses verified.", registry=r)
+        self.spec_accepted = Counter("kiln_spec_accepted_tokens", "Speculative guesses that stood.", registry=r)
+        self.spec_acceptance = Gauge("kiln_spec_acceptance_rate", "Speculative guesses that stood / guesses "
+                                     "verified, since start (0 before any).", registry=r)
+        self.spec_tokens_per_step = Gauge(
+            "kiln_spec_tokens_per_step", "Tokens a speculating sequence gained per step, since start (1 before "
+            "any: one token per step is decoding without speculation).", registry=r)
         self.requests_finished = Counter("kiln_requests_finished", "Engine requests finished, by reason.",
                                          ["finish_reason"], registry=r)
         self.http_errors = Counter("kiln_http_errors", "Requests answered with an error, by HTTP status.",
@@ -51,6 +58,10 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.prompt_tokens - last.prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens - last.generated_tokens)
         self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.spec_proposed.inc(stats.spec_proposed_tokens - last.spec_proposed_tokens)
+        self.spec_accepted.inc(stats.spec_accepted_tokens - last.spec_accepted_tokens)
+        self.spec_acceptance.set(stats.spec_acceptance_rate)
+        self.spec_tokens_per_step.set(stats.spec_tokens_per_step)
         self._last = stats
 
     def render(self) -> tuple[bytes, str]:

@@ -93,6 +93,7 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    speculative: bool = True  # false: this request decodes without speculative guesses (Kiln's own)
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -416,3 +416,55 @@ def test_batches_in_flight_under_memory_pressure_match_the_reference(depth):
     for rid, seq in seqs.items():
         assert seq.output_token_ids == reference_output(prompts[rid], seq.params.max_tokens), rid
     assert scheduler.block_manager.num_free_blocks == 24 and not scheduler.in_flight
+
+
+class OracleProposer:
+    """Guesses the fake model's true continuation, except that every third guess it makes is wrong: a
+    proposer with a known acceptance pattern, to drive the scheduler's speculative path."""
+
+    def __init__(self):
+        self.made = 0
+
+    def propose(self, seqs, ks):
+        from runtime.speculative import Proposal
+
+        proposals = []
+        for seq, k in zip(seqs, ks):
+            tokens, guesses = list(seq.token_ids), []
+            for _ in range(k):
+                self.made += 1
+                guess = next_token(tokens) if self.made % 3 else (next_token(tokens) + 1) % VOCAB
+                guesses.append(guess)
+                tokens.append(guess)
+            proposals.append(Proposal(guesses))
+        return proposals
+
+    def release(self, seq):
+        pass
+
+
+def test_speculative_steps_keep_outputs_and_release_the_blocks_of_rejected_guesses():
+    from runtime.speculative import SpeculativeConfig, Speculator
+
+    scheduler, model = make_scheduler(max_batch_size=3, max_num_tokens=16, num_blocks=24, block_size=2)
+    scheduler.speculator = Speculator(SpeculativeConfig(max_k=3, adaptive=False), OracleProposer())
+    prompts = {"a": list(range(1, 10)), "b": [5, 6, 7], "c": list(range(20, 33)), "d": [9] * 6}
+    for rid, prompt in prompts.items():
+        scheduler.add(Sequence(rid, prompt, greedy(max_tokens=12)))
+    seqs = dict(scheduler.requests)
+    sampler, guessed = Sampler(), 0
+    while scheduler.has_unfinished:
+        batch = scheduler.schedule()
+        meta = build_step_metadata(batch, scheduler.config.block_size)
+        for i, seq in enumerate(batch.seqs):  # guesses sit after the last token, with a logits row each
+            guessed += len(batch.guesses(i))
+            assert batch.num_new_tokens[i] >= 1 + len(batch.guesses(i))
+        tokens, _ = sampler.verify_batch(model.execute(meta), batch.sampling_seqs, batch.sampling_proposals)
+        scheduler.postprocess(batch, tokens)
+        for seq in scheduler.running:  # no block is kept for rejected guesses
+            assert len(seq.block_table) <= scheduler.block_manager.blocks_needed(seq.num_tokens)
+    for rid, prompt in prompts.items():
+        assert seqs[rid].output_token_ids == reference_output(prompt, 12), rid
+    stats = scheduler.speculator.stats
+    assert guessed == stats.proposed_tokens > 0 and 0 < stats.accepted_tokens < stats.proposed_tokens
+    assert scheduler.num_preemptions > 0 and scheduler.block_manager.usage == 0

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runtime.speculative import AdaptiveK, NgramProposer, accept_greedy, accept_sampled
+from runtime.speculative import AdaptiveK, NgramIndex, NgramProposer, accept_greedy, accept_sampled
 
 # The chi-square statistic of N draws over 5 tokens against their expected counts has 4 degrees of
 # freedom; it exceeds 18.47 with probability 0.001 when the draws follow the expected distribution. The
@@ -20,13 +20,36 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     proposer = NgramProposer(max_n=3)
-    assert proposer.propose([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert proposer.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
     # the latest earlier occurrence of the 2-gram (7, 8) wins over an older one
-    assert proposer.propose([7, 8, 1, 7, 8, 2, 5, 7, 8], 2) == [2, 5]
+    assert proposer.lookup([7, 8, 1, 7, 8, 2, 5, 7, 8], 2) == [2, 5]
     # the longest suffix first: (5, 6) occurs with 0 after it, 6 alone with 9 after it
-    assert proposer.propose([6, 9, 5, 6, 0, 3, 5, 6], 1) == [0]
-    assert proposer.propose([1, 2, 3], 4) == []
-    assert proposer.propose([4, 4], 3) == [4]  # the match may run into the suffix itself, then stops at the end
+    assert proposer.lookup([6, 9, 5, 6, 0, 3, 5, 6], 1) == [0]
+    assert proposer.lookup([1, 2, 3], 4) == []
+    assert proposer.lookup([4, 4], 3) == [4]  # the match may run into the suffix itself, then stops at the end
+
+
+def scan(token_ids, k, min_n, max_n):
+    """The lookup by brute force: latest earlier occurrence of the longest suffix n-gram."""
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == token_ids[length - n:]:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+def test_the_incremental_index_agrees_with_a_scan_as_tokens_are_appended():
+    generator = torch.Generator().manual_seed(3)
+    for min_n, max_n in ((1, 4), (2, 3), (3, 3)):
+        index = NgramIndex(min_n, max_n)
+        tokens = torch.randint(0, 6, (40,), generator=generator).tolist()
+        for length in range(1, 400):
+            if length > len(tokens):
+                tokens.append(int(torch.randint(0, 6, (1,), generator=generator)))
+            if length % 3:  # lookups skip some lengths, as a sequence that does not speculate every step
+                continue
+            assert index.lookup(tokens[:length], 4) == scan(tokens[:length], 4, min_n, max_n), (min_n, max_n, length)
 
 
 def test_greedy_acceptance_is_the_target_greedy_output():

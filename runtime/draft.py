@@ -1,0 +1,121 @@
+"""DraftProposer: a second, smaller Kiln engine guesses the target's next tokens (speculative decoding).
+
+The draft runs in this process on its own KV cache and block pool, one rank, the cpu backend. Each
+target sequence it speculates for has a draft sequence: the same tokens, the draft's own block
+table, and how many of them the draft has computed. A proposal round for a batch is k draft steps:
+the first computes every sequence's tokens the draft has not seen (the whole prompt the first time;
+afterwards the tokens accepted since the last round, and the target's own token) and guesses the
+next token from its last logits; each further step decodes the previous guess. Guesses are the
+draft's argmax for greedy requests; for sampled ones they are drawn with the request's generator
+from the draft's temperature softmax q, which is returned with them for the rejection rule.
+
+After the target verifies, the draft's cache is right up to the tokens both agree on: a new round
+first cuts the draft sequence back to its longest common prefix with the target's tokens, so the
+K/V of rejected guesses is simply overwritten. A sequence the draft has no blocks for gets no guesses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from runtime.backend import create_executor
+from runtime.engine_format import EngineDir, EngineError, open_engine
+from runtime.kv_cache import BlockManager
+from runtime.scheduler import ScheduledBatch
+from runtime.sampling import SamplingParams
+from runtime.sequence import Sequence
+from runtime.speculative import Proposal
+from runtime.step import build_step_metadata
+
+# A draft sequence never samples with its own generator; a fixed seed keeps torch's global one untouched.
+_DRAFT_PARAMS = SamplingParams(seed=0)
+
+# The draft's KV budget when the draft's build planned none smaller: it holds only the sequences in flight.
+DRAFT_KV_GIB = 0.5
+
+
+class DraftProposer:
+    def __init__(self, path: str | Path, target: EngineDir, kv_cache_gib: float | None = None,
+                 num_threads: int | None = None):
+        draft = open_engine(path)
+        manifest = draft.manifest
+        if manifest.world_size != 1 or manifest.target != "cpu":
+            raise EngineError(f"draft engine {path}: must be a one-rank cpu engine (it is {manifest.target}, "
+                              f"{manifest.world_size} rank(s))")
+        if (draft.path / "tokenizer.json").read_bytes() != (target.path / "tokenizer.json").read_bytes():
+            raise EngineError(f"draft engine {path}: its tokenizer differs from the target's; a draft must share "
+                              "the target's tokenizer")
+        if manifest.vocab_size != target.manifest.vocab_size:
+            raise EngineError(f"draft engine {path}: vocabulary {manifest.vocab_size} differs from the target's "
+                              f"{target.manifest.vocab_size}")
+        self.engine = draft
+        self.max_seq_len = manifest.limits.max_seq_len
+        blocks = manifest.shared_kv_blocks(kv_cache_gib if kv_cache_gib is not None else DRAFT_KV_GIB)
+        self.executor = create_executor(draft, 0, blocks, "cpu", num_threads)
+        self.block_size = manifest.block_size
+        self.blocks = BlockManager(self.executor.cache.num_blocks, self.block_size, enable_prefix_caching=False)
+        self.seqs: dict[str, Sequence] = {}  # target request id -> the draft's sequence
+        self.steps = 0
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        guesses: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
+        drafts = {i: self._draft_of(seq, k) for i, (seq, k) in enumerate(zip(seqs, ks))}
+        active = [i for i, d in drafts.items() if d is not None]
+        for step in range(max((ks[i] for i in active), default=0)):
+            active = [i for i in active if len(guesses[i]) < ks[i]]
+            if not active:
+                break
+            batch = ScheduledBatch(tuple(drafts[i] for i in active),
+                                   tuple(drafts[i].num_pending_tokens for i in active), (True,) * len(active))
+            logits = self.executor.execute(build_step_metadata(batch, self.block_size)).float()
+            self.steps += 1
+            for row, i in enumerate(active):
+                draft, target = drafts[i], seqs[i]
+                draft.num_computed_tokens = draft.num_tokens
+                token, q = self._pick(logits[row], target)
+                guesses[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+                draft.append_token(token)
+        return [Proposal(guesses[i], torch.stack(probs[i]) if probs[i] else None) for i in range(len(seqs))]
+
+    def release(self, seq: Sequence) -> None:
+        draft = self.seqs.pop(seq.request_id, None)
+        if draft is not None:
+            self.blocks.free(draft)
+
+    def _draft_of(self, seq: Sequence, k: int) -> Sequence | None:
+        """The draft sequence of `seq`, cut back to what agrees with seq's tokens and holding blocks for
+        its k guesses; None when the draft cannot take it (too long, or no blocks free)."""
+        tokens = seq.token_ids
+        if len(tokens) + k > self.max_seq_len:
+            return None
+        draft = self.seqs.get(seq.request_id)
+        if draft is None:
+            draft = self.seqs[seq.request_id] = Sequence(seq.request_id, tokens, _DRAFT_PARAMS)
+        else:
+            common = 0
+            limit = min(draft.num_computed_tokens, len(tokens))
+            while common < limit and draft.token_ids[common] == tokens[common]:
+                common += 1
+            # The last token is always computed again: its logits give the first guess (the draft may have
+            # computed it already, as a guess the scheduler cut for want of blocks and the target then chose).
+            draft.num_computed_tokens = min(common, len(tokens) - 1)
+            draft.token_ids = list(tokens)
+        needed = self.blocks.blocks_needed(len(tokens) + k - 1) - len(draft.block_table)
+        if needed > self.blocks.num_free_blocks:
+            self.release(seq)
+            return None
+        self.blocks.append_slots(draft, len(tokens) + k - 1)
+        return draft
+
+    @staticmethod
+    def _pick(row: torch.Tensor, target: Sequence) -> tuple[int, torch.Tensor | None]:
+        params = target.params
+        if params.is_greedy:
+            return int(row.argmax()), None
+        q = torch.softmax(row / params.temperature, dim=-1)
+        return int(torch.multinomial(q, 1, generator=target.generator)), q
