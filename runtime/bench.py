@@ -170,9 +170,15 @@ def _aligned(header, rows) -> str:
     return "\n".join(lines)
 
 
+SPEC_COLUMNS = ("spec_acceptance_pct", "spec_tokens_per_step")
+
+
 def table(results: list[LevelResult]) -> str:
-    header = [title for _, title, _ in LevelResult.COLUMNS]
-    return _aligned(header, [[_cell(fmt, getattr(r, key)) for key, _, fmt in LevelResult.COLUMNS] for r in results])
+    """The levels as aligned columns; the speculative ones only when some level speculated."""
+    speculated = any(not math.isnan(r.spec_acceptance_pct) for r in results)
+    columns = [c for c in LevelResult.COLUMNS if speculated or c[0] not in SPEC_COLUMNS]
+    header = [title for _, title, _ in columns]
+    return _aligned(header, [[_cell(fmt, getattr(r, key)) for key, _, fmt in columns] for r in results])
 
 
 def to_json(results: list[LevelResult], context: dict, busy: list[LevelResult] = ()) -> str:
