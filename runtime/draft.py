@@ -6,8 +6,9 @@ table, and how many of them the draft has computed. A proposal round for a batch
 the first computes every sequence's tokens the draft has not seen (the whole prompt the first time;
 afterwards the tokens accepted since the last round, and the target's own token) and guesses the
 next token from its last logits; each further step decodes the previous guess. Guesses are the
-draft's argmax for greedy requests; for sampled ones they are drawn with the request's generator
-from the draft's temperature softmax q, which is returned with them for the rejection rule.
+draft's argmax for greedy requests; for sampled ones, the draft's own exponential race (its
+probabilities under the request's temperature, top-k and top-p) with the noise the target will
+use at that output position, so where draft and target nearly agree the guess is the target's draw.
 
 After the target verifies, the draft's cache is right up to the tokens both agree on: a new round
 first cuts the draft sequence back to its longest common prefix with the target's tokens, so the
@@ -23,13 +24,14 @@ import torch
 from runtime.backend import create_executor
 from runtime.engine_format import EngineDir, EngineError, open_engine
 from runtime.kv_cache import BlockManager
+from runtime.sampler import Sampler
 from runtime.scheduler import ScheduledBatch
 from runtime.sampling import SamplingParams
 from runtime.sequence import Sequence
 from runtime.speculative import Proposal
 from runtime.step import build_step_metadata
 
-# A draft sequence never samples with its own generator; a fixed seed keeps torch's global one untouched.
+# A draft sequence never samples with its own seed; a fixed one keeps torch's global generator untouched.
 _DRAFT_PARAMS = SamplingParams(seed=0)
 
 # The draft's KV budget when the draft's build planned none smaller: it holds only the sequences in flight.
@@ -61,7 +63,6 @@ class DraftProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         guesses: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
         drafts = {i: self._draft_of(seq, k) for i, (seq, k) in enumerate(zip(seqs, ks))}
         active = [i for i, d in drafts.items() if d is not None]
         for step in range(max((ks[i] for i in active), default=0)):
@@ -75,12 +76,10 @@ class DraftProposer:
             for row, i in enumerate(active):
                 draft, target = drafts[i], seqs[i]
                 draft.num_computed_tokens = draft.num_tokens
-                token, q = self._pick(logits[row], target)
+                token = self._pick(logits[row], target, len(guesses[i]))
                 guesses[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
                 draft.append_token(token)
-        return [Proposal(guesses[i], torch.stack(probs[i]) if probs[i] else None) for i in range(len(seqs))]
+        return [Proposal(guesses[i]) for i in range(len(seqs))]
 
     def release(self, seq: Sequence) -> None:
         draft = self.seqs.pop(seq.request_id, None)
@@ -113,9 +112,9 @@ class DraftProposer:
         return draft
 
     @staticmethod
-    def _pick(row: torch.Tensor, target: Sequence) -> tuple[int, torch.Tensor | None]:
+    def _pick(row: torch.Tensor, target: Sequence, offset: int) -> int:
+        """The guess for target's output position num_output_tokens + offset from the draft's logits row."""
         params = target.params
         if params.is_greedy:
-            return int(row.argmax()), None
-        q = torch.softmax(row / params.temperature, dim=-1)
-        return int(torch.multinomial(q, 1, generator=target.generator)), q
+            return int(row.argmax())
+        return int(Sampler()._sample_random(row.unsqueeze(0), [target], offset)[0])

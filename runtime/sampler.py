@@ -1,6 +1,6 @@
 """Sampler: picks each sequence's next token from its logits row (greedy, temperature, top-k, top-p).
 
-Every row depends only on its own logits, params, tokens and generator, never on the rest of the batch:
+Every row depends only on its own logits, params, tokens and seed, never on the rest of the batch:
 - first the row's penalties (repetition, presence, frequency; see SamplingParams) change its logits,
   and while fewer than min_tokens are generated the tokens that would stop it get -inf;
 - greedy (temperature 0): argmax of the logits, ties to the lowest token id;
@@ -8,14 +8,16 @@ Every row depends only on its own logits, params, tokens and generator, never on
   the smallest most-likely-first set whose mass reaches top_p of what top-k kept (ties in order
   of token id, by a stable sort, so top_k=1 and a tiny top_p both equal greedy); the kept
   probabilities are never rescaled, so a row's numbers are the same whichever filters other rows use;
-- the token is argmax(probs / e) with e ~ Exp(1) drawn by the row's own generator over the whole
-  vocabulary (the exponential race: token i wins with probability probs[i] / sum(probs)), so the
-  same seed gives the same tokens in any batch.
-A sequence with speculative guesses has k + 1 rows and goes through verify(): greedy keeps the
-guesses that equal the argmax at their position, sampled ones the rejection rule over the same
-probabilities (temperature, top-k, top-p; renormalised) with the row's generator
-(runtime/speculative.py). Speculation is never given to requests with penalties or min_tokens
-pending, so those adjustments never meet guesses.
+- the token is argmax(probs / e) with e ~ Exp(1) over the whole vocabulary, drawn from the
+  sequence's stream for that output position (Sequence.generator_at): the exponential race, where
+  token i wins with probability probs[i] / sum(probs). The same seed gives the same tokens in any
+  batch, after preemption, and with or without speculative decoding.
+A sequence with speculative guesses has k + 1 rows and goes through verify(): each row's token is
+chosen exactly as above for its position (argmax, or the race with that position's noise), and a
+guess stands while it equals the token chosen at its position; the first that differs is replaced
+by that token. A sampled request's output is therefore its non-speculative output, token for token
+(runtime/speculative.py explains why this is speculative sampling's rejection rule). Speculation is
+never given to requests with penalties or min_tokens pending, so those adjustments never meet guesses.
 Log-probs are log_softmax of the raw logits, before penalties, temperature and filtering: the
 model's own probability of the chosen token, comparable across requests whatever their sampling settings.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from runtime.sequence import Sequence
-from runtime.speculative import Proposal, accept_greedy, accept_sampled
+from runtime.speculative import Proposal, accept_greedy
 
 
 class Sampler:
@@ -88,44 +90,50 @@ class Sampler:
         rows = rows.float()
         if seq.params.is_greedy:
             tokens = accept_greedy(proposal.tokens, rows.argmax(dim=-1).tolist())
-        else:
-            probs = torch.softmax(rows / seq.params.temperature, dim=-1)
-            if seq.params.uses_top_k or seq.params.uses_top_p:
-                probs = self._filter_top_k_top_p(probs, [seq] * rows.shape[0])
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-            tokens = accept_sampled(proposal.tokens, probs, proposal.probs, seq.generator)
+        else:  # row by row: the rows after the first rejected guess need no noise
+            tokens = []
+            for i, guess in enumerate(proposal.tokens + [None]):
+                tokens.append(int(self._sample_random(rows[i:i + 1], [seq], i)[0]))
+                if tokens[-1] != guess:
+                    break
         if not seq.params.logprobs:
             return tokens, None
         chosen = torch.log_softmax(rows[:len(tokens)], dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1))
         return tokens, chosen.squeeze(1).tolist()
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [R, V] of rows with temperature > 0 -> sampled token ids [R]."""
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], offset: int = 0) -> torch.Tensor:
+        """logits [R, V] of rows with temperature > 0 -> sampled token ids [R]; row r samples output
+        position seqs[r].num_output_tokens + offset."""
         temperatures = torch.tensor([seq.params.temperature for seq in seqs], dtype=torch.float32)
         probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)  # [R, V]
         if any(seq.params.uses_top_k or seq.params.uses_top_p for seq in seqs):
-            probs = self._filter_top_k_top_p(probs, seqs)
-        noise = torch.empty_like(probs)  # [R, V], row r from seqs[r]'s generator only
-        for row, seq in zip(noise, seqs):
-            row.exponential_(generator=seq.generator)
-        # An Exp(1) draw of exactly 0 would divide to inf (or 0/0 = nan on a filtered token).
-        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+            probs = filter_top_k_top_p(probs, seqs)
+        noise = torch.stack([race_noise(seq, seq.num_output_tokens + offset, probs.shape[1]) for seq in seqs])
         return (probs / noise).argmax(dim=-1)
 
-    def _filter_top_k_top_p(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Zero the probabilities that top-k / top-p drop; kept values are unchanged."""
-        vocab = probs.shape[1]
-        top_k = torch.tensor([seq.params.top_k if seq.params.uses_top_k else vocab for seq in seqs])
-        top_p = torch.tensor([seq.params.top_p for seq in seqs], dtype=torch.float32)
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V]
-        ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
-        sorted_probs = sorted_probs.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
-        cumulative = sorted_probs.cumsum(dim=-1)
-        mass_before = cumulative - sorted_probs  # mass of the more likely tokens; 0 for the first
-        threshold = (top_p * cumulative[:, -1]).unsqueeze(1)
-        drop = (mass_before >= threshold) & (top_p < 1.0).unsqueeze(1)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+def race_noise(seq: Sequence, output_index: int, vocab: int) -> torch.Tensor:
+    """The Exp(1) draws [vocab] of seq's exponential race at an output position: the same every time."""
+    # -log U for U uniform in [0, 1): Exp(1) to float32's resolution, three times faster than exponential_().
+    # Never 0 (U < 1), so probs / noise is finite; U = 0 gives inf, which only takes one token out of the race.
+    return torch.rand(vocab, generator=seq.generator_at(output_index)).log_().neg_()
+
+
+def filter_top_k_top_p(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """probs [R, V] -> probs with what top-k / top-p drop (each row by its seq's params) zeroed; the kept
+    values are unchanged."""
+    vocab = probs.shape[1]
+    top_k = torch.tensor([seq.params.top_k if seq.params.uses_top_k else vocab for seq in seqs])
+    top_p = torch.tensor([seq.params.top_p for seq in seqs], dtype=torch.float32)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V]
+    ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
+    sorted_probs = sorted_probs.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
+    cumulative = sorted_probs.cumsum(dim=-1)
+    mass_before = cumulative - sorted_probs  # mass of the more likely tokens; 0 for the first
+    threshold = (top_p * cumulative[:, -1]).unsqueeze(1)
+    drop = (mass_before >= threshold) & (top_p < 1.0).unsqueeze(1)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> None:

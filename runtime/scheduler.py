@@ -29,8 +29,9 @@ finishing it (and freeing its blocks, which its batch still writes) until its ba
 
 Preemption frees the victim's blocks and puts it at the front of waiting with its outputs kept:
 prompt + outputs become its next prefill (often largely a prefix-cache hit on its own freed
-blocks), the last output's logits give its next token, and its generator is not reset, so it
-produces the same tokens as if it had never been preempted. Running stays in arrival order
+blocks), the last output's logits give its next token, and each output position samples from a
+random stream of its own (Sequence.generator_at), so it produces the same tokens as if it had never
+been preempted. Running stays in arrival order
 (admission is FIFO and the preempted go back to the front), so the newest is running[-1].
 """
 
@@ -223,7 +224,7 @@ class Scheduler:
             fits = len(seq.block_table) * bm.block_size + bm.num_free_blocks * bm.block_size - seq.num_tokens
             if len(guesses) > fits:
                 guesses = guesses[:max(fits, 0)]
-                proposals[i] = Proposal(guesses, None if proposal.probs is None else proposal.probs[:len(guesses)])
+                proposals[i] = Proposal(guesses)
             bm.append_slots(seq, seq.num_tokens + len(guesses))
             counts.append(1 + len(guesses))
         return proposals, counts

@@ -26,9 +26,12 @@ class Sequence:
     computed by coming steps. After a prefill completes, the newest sampled token is always the one
     uncomputed token, written to the cache by the next decode step.
 
-    generator is this request's own torch.Generator: seeded from params.seed, or, when seed is None,
-    from torch's global generator (so torch.manual_seed makes unseeded runs reproducible). It is
-    never reset, so a preempted and recomputed sequence continues its random stream where it was.
+    seed is params.seed, or, when that is None, drawn from torch's global generator (so
+    torch.manual_seed makes unseeded runs reproducible). Each output position has a random stream of
+    its own, generator_at(index), a function of the seed and the position only: the token sampled at
+    a position does not depend on how many draws came before it, so a preempted and recomputed
+    sequence, or one whose positions a speculative step verifies several at a time, samples exactly
+    the tokens it would have sampled one step at a time.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None):
@@ -54,7 +57,11 @@ class Sequence:
         seed = self.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+
+    def generator_at(self, output_index: int) -> torch.Generator:
+        """The random stream that samples output token `output_index` (0 is the first output token)."""
+        return torch.Generator().manual_seed(_mix(self.seed, output_index))
 
     @property
     def num_tokens(self) -> int:
@@ -94,3 +101,15 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, index: int) -> int:
+    """A 63-bit seed for (seed, index): splitmix64's finaliser over the pair, so neighbouring positions
+    and neighbouring request seeds get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1

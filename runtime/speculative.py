@@ -7,10 +7,15 @@ here decide which guesses stand:
 - greedy: a guess stands while it equals the target's argmax at its position; the first mismatch is
   replaced by the target's own token, and if all k stand the target's token after them is a bonus.
   The output is the target's greedy output, token for token.
-- sampled: the rejection rule of speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
-  guess x drawn from the draft's q stands with probability min(1, p(x) / q(x)); a rejected position
-  draws from max(0, p - q) renormalised. The emitted tokens are distributed as the target's p. A
-  proposer without a distribution (n-gram lookup) is a q that puts all its mass on its guess.
+- sampled: the target samples every position as it would without guesses (the exponential race
+  with that position's own noise, runtime/sampler.py), and a guess stands while it equals the
+  target's token at its position. For a proposer that guesses one token x (n-gram lookup, and the
+  draft engine too), this is the rejection rule of speculative sampling (Leviathan et al. 2023;
+  Chen et al. 2023) with q all on x: x stands with probability p(x), and after a rejection the
+  token is distributed as p without x, renormalised. The rule is realised with the target's own
+  draw, so a seeded request emits exactly its non-speculative tokens, whatever k and the batch.
+  The draft engine picks its guess with the same position's noise over its own distribution, so
+  it guesses the target's draw whenever the two distributions are close.
 
 Where it runs: Scheduler.schedule() gives each decoding sequence k guesses from the Speculator
 (within the step's token budget and the free KV blocks: a guess never preempts anyone), the step
@@ -24,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-import torch
-
 if TYPE_CHECKING:
     from runtime.sequence import Sequence
 
@@ -33,8 +36,7 @@ PROPOSERS = ("ngram", "draft")
 
 
 class Proposal(NamedTuple):
-    tokens: list[int]                  # the guesses, at most the k asked for; [] for none
-    probs: torch.Tensor | None = None  # [len(tokens), vocab]: the draft's q of each guess; None: one-hot
+    tokens: list[int]  # the guesses, at most the k asked for; [] for none
 
 
 class Proposer(Protocol):
@@ -140,38 +142,6 @@ def accept_greedy(proposed: list[int], target_argmax: list[int]) -> list[int]:
         if guess != choice:
             return out
     out.append(target_argmax[-1])
-    return out
-
-
-def accept_sampled(proposed: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator) -> list[int]:
-    """The tokens a sampled step emits by the rejection rule.
-
-    target_probs [k + 1, vocab]: p after the last token and each guess; draft_probs [k, vocab]: the
-    draft's q for each guess, or None for a deterministic proposer (q one-hot on the guess). Uses the
-    generator for every draw, so a seeded request reproduces.
-    """
-    k = len(proposed)
-    if target_probs.shape[0] != k + 1 or (draft_probs is not None and draft_probs.shape[0] != k):
-        raise ValueError(f"accept_sampled: {k} guesses need target_probs [{k + 1}, V] and draft_probs [{k}, V]")
-    out = []
-    for i, guess in enumerate(proposed):
-        p = target_probs[i].double()
-        q = draft_probs[i].double() if draft_probs is not None else None
-        q_guess = 1.0 if q is None else float(q[guess])
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) * q_guess < float(p[guess]):
-            out.append(guess)
-            continue
-        residual = p.clone()
-        if q is None:
-            residual[guess] = 0.0
-        else:
-            residual = (p - q).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # p equals q: any draw from p will do
-            residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(target_probs[k].double(), 1, generator=generator)))
     return out
 
 

@@ -40,9 +40,11 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(filters):
 
 
 def draw(params, logits_row, n):
-    """n tokens from one sequence's generator, sampled one step at a time."""
+    """n tokens of one sequence, sampled one step at a time (each output position has its own noise)."""
     seq = Sequence("s", [1], params)
-    return [Sampler().sample(logits_row.unsqueeze(0), [seq])[0][0] for _ in range(n)]
+    for _ in range(n):
+        seq.append_token(Sampler().sample(logits_row.unsqueeze(0), [seq])[0][0])
+    return seq.output_token_ids
 
 
 def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch():
@@ -64,6 +66,7 @@ def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch():
         rows[i % 4] = logits
         tokens, _ = sampler.sample(rows, batch)
         batched.append(tokens[i % 4])
+        target.append_token(tokens[i % 4])
     assert batched == alone
 
 

@@ -3,12 +3,15 @@
 import pytest
 import torch
 
-from runtime.speculative import AdaptiveK, NgramIndex, NgramProposer, accept_greedy, accept_sampled
+from runtime.sampler import Sampler
+from runtime.sampling import SamplingParams
+from runtime.sequence import Sequence
+from runtime.speculative import AdaptiveK, NgramIndex, NgramProposer, Proposal, accept_greedy
 
 # The chi-square statistic of N draws over 5 tokens against their expected counts has 4 degrees of
 # freedom; it exceeds 18.47 with probability 0.001 when the draws follow the expected distribution. The
-# generators are seeded, so each test is deterministic; a wrong rule (accepting guesses at q's rate, or
-# resampling from p instead of the residual) moves the statistic into the hundreds at N = 8000.
+# seeds are fixed, so each test is deterministic; a wrong rule (keeping the guess at its own rate, or
+# resampling from p without removing the rejected guess) moves the statistic into the hundreds at N = 8000.
 CHI2_4DOF_999 = 18.47
 DRAWS = 8000
 
@@ -60,26 +63,52 @@ def test_greedy_acceptance_is_the_target_greedy_output():
         accept_greedy([1, 2, 3], [1, 2, 3])
 
 
-@pytest.mark.parametrize("draft", ["distribution", "one-hot"])
-def test_sampled_tokens_follow_the_target_distribution(draft):
-    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.6, 0.1, 0.1]])
-    q = torch.tensor([[0.05, 0.6, 0.05, 0.2, 0.1]])
-    generator = torch.Generator().manual_seed(0)
-    first = torch.zeros(5)
-    for _ in range(DRAWS):
-        if draft == "distribution":
-            guess = int(torch.multinomial(q[0], 1, generator=generator))
-            tokens = accept_sampled([guess], p, q, generator)
+def plain_tokens(rows: torch.Tensor, params: SamplingParams) -> list[int]:
+    """What a sequence samples from rows[0], rows[1], ... one token a step, without guesses."""
+    seq = Sequence("plain", [1], params)
+    for row in rows:
+        seq.append_token(Sampler().sample(row.unsqueeze(0), [seq])[0][0])
+    return seq.output_token_ids
+
+
+def test_sampled_verification_emits_what_plain_sampling_would():
+    rows = torch.randn(5, 40, generator=torch.Generator().manual_seed(1)) * 2
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    plain = plain_tokens(rows, params)
+    assert len(set(plain)) > 1
+    seq = Sequence("spec", [1], params)
+    assert Sampler().verify(rows, seq, Proposal(plain[:4]))[0] == plain  # all stand, and the bonus token
+    wrong = plain[:2] + [(plain[2] + 1) % 40, plain[3]]
+    assert Sampler().verify(rows, seq, Proposal(wrong))[0] == plain[:3]  # the target's own token replaces it
+    seq.append_token(plain[0])  # one step later the next position's noise is used
+    assert Sampler().verify(rows[1:3], seq, Proposal(plain[1:2]))[0] == plain[1:3]
+
+
+@pytest.mark.parametrize("draft", ["one token", "draft race"])
+def test_sampled_verification_keeps_the_target_distribution(draft):
+    """A guess of token 1 (an n-gram's) stands with probability p(1), and a draft guessing by its own race
+    over q with the position's noise stands between (1 - TV) / (1 + TV) and 1 - TV of the time; the
+    emitted token follows p either way."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.05, 0.6, 0.05, 0.2, 0.1])
+    rows = p.log().expand(2, 5)
+    first, stood = torch.zeros(5), 0
+    for seed in range(DRAWS):
+        seq = Sequence("s", [1], SamplingParams(temperature=1.0, seed=seed))
+        if draft == "one token":
+            guess = 1
         else:
-            tokens = accept_sampled([1], p, None, generator)  # an n-gram guess: always token 1
+            guess = int(Sampler()._sample_random(q.log().unsqueeze(0), [seq])[0])
+        tokens = Sampler().verify(rows, seq, Proposal([guess]))[0]
         first[tokens[0]] += 1
-    assert chi_square(first, p[0]) < CHI2_4DOF_999, first
-
-
-def test_a_seeded_sampled_step_reproduces():
-    p = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
-    runs = [accept_sampled([3, 7, 9], p, None, torch.Generator().manual_seed(42)) for _ in range(2)]
-    assert runs[0] == runs[1] and 1 <= len(runs[0]) <= 4
+        stood += tokens[0] == guess
+    assert chi_square(first, p) < CHI2_4DOF_999, first
+    rate, spread = stood / DRAWS, 4 * (0.25 / DRAWS) ** 0.5  # four standard deviations at most
+    if draft == "one token":
+        assert abs(rate - float(p[1])) < spread, rate
+    else:
+        tv = 0.5 * float((p - q).abs().sum())
+        assert (1 - tv) / (1 + tv) - spread < rate < 1 - tv + spread, (rate, tv)
 
 
 def test_adaptive_k_turns_itself_off_and_probes_again():
