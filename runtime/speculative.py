@@ -252,6 +252,9 @@ class Speculator:
         self.config, self.proposer = config, proposer
         self.stats = SpeculationStats()
         self.step_cost = StepCost()
+        # Acceptance over every sequence's recent steps: a new sequence starts from it (with the weight of
+        # two guesses), so a workload whose guesses mostly fail does not pay for a fresh optimist each time.
+        self.pooled = AdaptiveK(decay=0.95)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step of decodes only (no prefill) took `seconds` for `tokens` tokens, guesses included."""
@@ -266,7 +269,7 @@ class Speculator:
             k = 0
             if budget > 0 and _may_speculate(seq):
                 if seq.adaptive_k is None:
-                    seq.adaptive_k = AdaptiveK(max_k=self.config.max_k)
+                    seq.adaptive_k = AdaptiveK(max_k=self.config.max_k, stood=2 * self.pooled.acceptance, judged=2.0)
                 k = min(seq.adaptive_k.k(cost) if self.config.adaptive else self.config.max_k, budget, seq.params.max_tokens - seq.num_output_tokens - 1)
             ks.append(max(k, 0))
             budget -= ks[-1]
@@ -284,6 +287,7 @@ class Speculator:
             return
         accepted = min(emitted, proposed + 1) - 1
         seq.adaptive_k.update(proposed, accepted)
+        self.pooled.update(proposed, accepted)
         seq.num_proposed_tokens += proposed
         seq.num_accepted_tokens += accepted
         self.stats.proposed_tokens += proposed

@@ -6,7 +6,8 @@ import torch
 from runtime.sampler import Sampler
 from runtime.sampling import SamplingParams
 from runtime.sequence import Sequence
-from runtime.speculative import AdaptiveK, NgramIndex, NgramProposer, Proposal, accept_greedy
+from runtime.speculative import (AdaptiveK, NgramIndex, NgramProposer, Proposal, SpeculativeConfig, Speculator,
+                                  accept_greedy)
 
 # The chi-square statistic of N draws over 5 tokens against their expected counts has 4 degrees of
 # freedom; it exceeds 18.47 with probability 0.001 when the draws follow the expected distribution. The
@@ -121,3 +122,15 @@ def test_adaptive_k_turns_itself_off_and_probes_again():
     for _ in range(10):
         k.update(proposed=1, accepted=1)
     assert k.k() == 4
+
+
+def test_a_new_sequence_starts_from_the_acceptance_the_others_saw():
+    speculator = Speculator(SpeculativeConfig(max_k=4), NgramProposer())
+    greedy = SamplingParams(temperature=0.0, max_tokens=100)
+    first = Sequence("a", [5, 6, 7, 5, 6, 7, 5, 6], greedy)
+    assert speculator.propose([first], budget=8)[0].tokens == [7, 5, 6]  # the prior: worth guessing
+    for _ in range(20):
+        speculator.record(first, proposed=4, emitted=1)  # none stood
+    second = Sequence("b", [5, 6, 7, 5, 6, 7, 5, 6], greedy)
+    assert speculator.propose([second], budget=8)[0].tokens == []
+    assert second.adaptive_k.acceptance < 0.1 and speculator.stats.proposed_tokens == 80
