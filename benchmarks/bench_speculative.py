@@ -2,8 +2,8 @@
 
     python benchmarks/bench_speculative.py [ENGINE] [--rounds 3] [--max-tokens 192] [--json out.json]
 
-Batch 1: every prompt of benchmarks/speculative_prompts.py (input-grounded tasks and open-ended chat,
-in the chat template), greedy, run with speculation off and on in alternating order, `rounds`
+Batch 1: every prompt of benchmarks/speculative_prompts.py (input-grounded tasks, verbatim copies
+and open-ended chat, in the chat template), greedy, run with speculation off and on in alternating order, `rounds`
 times; decode speed is (output tokens - 1) / (time of the last token - time of the first), so
 prefill is left out. Then closed loops of 8 and 32 concurrent requests over the same prompts, off
 and on alternately: output tokens/s over the whole run. Per mode: acceptance (guesses that stood /
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from speculative_prompts import CHAT, GROUNDED  # noqa: E402
+from speculative_prompts import CHAT, GROUNDED, VERBATIM  # noqa: E402
 
 from runtime.engine import EngineOptions, LLMEngine  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
@@ -82,7 +82,8 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLMEngine.from_dir(args.engine, EngineOptions(speculative=SpeculativeConfig(max_k=args.max_k)))
     chat = lambda q: llm.apply_chat_template([{"role": "user", "content": q}])  # noqa: E731
-    sets = {"input-grounded": [chat(q) for q in GROUNDED], "open-ended chat": [chat(q) for q in CHAT]}
+    sets = {"input-grounded": [chat(q) for q in GROUNDED], "verbatim copy": [chat(q) for q in VERBATIM],
+            "open-ended chat": [chat(q) for q in CHAT]}
     run(llm, sets["open-ended chat"][:1], 1, 1, 16, True)  # warm up: threads, tapes
     report = {"engine": args.engine, "rounds": args.rounds, "max_tokens": args.max_tokens, "batch1": {}, "batched": {}}
     rows = []

@@ -1,5 +1,5 @@
 """Prompts for benchmarks/bench_speculative.py: input-grounded tasks (the answer reuses the prompt's
-text) and open-ended chat. Written for this benchmark; the passages are invented."""
+text), verbatim copies, and open-ended chat. Written for this benchmark; the passages are invented."""
 
 PASSAGE_HARBOUR = """\
 The harbour town of Vellmoor grew up around a single stone pier built in 1742 by a guild of salt
@@ -56,6 +56,13 @@ GROUNDED = [
     f"Repeat the following passage, replacing the town name Vellmoor with Saltby:\n\n{PASSAGE_HARBOUR}",
     f"Answer from the passage: how much is the rent, what are the hose rules, and what happens to an "
     f"untended plot? Quote the passage.\n\n{PASSAGE_GARDEN}",
+]
+
+# The ceiling of prompt lookup on this model: answers that are the input itself.
+VERBATIM = [
+    f"Copy the following text exactly, word for word:\n\n{PASSAGE_HARBOUR}",
+    f"Copy the following text exactly, word for word:\n\n{PASSAGE_GARDEN}",
+    f"Print this Python code again exactly as it is:\n\n{CODE_SNIPPET}",
 ]
 
 CHAT = [

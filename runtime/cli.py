@@ -72,8 +72,8 @@ BACKEND = typer.Option(None, "--backend",
 SPECULATIVE = typer.Option(None, "--speculative",
                             help="Speculative decoding: ngram (guess a sequence's next tokens from where its last "
                                  "few tokens occurred before in it: strong when answers copy their input), draft "
-                                 "(with --draft), or off (the default). Greedy answers stay the same; sampled "
-                                 "ones keep their distribution.")
+                                 "(with --draft), or off (the default). Answers stay the same: greedy ones, and "
+                                 "sampled ones for a given seed.")
 DRAFT = typer.Option(None, "--draft",
                      help="Speculate with this Kiln engine as the draft model (one rank, cpu target, the same "
                           "tokenizer as the engine); implies --speculative draft.")
