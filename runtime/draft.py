@@ -117,4 +117,4 @@ class DraftProposer:
         params = target.params
         if params.is_greedy:
             return int(row.argmax())
-        return int(Sampler()._sample_random(row.unsqueeze(0), [target], offset)[0])
+        return int(Sampler().sample_random(row.unsqueeze(0), [target], offset)[0])

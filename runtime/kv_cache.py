@@ -132,11 +132,7 @@ class BlockManager:
         """Release the blocks past seq's tokens (they held only rejected guesses: never hashed)."""
         keep = self.blocks_needed(seq.num_tokens)
         while len(seq.block_table) > keep:
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block.block_id] = None
-                self.free_block_ids.move_to_end(block.block_id, last=False)
+            self._release(seq.block_table.pop())
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the full blocks that became computed since the last call (after each step)."""
@@ -154,16 +150,20 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, last block first; blocks nobody else holds become free."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.block_hash is None:
-                    self.free_block_ids.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
 
     # ------------------------------------------------------------------------------ internals
+
+    def _release(self, block_id: int) -> None:
+        """Drop one holder of a block; unheld, it is free, and reused first unless it holds cached K/V."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if block.block_hash is None:
+                self.free_block_ids.move_to_end(block_id, last=False)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of seq's longest cached prefix of full blocks, within its first num_tokens - 1 tokens."""

@@ -51,7 +51,7 @@ class Sampler:
         elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if random:
-            tokens[random] = self._sample_random(logits[random], [seqs[i] for i in random])
+            tokens[random] = self.sample_random(logits[random], [seqs[i] for i in random])
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(seqs)
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
@@ -93,7 +93,7 @@ class Sampler:
         else:  # row by row: the rows after the first rejected guess need no noise
             tokens = []
             for i, guess in enumerate(proposal.tokens + [None]):
-                tokens.append(int(self._sample_random(rows[i:i + 1], [seq], i)[0]))
+                tokens.append(int(self.sample_random(rows[i:i + 1], [seq], i)[0]))
                 if tokens[-1] != guess:
                     break
         if not seq.params.logprobs:
@@ -101,7 +101,7 @@ class Sampler:
         chosen = torch.log_softmax(rows[:len(tokens)], dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1))
         return tokens, chosen.squeeze(1).tolist()
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], offset: int = 0) -> torch.Tensor:
+    def sample_random(self, logits: torch.Tensor, seqs: list[Sequence], offset: int = 0) -> torch.Tensor:
         """logits [R, V] of rows with temperature > 0 -> sampled token ids [R]; row r samples output
         position seqs[r].num_output_tokens + offset."""
         temperatures = torch.tensor([seq.params.temperature for seq in seqs], dtype=torch.float32)

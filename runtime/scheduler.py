@@ -31,8 +31,8 @@ Preemption frees the victim's blocks and puts it at the front of waiting with it
 prompt + outputs become its next prefill (often largely a prefix-cache hit on its own freed
 blocks), the last output's logits give its next token, and each output position samples from a
 random stream of its own (Sequence.generator_at), so it produces the same tokens as if it had never
-been preempted. Running stays in arrival order
-(admission is FIFO and the preempted go back to the front), so the newest is running[-1].
+been preempted. Running stays in arrival order (admission is FIFO and the preempted go back to the
+front), so the newest is running[-1].
 """
 
 from __future__ import annotations

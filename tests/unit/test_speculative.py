@@ -99,7 +99,7 @@ def test_sampled_verification_keeps_the_target_distribution(draft):
         if draft == "one token":
             guess = 1
         else:
-            guess = int(Sampler()._sample_random(q.log().unsqueeze(0), [seq])[0])
+            guess = int(Sampler().sample_random(q.log().unsqueeze(0), [seq])[0])
         tokens = Sampler().verify(rows, seq, Proposal([guess]))[0]
         first[tokens[0]] += 1
         stood += tokens[0] == guess
