@@ -31,7 +31,8 @@ one_line_errors = cli_errors.one_line_errors("engine-run", (EngineError, ValueEr
 
 
 def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0,
-                   backend=None, prefill_chunk=None, speculative=None, draft=None, speculative_k=4):
+                   backend=None, prefill_chunk=None, speculative=None, draft=None, speculative_k=4,
+                   adaptive_k=True):
     from runtime.engine import DEFAULT_PREFILL_CHUNK, EngineOptions
     from runtime.speculative import SpeculativeConfig
 
@@ -45,7 +46,7 @@ def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, th
         fail("--speculative draft needs --draft ENGINE (a Kiln engine with the target's tokenizer)")
     if speculative not in (None, "off") or draft is not None:
         spec = SpeculativeConfig(proposer="draft" if draft is not None else speculative, max_k=speculative_k,
-                                 draft_engine=None if draft is None else str(draft))
+                                 adaptive=adaptive_k, draft_engine=None if draft is None else str(draft))
     return EngineOptions(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                          prefill_chunk=chunk, kv_cache_gib=kv_cache_gib, num_threads=threads,
                          rank_timeout=rank_timeout, backend=backend, speculative=spec)
@@ -80,6 +81,9 @@ DRAFT = typer.Option(None, "--draft",
 SPECULATIVE_K = typer.Option(4, "--speculative-k", min=1, max=16,
                              help="Most guesses a sequence verifies per step; each sequence then guesses as many "
                                   "as its recent acceptance and the step's cost make worth it (0 when none are).")
+ADAPTIVE_K = typer.Option(True, "--adaptive-k/--fixed-k",
+                          help="--fixed-k: every sequence guesses --speculative-k tokens whenever the proposer has "
+                               "them, whatever they cost (to measure acceptance, or where guesses are nearly free).")
 RANK_TIMEOUT = typer.Option(60.0, "--rank-timeout",
                             help="Multi-rank engines: seconds a dead or hung rank is given before every rank "
                                  "stops and engine-run exits naming it. Ranks: one process each, started here, "
@@ -103,6 +107,7 @@ def generate(
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
+    adaptive_k: bool = ADAPTIVE_K,
 ):
     """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
     from runtime.launcher import open_llm_engine
@@ -112,7 +117,7 @@ def generate(
                             stop=tuple(stop or ()))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
                                                 threads, rank_timeout, backend, prefill_chunk, speculative, draft,
-                                                speculative_k)) as llm:
+                                                speculative_k, adaptive_k)) as llm:
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         ids = [llm.add_request(t, params) for t in texts]
         stream = len(ids) == 1
@@ -155,6 +160,7 @@ def serve(
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
+    adaptive_k: bool = ADAPTIVE_K,
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
     import dataclasses
@@ -168,7 +174,7 @@ def serve(
     open_engine(engine, backend=backend)
     check_port_free(host, port)
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
-                             backend, prefill_chunk, speculative, draft, speculative_k)
+                             backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k)
     options = dataclasses.replace(options, check_hashes=False)
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
                                 max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
@@ -209,6 +215,7 @@ def bench(
     max_seq_len: Optional[int] = MAX_SEQ, kv_cache_gib: Optional[float] = KV_GIB,
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
+    adaptive_k: bool = ADAPTIVE_K,
     busy_cores: int = typer.Option(0, "--busy-cores", min=0,
                                    help="Then run the levels again with this many busy-loop processes pinned to "
                                         "this process's last CPUs, and show each level's share of its quiet "
@@ -232,7 +239,7 @@ def bench(
         fail(str(exc))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
                                                 threads, rank_timeout, backend, prefill_chunk, speculative, draft,
-                                                speculative_k)) as llm:
+                                                speculative_k, adaptive_k)) as llm:
         limit = llm.limits.max_seq_len
         if prompt_len + output_len > limit:
             fail(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the engine's max_seq_len {limit}")
