@@ -161,6 +161,20 @@ def serve(
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
     adaptive_k: bool = ADAPTIVE_K,
+    replicas: int = typer.Option(1, "--replicas", min=1,
+                                 help="Engine replicas behind the one endpoint, each its own rank processes, run "
+                                      "on Ray Serve (pip install 'kiln[serve]'); 1 serves from this process."),
+    max_replicas: Optional[int] = typer.Option(None, "--max-replicas",
+                                               help="Autoscale between --replicas and this many replicas on "
+                                                    "requests in flight."),
+    routing: str = typer.Option("prefix", "--routing",
+                                help="Replicas: prefix (send a request where its prompt's leading blocks are "
+                                     "likely cached, unless that replica is 4 requests busier than the least "
+                                     "busy) or round-robin."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                              help="Replicas: run on this Ray cluster (e.g. auto, ray://head:10001) "
+                                                   "instead of a Ray instance started here; the engine directory "
+                                                   "must be at the same path on its nodes."),
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
     import dataclasses
@@ -176,9 +190,23 @@ def serve(
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
                              backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k)
     options = dataclasses.replace(options, check_hashes=False)
+    if replicas > 1 or max_replicas is not None or ray_address is not None:
+        raise typer.Exit(serve_on_ray(engine, options, replicas, max_replicas, routing, ray_address, host=host,
+                                      port=port, max_waiting=max_waiting, drain_timeout=drain_timeout,
+                                      model_name=model_name, max_request_bytes=max_request_bytes))
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
                                 max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
                                 max_request_bytes=max_request_bytes))
+
+
+def serve_on_ray(engine: Path, options, replicas: int, max_replicas: int | None, routing: str,
+                 ray_address: str | None, **server) -> int:
+    try:
+        from runtime.serving.replicas import ReplicaPlan, serve_replicas
+    except ImportError as exc:
+        fail(f"--replicas needs Ray Serve ({exc}): pip install 'kiln[serve]'")
+    plan = ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing)
+    return serve_replicas(str(engine), options, plan, ray_address=ray_address, **server)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -12,8 +12,8 @@ with the longest match, lower load breaking ties, unless that replica's load exc
 loaded one's by more than `max_imbalance` requests: then load wins and it goes to the least loaded,
 so one popular system prompt cannot pile every request onto one replica.
 
-This module is the policy alone (issue 19's groundwork): it takes replica loads as numbers and
-returns a replica id, so the replicas' transport (Ray Serve, one process, a test) supplies both.
+This module is the policy alone: it takes replica loads as numbers and returns replica ids, so the
+replicas' transport supplies both (ray_router.py: Ray Serve's router for `engine-run serve --replicas`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ class PrefixAwareRouter:
     """Chooses a replica for each request from its prompt's block hashes and the replicas' loads."""
 
     def __init__(self, replica_ids: list[str], block_size: int, blocks_per_replica: int, max_imbalance: int = 4):
-        if not replica_ids:
-            raise ValueError("a router needs at least one replica")
         if block_size < 1 or blocks_per_replica < 1 or max_imbalance < 0:
             raise ValueError(f"router: block_size and blocks_per_replica must be >= 1 and max_imbalance >= 0, "
                              f"got {block_size}, {blocks_per_replica}, {max_imbalance}")
@@ -81,9 +79,10 @@ class PrefixAwareRouter:
     def remove_replica(self, replica_id: str) -> None:
         self.records.pop(replica_id, None)
 
-    def route(self, token_ids: list[int], loads: dict[str, int]) -> str:
-        """The replica for a prompt, given each replica's load (requests running and waiting); the choice
-        is recorded. Replicas missing from `loads` are not chosen."""
+    def rank(self, token_ids: list[int], loads: dict[str, int]) -> list[str]:
+        """The replicas in `loads` best first for a prompt, given each one's load (requests running and
+        waiting): the longest match among replicas within max_imbalance of the least loaded, lower load
+        breaking ties, then the rest by load. Replicas missing from `loads` are not ranked."""
         candidates = [r for r in self.records if r in loads]
         if not candidates:
             raise ValueError("no replica to route to: none of the known replicas reported a load")
@@ -91,11 +90,21 @@ class PrefixAwareRouter:
         least = min(loads[r] for r in candidates)
         matches = {r: self.records[r].match(hashes) for r in candidates}
         balanced = [r for r in candidates if loads[r] - least <= self.max_imbalance]
-        # The longest match among replicas not too far above the least loaded; lower load, then order, breaks ties.
-        chosen = max(balanced, key=lambda r: (matches[r], -loads[r]))
-        record = self.records[chosen]
+        # Ties go to the less loaded, then to the replica holding fewer blocks, so fresh prefixes spread out.
+        chosen = max(balanced, key=lambda r: (matches[r], -loads[r], -len(self.records[r].hashes)))
+        return [chosen] + sorted((r for r in candidates if r != chosen), key=lambda r: loads[r])
+
+    def record(self, replica_id: str, token_ids: list[int]) -> None:
+        """The prompt went to the replica: its blocks are now (likely) cached there."""
+        hashes = prompt_block_hashes(token_ids, self.block_size)
+        record = self.records[replica_id]
         record.routed += 1
-        record.matched_blocks += matches[chosen]
+        record.matched_blocks += record.match(hashes)
         record.prompt_blocks += len(hashes)
         record.add(hashes)
+
+    def route(self, token_ids: list[int], loads: dict[str, int]) -> str:
+        """rank()'s first choice, recorded."""
+        chosen = self.rank(token_ids, loads)[0]
+        self.record(chosen, token_ids)
         return chosen

@@ -55,9 +55,17 @@ def test_the_record_forgets_least_recently_used_blocks_and_a_replaced_replica_st
 
 
 def test_bad_router_settings_and_no_replicas_are_one_line_errors():
-    with pytest.raises(ValueError, match="at least one replica"):
-        PrefixAwareRouter([], 16, 64)
+    with pytest.raises(ValueError, match="none of the known replicas"):  # replicas may come later
+        PrefixAwareRouter([], 16, 64).route(SYSTEM, {})
     with pytest.raises(ValueError, match="block_size and blocks_per_replica"):
         PrefixAwareRouter(["a"], 0, 64)
     with pytest.raises(ValueError, match="none of the known replicas"):
         PrefixAwareRouter(["a"], 16, 64).route(SYSTEM, {"z": 0})
+
+
+def test_rank_puts_the_choice_first_then_the_rest_by_load_and_records_nothing():
+    router = PrefixAwareRouter(["a", "b", "c"], block_size=16, blocks_per_replica=64, max_imbalance=4)
+    router.record("c", SYSTEM)
+    assert router.rank(SYSTEM + [1], {"a": 2, "b": 0, "c": 1}) == ["c", "b", "a"]
+    assert router.rank(SYSTEM + [1], {"a": 2, "b": 0, "c": 5}) == ["b", "a", "c"]  # c too far ahead
+    assert router.records["c"].routed == 1 and router.records["b"].routed == 0

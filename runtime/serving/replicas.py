@@ -1,0 +1,479 @@
+"""`engine-run serve --replicas N`: N engine replicas on Ray Serve behind one OpenAI-compatible endpoint.
+
+    client --HTTP--> Ray Serve proxy --> KilnIngress (the same FastAPI app as one engine serves)
+                                              | DeploymentHandle, routed by KilnRouter
+                                              v
+                        KilnReplica x N: an EngineLoop each, its own LLMEngine and rank processes
+
+KilnIngress reads prompts (tokenizer and chat template, loaded from the engine directory) and hands
+each request's token ids to `KilnReplica.generate` as a streaming handle call. The handle's router,
+KilnRouter, runs in the ingress process: it sees the token ids in the call's kwargs and picks a
+replica with routing.PrefixAwareRouter (the replica most likely to hold the prompt's leading blocks
+in its prefix cache, balanced against the replicas' in-flight requests), or round-robin.
+
+ReplicaPool gives the ingress the EngineLoop interface api.py and app.py already serve from
+(submit / abort / ready / metrics), so the API, streaming and error shapes are those of one engine.
+A replica whose process or engine dies fails the requests it was running (each gets a clean
+"generation failed" error); a request refused before it started anywhere is sent to another
+replica. Serve's health check (KilnReplica.check_health: the engine thread is alive) replaces the
+replica. Replicas report their load, prefix-cache hits and process memory through
+`record_routing_stats`; the ingress's /metrics shows them per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime.engine import EngineOptions, RequestOutput
+from runtime.engine_format import open_engine
+from runtime.sampling import SamplingParams
+from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
+from runtime.serving.metrics import ServerMetrics
+from runtime.serving.protocol import APIError
+
+log = logging.getLogger("kiln.replicas")
+
+APP_NAME = "kiln"
+ROUTING_POLICIES = ("prefix", "round-robin")
+HEALTH_CHECK_PERIOD_S = 2.0
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A replica's answer to a request it did not start: what the client gets, unless another replica may
+    take it (retry: the replica's engine is not serving)."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    retry: bool = False
+
+    def error(self) -> APIError:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return APIError(self.status, self.message, self.type, self.param, self.code, headers)
+
+
+# ------------------------------------------------------------------------------------------ replica
+
+class KilnReplica:
+    """One engine (its EngineLoop, LLMEngine and rank processes) as a Ray Serve replica."""
+
+    async def __init__(self, engine: str, options: EngineOptions, max_waiting: int):
+        from runtime.launcher import open_llm_engine
+
+        self.engine_loop = EngineLoop(lambda: open_llm_engine(engine, options), max_waiting)
+        loop = asyncio.get_running_loop()
+        settled = loop.create_future()
+
+        def settle() -> None:
+            if not settled.done():
+                settled.set_result(None)
+
+        self.engine_loop.start(loop, on_ready=lambda: loop.call_soon_threadsafe(settle),
+                               on_exit=lambda: loop.call_soon_threadsafe(settle))
+        await settled
+        if not self.engine_loop.ready:  # Serve reports the constructor's error and retries it
+            raise RuntimeError(f"the engine did not start: {self.engine_loop.failure}")
+        self._cpu_seconds = (time.monotonic(), _cpu_seconds())
+
+    def describe(self) -> dict:
+        """What the ingress needs to read prompts for this engine."""
+        from runtime.serving.prompts import context_len
+
+        llm = self.engine_loop.llm
+        return {"context_len": context_len(llm), "num_blocks": llm.num_blocks, "block_size": llm.block_size,
+                "max_waiting": self.engine_loop.max_waiting, "max_batch_size": llm.limits.max_batch_size}
+
+    async def generate(self, requests: list[tuple[str, list[int], SamplingParams]], token_ids: list[int] = ()):
+        """Stream a request's outputs: first [] once the engine took it (or one Refused), then lists of
+        RequestOutput as steps produce them. `token_ids` is for the router, which reads the call's kwargs."""
+        try:
+            outputs = await self.engine_loop.submit(requests, time.monotonic())
+        except Overloaded:
+            yield Refused(429, f"the server is at capacity ({self.engine_loop.max_waiting} requests waiting per "
+                               "replica); retry later", "rate_limit_error", code="queue_full")
+            return
+        except APIError as exc:
+            yield Refused(exc.status, exc.message, exc.type, exc.param, exc.code)
+            return
+        except Exception as exc:  # the engine thread is gone: another replica may take the request
+            yield Refused(503, f"replica unavailable: {type(exc).__name__}: {exc}", "unavailable", retry=True)
+            return
+        yield []
+        unfinished = {rid for rid, _, _ in requests}
+        try:
+            while unfinished:
+                batch = [await outputs.get()]
+                while not outputs.empty():
+                    batch.append(outputs.get_nowait())
+                if ABORTED in batch:
+                    yield Refused(503, "the replica shut down before this request finished", "unavailable")
+                    return
+                unfinished.difference_update(out.request_id for out in batch if out.finished)
+                yield batch
+        finally:  # the ingress cancelled the call (its client left): free the blocks
+            self.engine_loop.abort(list(unfinished))
+
+    def check_health(self) -> None:
+        """Serve's health check: raising marks the replica unhealthy, and Serve replaces it."""
+        if not self.engine_loop.ready:
+            raise RuntimeError(f"the engine stopped: {self.engine_loop.failure}")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load, cache and process figures; the router and the ingress's /metrics read them."""
+        llm = self.engine_loop.llm
+        stats = llm.stats() if llm is not None and self.engine_loop.ready else None
+        now, cpu = time.monotonic(), _cpu_seconds()
+        then, cpu_then = self._cpu_seconds
+        self._cpu_seconds = (now, cpu)
+        figures = {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "healthy": self.engine_loop.ready,
+                   "cpu_utilisation": (cpu - cpu_then) / (now - then) if now > then else 0.0}
+        if stats is not None:
+            figures.update(running=stats.num_running, waiting=stats.num_waiting, kv_usage=stats.kv_usage,
+                           prefix_queries=stats.prefix_queries, prefix_hits=stats.prefix_hits,
+                           preemptions=stats.num_preemptions)
+        figures.update(_gpu_figures())
+        return figures
+
+    def __del__(self) -> None:
+        self.engine_loop.stop()
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (rank processes included once they end)."""
+    usage = os.times()
+    return usage.user + usage.system + usage.children_user + usage.children_system
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gpu_figures() -> dict:
+    """GPU memory and utilisation from NVML where a GPU and nvidia-ml-py are present; nothing otherwise."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    figures = {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    indices = [int(i) for i in visible.split(",") if i.strip().isdigit()] if visible else range(
+        pynvml.nvmlDeviceGetCount())
+    for i in indices:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        figures[f"gpu{i}_memory_used_bytes"] = memory.used
+        figures[f"gpu{i}_utilisation"] = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+    return figures
+
+
+# ------------------------------------------------------------------------------------------ ingress
+
+class ModelFrontend:
+    """What the API reads prompts with (LLMEngine's tokenizer, chat template, limits), without an engine:
+    the files come from the engine directory, the KV pool's size from a replica."""
+
+    def __init__(self, engine: str, options: EngineOptions, described: dict):
+        import json
+        from types import SimpleNamespace
+
+        from tokenizers import Tokenizer
+
+        self.engine = open_engine(engine, check_hashes=False, backend=options.backend)
+        path = Path(engine)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = path / "tokenizer_config.json"
+        self.tokenizer_config = json.loads(config.read_text()) if config.exists() else {}
+        self.eos_token_ids = self.engine.manifest.eos_token_ids
+        self.block_size = described["block_size"]
+        self.num_blocks = described["num_blocks"]
+        self.limits = SimpleNamespace(max_seq_len=described["context_len"])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from runtime.chat import render_chat
+
+        return render_chat(self.tokenizer_config, messages, add_generation_prompt)
+
+
+class ReplicaPool:
+    """The ingress's side of the replicas, with the EngineLoop interface that api.py and app.py serve from."""
+
+    RETRIES = 3  # a request no replica started is offered to another this many times
+
+    def __init__(self, handle, frontend: ModelFrontend, max_waiting: int, metrics: ServerMetrics):
+        self.handle = handle.options(stream=True)
+        self.llm = frontend
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.ready = True
+        self.failure: Exception | None = None
+        self._calls: dict[str, asyncio.Task] = {}  # request id -> the task pumping its call's outputs
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._calls)
+
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]], arrival: float) -> asyncio.Queue:
+        refused = None
+        for _ in range(self.RETRIES):
+            call = self.handle.generate.remote(requests, token_ids=requests[0][1])
+            try:
+                first = await call.__anext__()
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except Exception as exc:  # the replica died before answering: nothing started
+                log.warning("a replica failed before starting a request (%s); trying another", exc)
+                refused = Refused(503, f"no replica could take the request: {type(exc).__name__}", "unavailable")
+                continue
+            if isinstance(first, Refused):
+                refused = first
+                if first.retry:
+                    continue
+                raise first.error()
+            break
+        else:
+            raise refused.error()
+        outputs: asyncio.Queue = asyncio.Queue()
+        ids = [rid for rid, _, _ in requests]
+        task = asyncio.get_running_loop().create_task(self._pump(call, ids, outputs, arrival))
+        self._calls.update(dict.fromkeys(ids, task))
+        return outputs
+
+    async def _pump(self, call, ids: list[str], outputs: asyncio.Queue, arrival: float) -> None:
+        unfinished, last_token = set(ids), {}
+        try:
+            async for batch in call:
+                if isinstance(batch, Refused):
+                    raise batch.error()
+                now = time.monotonic()
+                for out in batch:
+                    self._observe(out, now, arrival, last_token)
+                    outputs.put_nowait(out)
+                    if out.finished:
+                        unfinished.discard(out.request_id)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as exc:  # the replica died mid-request, or shut down: these requests end in an error
+            log.warning("a replica failed %d running request(s): %s", len(unfinished), exc)
+            for rid in unfinished:
+                outputs.put_nowait(RequestOutput(rid, "", "", [], True, "error", 0, 0,
+                                                 error=f"the replica running it failed ({type(exc).__name__})"))
+                self.metrics.requests_finished.labels("error").inc()
+        finally:
+            for rid in ids:
+                self._calls.pop(rid, None)
+
+    def _observe(self, out: RequestOutput, now: float, arrival: float, last_token: dict) -> None:
+        if out.finish_reason != "error" and out.token_ids:
+            last = last_token.get(out.request_id)
+            if last is None:
+                self.metrics.time_to_first_token.observe(now - arrival)
+            else:
+                self.metrics.inter_token_latency.observe(now - last)
+            last_token[out.request_id] = now
+        if out.finished:
+            self.metrics.requests_finished.labels(out.finish_reason).inc()
+            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+            self.metrics.generation_tokens.inc(len(out.token_ids))
+            self.metrics.spec_proposed.inc(out.num_proposed_tokens)
+            self.metrics.spec_accepted.inc(out.num_accepted_tokens)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for task in {self._calls[rid] for rid in request_ids if rid in self._calls}:
+            task.cancel()
+
+    def abort_all(self) -> None:
+        self.abort(list(self._calls))
+
+
+class KilnIngress:
+    """The HTTP front (Serve's ingress deployment): create_app over a ReplicaPool."""
+
+    async def __init__(self, replicas, engine: str, options: EngineOptions, max_waiting: int,
+                       model_name: str | None, max_request_bytes: int):
+        described = await replicas.describe.remote()
+        self.metrics = ReplicaMetrics()
+        self.pool = ReplicaPool(replicas, ModelFrontend(engine, options, described), max_waiting, self.metrics)
+        self.model_name, self.max_request_bytes = model_name, max_request_bytes
+
+    def __serve_build_asgi_app__(self):
+        from runtime.serving.app import create_app
+
+        return create_app(self.pool, self.model_name, self.max_request_bytes)
+
+
+class ReplicaMetrics(ServerMetrics):
+    """The server's metrics for replicas: latencies and token counts as the ingress sees them; queue, KV and
+    prefix-cache gauges summed over the replicas' last reports (about a second old) at each scrape, and
+    per replica (kiln_replica_*). kiln_num_preemptions stays 0 here: see kiln_replica_preemptions."""
+
+    GAUGES = {
+        "running": "Sequences holding KV blocks on the replica.",
+        "waiting": "Sequences queued for admission on the replica.",
+        "kv_usage": "Fraction of the replica's KV blocks held by sequences.",
+        "prefix_hit_rate": "Prompt tokens served from the replica's prefix cache / tokens looked up, since start.",
+        "predicted_hit_rate": "Prompt blocks the router expected the replica to hold / blocks routed there.",
+        "routed": "Requests the router sent to the replica.",
+        "preemptions": "Sequences the replica preempted for lack of KV blocks, since it started.",
+        "pid": "Process id of the replica (its engine's rank 0).",
+        "rss_bytes": "Resident memory of the replica's process.",
+        "cpu_utilisation": "CPU seconds per second of the replica's process (and its finished children).",
+    }
+
+    def __init__(self):
+        super().__init__()
+        from prometheus_client import Gauge
+
+        self.replica_gauges = {key: Gauge(f"kiln_replica_{key}", text, ["replica"], registry=self.registry)
+                               for key, text in self.GAUGES.items()}
+        self.replicas = Gauge("kiln_replicas", "Replicas the router can send requests to.", registry=self.registry)
+        self.gpu_memory = Gauge("kiln_replica_gpu_memory_used_bytes", "GPU memory in use (NVML).",
+                                ["replica", "gpu"], registry=self.registry)
+        self.gpu_utilisation = Gauge("kiln_replica_gpu_utilisation", "GPU busy fraction (NVML).",
+                                     ["replica", "gpu"], registry=self.registry)
+
+    def render(self) -> tuple[bytes, str]:
+        for gauge in (*self.replica_gauges.values(), self.gpu_memory, self.gpu_utilisation):
+            gauge.clear()  # replicas that are gone leave no series behind
+        from runtime.serving.ray_router import replica_figures
+
+        replicas = replica_figures()
+        total = {key: sum(f.get(key, 0) for f in replicas.values())
+                 for key in ("running", "waiting", "prefix_hits", "prefix_queries")}
+        self.requests_running.set(total["running"])
+        self.requests_waiting.set(total["waiting"])
+        self.kv_cache_usage.set(sum(f.get("kv_usage", 0.0) for f in replicas.values()) / max(1, len(replicas)))
+        self.prefix_cache_hit_rate.set(total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"]
+                                       else 0.0)
+        self.replicas.set(len(replicas))
+        for rid, figures in replicas.items():
+            queries = figures.get("prefix_queries", 0)
+            figures["prefix_hit_rate"] = figures.get("prefix_hits", 0) / queries if queries else 0.0
+            for key, gauge in self.replica_gauges.items():
+                if key in figures:
+                    gauge.labels(rid).set(figures[key])
+            for key, value in figures.items():
+                if key.startswith("gpu") and key.endswith("_memory_used_bytes"):
+                    self.gpu_memory.labels(rid, key[3:].split("_")[0]).set(value)
+                elif key.startswith("gpu") and key.endswith("_utilisation"):
+                    self.gpu_utilisation.labels(rid, key[3:].split("_")[0]).set(value)
+        return super().render()
+
+
+# ------------------------------------------------------------------------------------------ the app
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaPlan:
+    """How many replicas, and how they are routed and checked."""
+
+    replicas: int = 2
+    max_replicas: int | None = None  # above `replicas`: autoscale between the two on in-flight requests
+    routing: str = "prefix"
+    health_check_period_s: float = HEALTH_CHECK_PERIOD_S
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"--max-replicas {self.max_replicas} is below --replicas {self.replicas}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"--routing {self.routing!r}: choose one of {', '.join(ROUTING_POLICIES)}")
+
+
+def build_app(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_waiting: int = 64,
+              model_name: str | None = None, max_request_bytes: int = 1 << 20, block_size: int = 16,
+              blocks_per_replica: int = 1024, max_batch_size: int = 32, drain_timeout: float = 30.0):
+    """The Serve application: KilnIngress in front of `plan.replicas` KilnReplicas."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    scaling: dict[str, Any] = {"num_replicas": plan.replicas}
+    if plan.max_replicas is not None and plan.max_replicas > plan.replicas:
+        scaling = {"autoscaling_config": {
+            "min_replicas": plan.replicas, "max_replicas": plan.max_replicas,
+            "target_ongoing_requests": max(1, max_batch_size // 2), "upscale_delay_s": 5,
+            "downscale_delay_s": 60}}
+    replica = serve.deployment(
+        KilnReplica, name="KilnReplica", ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max_batch_size + max_waiting, health_check_period_s=plan.health_check_period_s,
+        health_check_timeout_s=30, graceful_shutdown_timeout_s=drain_timeout,
+        request_router_config=RequestRouterConfig(
+            request_router_class="runtime.serving.ray_router:KilnRouter",
+            request_router_kwargs={"policy": plan.routing, "block_size": block_size,
+                                   "blocks_per_replica": blocks_per_replica},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+        **scaling)
+    ingress = serve.deployment(serve.ingress()(KilnIngress), name="KilnIngress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=10_000)
+    return ingress.bind(replica.bind(engine, options, max_waiting), engine, options, max_waiting, model_name,
+                        max_request_bytes)
+
+
+def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, host: str = "127.0.0.1",
+                   port: int = 8000, max_waiting: int = 64, drain_timeout: float = 30.0, model_name: str | None = None,
+                   max_request_bytes: int = 1 << 20, ray_address: str | None = None) -> int:
+    """Run the replicas until SIGTERM/SIGINT: on a local Ray instance started here, or on the Ray cluster
+    at ray_address. Returns the exit code."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from runtime.backend import kv_budget
+    from runtime.cpus import usable_cpus
+    from runtime.engine import _lowered
+    from runtime.engine_format import EngineError, check_target
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    manifest = open_engine(engine, check_hashes=False, backend=options.backend).manifest
+    backend = check_target(Path(engine), manifest, options.backend)
+    limits = _lowered(manifest.limits, options)
+    if options.num_threads is None:  # the host's cores shared between the replicas' ranks
+        threads = max(1, usable_cpus() // (plan.replicas * manifest.world_size))
+        options = dataclasses.replace(options, num_threads=threads)
+    app = build_app(str(Path(engine).resolve()), options, plan, max_waiting=max_waiting, model_name=model_name,
+                    max_request_bytes=max_request_bytes, block_size=manifest.block_size,
+                    blocks_per_replica=manifest.shared_kv_blocks(kv_budget(backend, options.kv_cache_gib)),
+                    max_batch_size=limits.max_batch_size, drain_timeout=drain_timeout)
+    local = ray_address is None
+    ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING,
+             **({"num_cpus": usable_cpus(), "object_store_memory": 256 << 20} if local else {}))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # in place of Ray's (which exits at once), before Serve starts
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        print(f"Starting {plan.replicas} replica(s) on Ray {'(local)' if local else ray_address} ...", flush=True)
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except Exception as exc:  # a replica's constructor failed: its first line says why
+            raise EngineError(f"the replicas did not start: {str(exc).strip().splitlines()[-1]}") from None
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        scaling = f"{plan.replicas}-{plan.max_replicas} (autoscaled)" if plan.max_replicas else str(plan.replicas)
+        print(f"Kiln is serving {model_name or manifest.model_name} at http://{shown}:{port}/v1 from {scaling} "
+              f"replicas, {plan.routing} routing  (metrics: /metrics, health: /health)", flush=True)
+        stop.wait()
+        log.info("shutting down: running requests get up to %gs", drain_timeout)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
