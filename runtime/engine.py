@@ -9,6 +9,7 @@ one, and returns them in the order they were submitted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -71,6 +72,7 @@ class RequestOutput:
     error: str | None = None
     num_proposed_tokens: int = 0     # speculative guesses verified for this request
     num_accepted_tokens: int = 0     # of those, the ones that stood
+    kv_handoff: object = None        # a hand_off request's KVHandoff, on its final output
 
 
 @dataclass
@@ -136,6 +138,7 @@ class LLMEngine:
             enable_prefix_caching=options.enable_prefix_caching, max_batches_in_flight=self.max_in_flight,
             prefill_chunk=options.prefill_chunk),
             self.eos_token_ids, self.speculator)
+        self.scheduler.before_free = self._read_handoff
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.in_flight: deque[tuple[ScheduledBatch, object]] = deque()  # submitted batches, oldest first
@@ -164,21 +167,65 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=False).ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; ValueError (before it takes any KV blocks) if it can never run."""
-        params = params or SamplingParams()
-        if params.min_tokens and not params.eos_token_ids:  # min_tokens holds back this model's EOS too
-            params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+                    request_id: str | None = None, hand_off: bool = False) -> str:
+        """Queue a request; ValueError (before it takes any KV blocks) if it can never run.
+
+        hand_off: prefill only (disaggregated serving): the request ends at its first token, and its
+        final output carries the prompt's K/V for a decode engine (output.kv_handoff)."""
+        params = self._params(params)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.engine.manifest.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(request_id, ids, params)
+        seq = Sequence(request_id, ids, dataclasses.replace(params, max_tokens=1) if hand_off else params)
+        if hand_off:
+            self.kv_layout  # noqa: B018 -- an engine that cannot hand K/V over says so before taking the request
+            seq.hand_off = True
         self.scheduler.add(seq)
         self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
         self.prompt_tokens += len(ids)
         return request_id
+
+    def add_prefilled(self, handoff, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request another engine prefilled (its output.kv_handoff), to decode here from its second
+        token on; ValueError if the handoff does not fit this engine or nothing is left to decode."""
+        from runtime.disaggregation import check_handoff, write_kv
+
+        params = self._params(params)
+        layout = self.kv_layout
+        check_handoff(handoff, layout, self.engine.manifest.vocab_size)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(request_id, handoff.prompt_token_ids, params)
+        seq.seed = handoff.seed
+        self.scheduler.add_prefilled(seq, handoff.first_token, handoff.first_logprob,
+                                     lambda s, start: write_kv(self.executor.cache, layout, s.block_table, start,
+                                                               handoff))
+        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self.prompt_tokens += seq.num_prompt_tokens
+        return request_id
+
+    def _params(self, params: SamplingParams | None) -> SamplingParams:
+        params = params or SamplingParams()
+        if params.min_tokens and not params.eos_token_ids:  # min_tokens holds back this model's EOS too
+            params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        return params
+
+    @functools.cached_property
+    def kv_layout(self):
+        """How this engine's cache holds K/V (runtime/disaggregation.py); EngineError if it cannot hand it over."""
+        from runtime.disaggregation import cache_layout
+
+        return cache_layout(self.executor.cache, self.block_size)
+
+    def _read_handoff(self, seq: Sequence) -> None:
+        from runtime.disaggregation import KVHandoff, read_kv
+
+        k, v = read_kv(self.executor.cache, self.kv_layout, seq.block_table, seq.num_prompt_tokens)
+        blocks = self.scheduler.block_manager.blocks_needed(seq.num_prompt_tokens)
+        seq.kv_handoff = KVHandoff(list(seq.prompt_token_ids), seq.output_token_ids[0],
+                                   seq.logprobs[0] if seq.logprobs else None, seq.seed, self.kv_layout, k, v,
+                                   tuple(seq.block_table[:blocks]))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: it gives no more outputs, and its KV blocks are freed at once, or when
@@ -270,7 +317,8 @@ class LLMEngine:
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            num_proposed_tokens=seq.num_proposed_tokens, num_accepted_tokens=seq.num_accepted_tokens)
+            num_proposed_tokens=seq.num_proposed_tokens, num_accepted_tokens=seq.num_accepted_tokens,
+            kv_handoff=seq.kv_handoff)
 
     # ------------------------------------------------------------------ conveniences
 

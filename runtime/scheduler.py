@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from runtime.kv_cache import BlockManager
 from runtime.sequence import Sequence, SequenceStatus
@@ -130,6 +130,7 @@ class Scheduler:
         self.in_flight: set[Sequence] = set()    # in a batch scheduled and not yet postprocessed
         self.aborted_in_flight: set[Sequence] = set()  # finished when their batch is back
         self.num_preemptions = 0
+        self.before_free: Callable[[Sequence], None] | None = None  # for hand_off sequences that finish
 
     @property
     def has_unfinished(self) -> bool:
@@ -137,6 +138,34 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; ValueError, before taking any blocks, if it could never run."""
+        self._check_new(seq)
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence, first_token: int, first_logprob: float | None, write_kv) -> bool:
+        """A request another engine prefilled (runtime/disaggregation.py): with blocks free now it runs at
+        once, its prompt's K/V written by write_kv(seq, start) from position `start` on (the positions its
+        cached prefix does not cover) and its first token appended, to decode next step; True. Otherwise it
+        waits with its first token, and is recomputed when admitted, as a preempted sequence is; False.
+        ValueError, before taking any blocks, if it could never run or has nothing left to decode."""
+        self._check_new(seq)
+        if seq.params.max_tokens < 2 or self._finish_reason(seq, first_token) is not None:
+            raise ValueError(f"request {seq.request_id!r}: its first token ends it; nothing is left to decode")
+        seq.append_token(first_token, first_logprob)
+        self.requests[seq.request_id] = seq
+        bm = self.block_manager
+        if len(self.running) >= self.config.max_batch_size or not bm.can_allocate(seq):
+            self.waiting.append(seq)
+            return False
+        bm.allocate(seq)
+        write_kv(seq, seq.num_computed_tokens)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        bm.cache_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _check_new(self, seq: Sequence) -> None:
         cfg, rid = self.config, seq.request_id
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
@@ -152,8 +181,6 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
                              f"({seq.params.max_tokens}) needs {blocks} KV blocks of {cfg.block_size} tokens, "
                              f"but the cache has only {cfg.num_blocks}")
-        self.requests[rid] = seq
-        self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts (see the module docstring for the policy)."""
@@ -294,6 +321,8 @@ class Scheduler:
             self.speculator.release(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if seq.hand_off and reason != "abort" and self.before_free is not None:
+                self.before_free(seq)  # its K/V, read out before the blocks can be reused
             self.block_manager.free(seq)
         else:
             self.waiting.remove(seq)

@@ -54,6 +54,8 @@ class Sequence:
         self.adaptive_k = None        # speculative decoding's AdaptiveK for this sequence, once it speculates
         self.num_proposed_tokens = 0  # guesses verified for this sequence
         self.num_accepted_tokens = 0  # of those, the ones that stood
+        self.hand_off = False         # disaggregated prefill: read the prompt's K/V out when it finishes
+        self.kv_handoff = None        # ... into this (runtime/disaggregation.py KVHandoff)
         seed = self.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
