@@ -171,6 +171,10 @@ def serve(
                                 help="Replicas: prefix (send a request where its prompt's leading blocks are "
                                      "likely cached, unless that replica is 4 requests busier than the least "
                                      "busy) or round-robin."),
+    disaggregate: Optional[str] = typer.Option(None, "--disaggregate", metavar="P:D",
+                                               help="Prefill/decode disaggregation on Ray Serve: P prefill workers "
+                                                    "compute prompts and hand their K/V to D decode workers, "
+                                                    "which stream the answers (one-rank cpu engines)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address",
                                               help="Replicas: run on this Ray cluster (e.g. auto, ray://head:10001) "
                                                    "instead of a Ray instance started here; the engine directory "
@@ -190,9 +194,9 @@ def serve(
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
                              backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k)
     options = dataclasses.replace(options, check_hashes=False)
-    if replicas > 1 or max_replicas is not None or ray_address is not None:
-        raise typer.Exit(serve_on_ray(engine, options, replicas, max_replicas, routing, ray_address, host=host,
-                                      port=port, max_waiting=max_waiting, drain_timeout=drain_timeout,
+    if replicas > 1 or max_replicas is not None or ray_address is not None or disaggregate is not None:
+        raise typer.Exit(serve_on_ray(engine, options, replicas, max_replicas, routing, disaggregate, ray_address,
+                                      host=host, port=port, max_waiting=max_waiting, drain_timeout=drain_timeout,
                                       model_name=model_name, max_request_bytes=max_request_bytes))
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
                                 max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
@@ -200,12 +204,19 @@ def serve(
 
 
 def serve_on_ray(engine: Path, options, replicas: int, max_replicas: int | None, routing: str,
-                 ray_address: str | None, **server) -> int:
+                 disaggregate: str | None, ray_address: str | None, **server) -> int:
     try:
+        import ray.serve  # noqa: F401
+
         from runtime.serving.replicas import ReplicaPlan, serve_replicas
     except ImportError as exc:
-        fail(f"--replicas needs Ray Serve ({exc}): pip install 'kiln[serve]'")
-    plan = ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing)
+        fail(f"--replicas and --disaggregate run on Ray Serve ({exc}): pip install 'kiln[serve]'")
+    if disaggregate is not None:
+        if replicas != 1:
+            fail("--disaggregate P:D sets the workers; leave out --replicas")
+        plan = ReplicaPlan.disaggregated(disaggregate, max_replicas=max_replicas, routing=routing)
+    else:
+        plan = ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing)
     return serve_replicas(str(engine), options, plan, ray_address=ray_address, **server)
 
 

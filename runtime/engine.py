@@ -181,7 +181,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, dataclasses.replace(params, max_tokens=1) if hand_off else params)
         if hand_off:
             self.kv_layout  # noqa: B018 -- an engine that cannot hand K/V over says so before taking the request
-            seq.hand_off = True
+            seq.hand_off = params.max_tokens > 1  # one token asked for: answered here, nothing to hand over
         self.scheduler.add(seq)
         self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
         self.prompt_tokens += len(ids)
@@ -189,7 +189,9 @@ class LLMEngine:
 
     def add_prefilled(self, handoff, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request another engine prefilled (its output.kv_handoff), to decode here from its second
-        token on; ValueError if the handoff does not fit this engine or nothing is left to decode."""
+        token on; ValueError if the handoff does not fit this engine or nothing is left to decode. Its
+        outputs' token_ids and text include the first token; their deltas start after it (the prefill
+        engine's output gave it)."""
         from runtime.disaggregation import check_handoff, write_kv
 
         params = self._params(params)
@@ -201,7 +203,8 @@ class LLMEngine:
         self.scheduler.add_prefilled(seq, handoff.first_token, handoff.first_logprob,
                                      lambda s, start: write_kv(self.executor.cache, layout, s.block_table, start,
                                                                handoff))
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
+        request = self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
+        request.detok.update(seq.output_token_ids)  # the first token's text: the prefill engine's output gave it
         self.prompt_tokens += seq.num_prompt_tokens
         return request_id
 
@@ -306,7 +309,8 @@ class LLMEngine:
 
     def _output(self, request: _Request) -> RequestOutput:
         seq, detok = request.seq, request.detok
-        delta = detok.update(seq.output_token_ids, final=seq.is_finished)
+        handed_off = seq.hand_off and seq.finish_reason == "length"  # its text goes on on the decode engine
+        delta = detok.update(seq.output_token_ids, final=seq.is_finished and not handed_off)
         if detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
             delta += detok.update(seq.output_token_ids, final=True)

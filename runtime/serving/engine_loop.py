@@ -29,6 +29,8 @@ class _Add:
     requests: list[tuple[str, list[int], SamplingParams]]  # (request id, prompt ids, params), one per choice
     arrival: float                                          # time.monotonic() when the HTTP request came in
     done: Callable[[APIError | None], None]                 # called by the engine thread once added (or refused)
+    hand_off: bool = False               # prefill only: each request ends at its first token with its K/V
+    handoffs: dict | None = None         # request id -> KVHandoff: decode from another engine's prefill
 
 
 class Overloaded(Exception):
@@ -79,8 +81,10 @@ class EngineLoop:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]], arrival: float) -> asyncio.Queue:
-        """Queue requests that share one output queue; Overloaded, or APIError when the engine refuses them."""
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]], arrival: float,
+                     hand_off: bool = False, handoffs: dict | None = None) -> asyncio.Queue:
+        """Queue requests that share one output queue; Overloaded, or APIError when the engine refuses them.
+        hand_off and handoffs: disaggregated serving (LLMEngine.add_request(hand_off=True), add_prefilled)."""
         with self._lock:
             if self._num_pending + self._num_waiting + len(requests) > self.max_waiting:
                 raise Overloaded()
@@ -90,7 +94,7 @@ class EngineLoop:
         self._streams.update(dict.fromkeys(ids, outputs))
         added = self._loop.create_future()
         self._commands.put(_Add(requests, arrival, lambda error: self._loop.call_soon_threadsafe(
-            _settle, added, error)))
+            _settle, added, error), hand_off, handoffs))
         try:
             error = await added
         except asyncio.CancelledError:  # the client left while the engine was adding: abort after the add
@@ -168,7 +172,10 @@ class EngineLoop:
         added, error = [], None
         try:
             for rid, prompt, params in command.requests:
-                llm.add_request(prompt, params, request_id=rid)
+                if command.handoffs is not None:
+                    llm.add_prefilled(command.handoffs[rid], params, request_id=rid)
+                else:
+                    llm.add_request(prompt, params, request_id=rid, hand_off=command.hand_off)
                 added.append(rid)
         except ValueError as exc:  # refused before taking any KV blocks
             error = APIError(400, re.sub(r"^request '[^']*': ", "", str(exc)))

@@ -94,11 +94,13 @@ class KilnReplica:
         return {"context_len": context_len(llm), "num_blocks": llm.num_blocks, "block_size": llm.block_size,
                 "max_waiting": self.engine_loop.max_waiting, "max_batch_size": llm.limits.max_batch_size}
 
-    async def generate(self, requests: list[tuple[str, list[int], SamplingParams]], token_ids: list[int] = ()):
+    async def generate(self, requests: list[tuple[str, list[int], SamplingParams]], token_ids: list[int] = (),
+                       hand_off: bool = False, handoffs: dict | None = None):
         """Stream a request's outputs: first [] once the engine took it (or one Refused), then lists of
-        RequestOutput as steps produce them. `token_ids` is for the router, which reads the call's kwargs."""
+        RequestOutput as steps produce them. `token_ids` is for the router, which reads the call's kwargs.
+        Disaggregated: hand_off prefills only (the final outputs carry the K/V), handoffs decodes from them."""
         try:
-            outputs = await self.engine_loop.submit(requests, time.monotonic())
+            outputs = await self.engine_loop.submit(requests, time.monotonic(), hand_off, handoffs)
         except Overloaded:
             yield Refused(429, f"the server is at capacity ({self.engine_loop.max_waiting} requests waiting per "
                                "replica); retry later", "rate_limit_error", code="queue_full")
@@ -216,8 +218,9 @@ class ReplicaPool:
 
     RETRIES = 3  # a request no replica started is offered to another this many times
 
-    def __init__(self, handle, frontend: ModelFrontend, max_waiting: int, metrics: ServerMetrics):
+    def __init__(self, handle, frontend: ModelFrontend, max_waiting: int, metrics: ServerMetrics, prefill=None):
         self.handle = handle.options(stream=True)
+        self.prefill = prefill.options(stream=True) if prefill is not None else None  # disaggregated
         self.llm = frontend
         self.max_waiting = max_waiting
         self.metrics = metrics
@@ -230,9 +233,60 @@ class ReplicaPool:
         return len(self._calls)
 
     async def submit(self, requests: list[tuple[str, list[int], SamplingParams]], arrival: float) -> asyncio.Queue:
+        outputs: asyncio.Queue = asyncio.Queue()
+        ids = [rid for rid, _, _ in requests]
+        last_token: dict[str, float] = {}
+        if self.prefill is None:
+            call = await self._start(self.handle, requests)
+        else:  # prefill workers give the first token and the K/V; decode workers go on from there
+            first = await self._prefill(requests)
+            now = time.monotonic()
+            decoding = []
+            for request in requests:
+                out = first[request[0]]
+                done = out.finish_reason != "length" or request[2].max_tokens <= 1 or out.kv_handoff is None
+                self._observe(out if done else dataclasses.replace(out, finished=False), now, arrival, last_token)
+                outputs.put_nowait(dataclasses.replace(out, kv_handoff=None, finished=done,
+                                                       finish_reason=out.finish_reason if done else None))
+                if not done:
+                    decoding.append(request)
+            if not decoding:
+                return outputs
+            handoffs = {rid: first[rid].kv_handoff for rid, _, _ in decoding}
+            call = await self._start(self.handle, decoding, handoffs=handoffs)
+            ids = [rid for rid, _, _ in decoding]
+        task = asyncio.get_running_loop().create_task(self._pump(call, ids, outputs, arrival, last_token))
+        self._calls.update(dict.fromkeys(ids, task))
+        return outputs
+
+    async def _prefill(self, requests) -> dict[str, RequestOutput]:
+        """Each request's final output from a prefill worker: its first token, and its K/V to hand over."""
+        call = await self._start(self.prefill, requests, hand_off=True)
+        final: dict[str, RequestOutput] = {}
+        try:
+            async for batch in call:
+                if isinstance(batch, Refused):
+                    raise batch.error()
+                final.update((out.request_id, out) for out in batch if out.finished)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except APIError:
+            raise
+        except Exception as exc:
+            raise APIError(500, f"generation failed: the prefill worker running it failed ({type(exc).__name__})",
+                           type="server_error") from None
+        errors = [out.error for out in final.values() if out.finish_reason == "error"]
+        if errors:
+            raise APIError(500, f"generation failed: {errors[0]}", type="server_error")
+        return final
+
+    async def _start(self, handle, requests, **kwargs):
+        """A streaming generate call that a replica has started (its first item, [], consumed); a replica
+        that refuses for want of an engine, or dies before answering, passes the request to another."""
         refused = None
         for _ in range(self.RETRIES):
-            call = self.handle.generate.remote(requests, token_ids=requests[0][1])
+            call = handle.generate.remote(requests, token_ids=requests[0][1], **kwargs)
             try:
                 first = await call.__anext__()
             except asyncio.CancelledError:
@@ -250,14 +304,10 @@ class ReplicaPool:
             break
         else:
             raise refused.error()
-        outputs: asyncio.Queue = asyncio.Queue()
-        ids = [rid for rid, _, _ in requests]
-        task = asyncio.get_running_loop().create_task(self._pump(call, ids, outputs, arrival))
-        self._calls.update(dict.fromkeys(ids, task))
-        return outputs
+        return call
 
-    async def _pump(self, call, ids: list[str], outputs: asyncio.Queue, arrival: float) -> None:
-        unfinished, last_token = set(ids), {}
+    async def _pump(self, call, ids: list[str], outputs: asyncio.Queue, arrival: float, last_token: dict) -> None:
+        unfinished = set(ids)
         try:
             async for batch in call:
                 if isinstance(batch, Refused):
@@ -282,6 +332,7 @@ class ReplicaPool:
                 self._calls.pop(rid, None)
 
     def _observe(self, out: RequestOutput, now: float, arrival: float, last_token: dict) -> None:
+        """Latency and token metrics; last_token: request id -> when its latest token came."""
         if out.finish_reason != "error" and out.token_ids:
             last = last_token.get(out.request_id)
             if last is None:
@@ -308,10 +359,11 @@ class KilnIngress:
     """The HTTP front (Serve's ingress deployment): create_app over a ReplicaPool."""
 
     async def __init__(self, replicas, engine: str, options: EngineOptions, max_waiting: int,
-                       model_name: str | None, max_request_bytes: int):
+                       model_name: str | None, max_request_bytes: int, prefill=None):
         described = await replicas.describe.remote()
         self.metrics = ReplicaMetrics()
-        self.pool = ReplicaPool(replicas, ModelFrontend(engine, options, described), max_waiting, self.metrics)
+        self.pool = ReplicaPool(replicas, ModelFrontend(engine, options, described), max_waiting, self.metrics,
+                                prefill)
         self.model_name, self.max_request_bytes = model_name, max_request_bytes
 
     def __serve_build_asgi_app__(self):
@@ -388,8 +440,23 @@ class ReplicaPlan:
     max_replicas: int | None = None  # above `replicas`: autoscale between the two on in-flight requests
     routing: str = "prefix"
     health_check_period_s: float = HEALTH_CHECK_PERIOD_S
+    prefill_replicas: int = 0        # disaggregated: this many prefill workers, and `replicas` decode workers
+
+    @classmethod
+    def disaggregated(cls, spec: str, **fields) -> ReplicaPlan:
+        """From --disaggregate P:D."""
+        p, sep, d = spec.partition(":")
+        if not (sep and p.strip().isdigit() and d.strip().isdigit() and int(p) >= 1 and int(d) >= 1):
+            raise ValueError(f"--disaggregate {spec!r}: expected P:D, prefill and decode workers, e.g. 1:1")
+        return cls(replicas=int(d), prefill_replicas=int(p), **fields)
+
+    @property
+    def num_engines(self) -> int:
+        return self.replicas + self.prefill_replicas
 
     def __post_init__(self) -> None:
+        if self.prefill_replicas and self.max_replicas is not None:
+            raise ValueError("--max-replicas autoscales colocated replicas; it cannot be combined with --disaggregate")
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.max_replicas is not None and self.max_replicas < self.replicas:
@@ -401,30 +468,37 @@ class ReplicaPlan:
 def build_app(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_waiting: int = 64,
               model_name: str | None = None, max_request_bytes: int = 1 << 20, block_size: int = 16,
               blocks_per_replica: int = 1024, max_batch_size: int = 32, drain_timeout: float = 30.0):
-    """The Serve application: KilnIngress in front of `plan.replicas` KilnReplicas."""
+    """The Serve application: KilnIngress in front of `plan.replicas` KilnReplicas (disaggregated: in front
+    of KilnPrefill and KilnDecode workers)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    scaling: dict[str, Any] = {"num_replicas": plan.replicas}
-    if plan.max_replicas is not None and plan.max_replicas > plan.replicas:
-        scaling = {"autoscaling_config": {
-            "min_replicas": plan.replicas, "max_replicas": plan.max_replicas,
-            "target_ongoing_requests": max(1, max_batch_size // 2), "upscale_delay_s": 5,
-            "downscale_delay_s": 60}}
-    replica = serve.deployment(
-        KilnReplica, name="KilnReplica", ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=max_batch_size + max_waiting, health_check_period_s=plan.health_check_period_s,
-        health_check_timeout_s=30, graceful_shutdown_timeout_s=drain_timeout,
-        request_router_config=RequestRouterConfig(
-            request_router_class="runtime.serving.ray_router:KilnRouter",
-            request_router_kwargs={"policy": plan.routing, "block_size": block_size,
-                                   "blocks_per_replica": blocks_per_replica},
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
-        **scaling)
+    def engines(name: str, count: int, max_count: int | None = None):
+        scaling: dict[str, Any] = {"num_replicas": count}
+        if max_count is not None and max_count > count:
+            scaling = {"autoscaling_config": {
+                "min_replicas": count, "max_replicas": max_count,
+                "target_ongoing_requests": max(1, max_batch_size // 2), "upscale_delay_s": 5,
+                "downscale_delay_s": 60}}
+        deployment = serve.deployment(
+            KilnReplica, name=name, ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=max_batch_size + max_waiting, health_check_period_s=plan.health_check_period_s,
+            health_check_timeout_s=30, graceful_shutdown_timeout_s=drain_timeout,
+            request_router_config=RequestRouterConfig(
+                request_router_class="runtime.serving.ray_router:KilnRouter",
+                request_router_kwargs={"policy": plan.routing, "block_size": block_size,
+                                       "blocks_per_replica": blocks_per_replica},
+                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+            **scaling)
+        return deployment.bind(engine, options, max_waiting)
+
     ingress = serve.deployment(serve.ingress()(KilnIngress), name="KilnIngress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
-    return ingress.bind(replica.bind(engine, options, max_waiting), engine, options, max_waiting, model_name,
-                        max_request_bytes)
+    if plan.prefill_replicas:
+        return ingress.bind(engines("KilnDecode", plan.replicas), engine, options, max_waiting, model_name,
+                            max_request_bytes, prefill=engines("KilnPrefill", plan.prefill_replicas))
+    return ingress.bind(engines("KilnReplica", plan.replicas, plan.max_replicas), engine, options, max_waiting,
+                        model_name, max_request_bytes)
 
 
 def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, host: str = "127.0.0.1",
@@ -447,8 +521,11 @@ def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, ho
     manifest = open_engine(engine, check_hashes=False, backend=options.backend).manifest
     backend = check_target(Path(engine), manifest, options.backend)
     limits = _lowered(manifest.limits, options)
+    if plan.prefill_replicas and manifest.world_size != 1:
+        raise EngineError(f"--disaggregate hands K/V between one-rank engines; {engine} has "
+                          f"{manifest.world_size} ranks")
     if options.num_threads is None:  # the host's cores shared between the replicas' ranks
-        threads = max(1, usable_cpus() // (plan.replicas * manifest.world_size))
+        threads = max(1, usable_cpus() // (plan.num_engines * manifest.world_size))
         options = dataclasses.replace(options, num_threads=threads)
     app = build_app(str(Path(engine).resolve()), options, plan, max_waiting=max_waiting, model_name=model_name,
                     max_request_bytes=max_request_bytes, block_size=manifest.block_size,
@@ -462,13 +539,16 @@ def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, ho
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        print(f"Starting {plan.replicas} replica(s) on Ray {'(local)' if local else ray_address} ...", flush=True)
+        print(f"Starting {plan.num_engines} engine replica(s) on Ray {'(local)' if local else ray_address} ...",
+              flush=True)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except Exception as exc:  # a replica's constructor failed: its first line says why
             raise EngineError(f"the replicas did not start: {str(exc).strip().splitlines()[-1]}") from None
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        scaling = f"{plan.replicas}-{plan.max_replicas} (autoscaled)" if plan.max_replicas else str(plan.replicas)
+        scaling = (f"{plan.prefill_replicas} prefill and {plan.replicas} decode" if plan.prefill_replicas
+                   else f"{plan.replicas}-{plan.max_replicas} (autoscaled)" if plan.max_replicas
+                   else str(plan.replicas))
         print(f"Kiln is serving {model_name or manifest.model_name} at http://{shown}:{port}/v1 from {scaling} "
               f"replicas, {plan.routing} routing  (metrics: /metrics, health: /health)", flush=True)
         stop.wait()

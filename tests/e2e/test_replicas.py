@@ -173,3 +173,28 @@ def test_killing_a_replica_fails_only_its_requests_and_it_is_replaced(server):
             return await asyncio.gather(*(complete(http, p, 8, stream=False) for p in random_prompts(8, seed=10)))
 
     assert [r["status"] for r in asyncio.run(after())] == [200] * 8
+
+
+def test_disaggregated_serving_answers_as_the_colocated_engine(engine_dir, tmp_path):
+    """--disaggregate 1:1: a prefill worker hands each prompt's K/V to a decode worker (another process);
+    greedy answers for mixed prompt lengths, streamed or not, are the colocated engine's."""
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 16, 17, 40, 90, 200)]
+    offline = LLMEngine.from_dir(engine_dir, EngineOptions(kv_cache_gib=0.02)).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    server = ServerProcess(engine_dir, tmp_path / "pd.log", "--disaggregate", "1:1")
+    try:
+        async def run_all():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                texts = await asyncio.gather(*(complete(http, p, 24, stream=i % 2 == 1) for i, p in enumerate(prompts)))
+                one = await complete(http, prompts[3], 1, stream=False)  # ends on the prefill worker
+                return texts, one
+
+        results, one = asyncio.run(run_all())
+        assert [r["status"] for r in results] == [200] * len(prompts), results
+        assert [r["text"] for r in results] == [o.text for o in offline]
+        assert one["status"] == 200 and one["finish_reason"] == "length", one
+        figures = replicas(server)  # the prefill worker took 8 calls, the decode worker 7
+        assert sorted(f["routed"] for f in figures.values()) == [len(prompts), len(prompts) + 1], figures
+    finally:
+        assert server.stop() == 0, server.log()
