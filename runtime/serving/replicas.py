@@ -478,8 +478,8 @@ def build_app(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_wai
         if max_count is not None and max_count > count:
             scaling = {"autoscaling_config": {
                 "min_replicas": count, "max_replicas": max_count,
-                "target_ongoing_requests": max(1, max_batch_size // 2), "upscale_delay_s": 5,
-                "downscale_delay_s": 60}}
+                "target_ongoing_requests": max(1, max_batch_size // 2), "look_back_period_s": 10,
+                "upscale_delay_s": 5, "downscale_delay_s": 60}}
         deployment = serve.deployment(
             KilnReplica, name=name, ray_actor_options={"num_cpus": 0},
             max_ongoing_requests=max_batch_size + max_waiting, health_check_period_s=plan.health_check_period_s,

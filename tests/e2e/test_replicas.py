@@ -198,3 +198,34 @@ def test_disaggregated_serving_answers_as_the_colocated_engine(engine_dir, tmp_p
         assert sorted(f["routed"] for f in figures.values()) == [len(prompts), len(prompts) + 1], figures
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_replicas_scale_up_under_load(engine_dir, tmp_path, monkeypatch):
+    """--replicas 1 --max-replicas 2: with more requests in flight than one replica's target (half its batch),
+    Serve's autoscaler starts a second replica while they run."""
+    monkeypatch.setenv("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")  # Ray's default: every 10 s
+    server = ServerProcess(engine_dir, tmp_path / "scale.log", "--replicas", "1", "--max-replicas", "2",
+                           "--max-batch-size", "8")
+    try:
+        assert len(replicas(server)) == 1
+
+        async def load():
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+                tasks = [asyncio.create_task(complete(http, p, 1800, stream=False))
+                         for p in random_prompts(24, seed=31, lengths=(4, 12))]
+                peak, deadline = 1, time.monotonic() + 120
+                while peak < 2 and not all(t.done() for t in tasks) and time.monotonic() < deadline:
+                    peak = max(peak, len(await asyncio.to_thread(replicas, server)))
+                    await asyncio.sleep(0.5)
+                done = [t.result() for t in tasks if t.done()]
+                for task in tasks:  # the rest leave (the server aborts them): the scaling is what is tested
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                return peak, done
+
+        peak, done = asyncio.run(load())
+        assert peak == 2, f"no second replica started under load:\n{server.log()[-3000:]}"
+        assert all(r["status"] == 200 for r in done), done
+        assert server.metric("kiln_replicas") == 2
+    finally:
+        assert server.stop() == 0, server.log()
