@@ -501,6 +501,48 @@ def build_app(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_wai
                         model_name, max_request_bytes)
 
 
+def application(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_waiting: int = 64,
+                model_name: str | None = None, max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0):
+    """The Serve application for an engine directory and a plan, checked against the engine first."""
+    from runtime.backend import kv_budget
+    from runtime.cpus import usable_cpus
+    from runtime.engine import _lowered
+    from runtime.engine_format import EngineError, check_target
+
+    manifest = open_engine(engine, check_hashes=False, backend=options.backend).manifest
+    backend = check_target(Path(engine), manifest, options.backend)
+    limits = _lowered(manifest.limits, options)
+    if plan.prefill_replicas and manifest.world_size != 1:
+        raise EngineError(f"--disaggregate hands K/V between one-rank engines; {engine} has "
+                          f"{manifest.world_size} ranks")
+    if options.num_threads is None:  # the host's cores shared between the replicas' ranks
+        threads = max(1, usable_cpus() // (plan.num_engines * manifest.world_size))
+        options = dataclasses.replace(options, num_threads=threads)
+    return build_app(str(Path(engine).resolve()), options, plan, max_waiting=max_waiting, model_name=model_name,
+                     max_request_bytes=max_request_bytes, block_size=manifest.block_size,
+                     blocks_per_replica=manifest.shared_kv_blocks(kv_budget(backend, options.kv_cache_gib)),
+                     max_batch_size=limits.max_batch_size, drain_timeout=drain_timeout)
+
+
+def app_builder(args: dict[str, str]):
+    """For Ray Serve's own tools on an existing cluster: `serve run runtime.serving.replicas:app_builder
+    engine=DIR [replicas=2] [max_replicas=M] [routing=prefix] [disaggregate=P:D] [threads=N]
+    [kv_cache_gib=G]`, or a Serve config file whose application has this import_path and these args.
+    The engine directory must be at that path on every node."""
+    known = {"engine", "replicas", "max_replicas", "routing", "disaggregate", "threads", "kv_cache_gib"}
+    if "engine" not in args or set(args) - known:
+        raise ValueError(f"app_builder args: engine=DIR is required; known: {', '.join(sorted(known))}; "
+                         f"got {', '.join(sorted(args)) or 'none'}")
+    fields = {"max_replicas": int(args["max_replicas"]) if "max_replicas" in args else None,
+              "routing": args.get("routing", "prefix")}
+    plan = (ReplicaPlan.disaggregated(args["disaggregate"], **fields) if "disaggregate" in args
+            else ReplicaPlan(replicas=int(args.get("replicas", 2)), **fields))
+    options = EngineOptions(num_threads=int(args["threads"]) if "threads" in args else None,
+                            kv_cache_gib=float(args["kv_cache_gib"]) if "kv_cache_gib" in args else None,
+                            check_hashes=False)
+    return application(args["engine"], options, plan)
+
+
 def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, host: str = "127.0.0.1",
                    port: int = 8000, max_waiting: int = 64, drain_timeout: float = 30.0, model_name: str | None = None,
                    max_request_bytes: int = 1 << 20, ray_address: str | None = None) -> int:
@@ -512,25 +554,13 @@ def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, ho
     import ray
     from ray import serve
 
-    from runtime.backend import kv_budget
     from runtime.cpus import usable_cpus
-    from runtime.engine import _lowered
-    from runtime.engine_format import EngineError, check_target
+    from runtime.engine_format import EngineError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    app = application(engine, options, plan, max_waiting=max_waiting, model_name=model_name,
+                      max_request_bytes=max_request_bytes, drain_timeout=drain_timeout)
     manifest = open_engine(engine, check_hashes=False, backend=options.backend).manifest
-    backend = check_target(Path(engine), manifest, options.backend)
-    limits = _lowered(manifest.limits, options)
-    if plan.prefill_replicas and manifest.world_size != 1:
-        raise EngineError(f"--disaggregate hands K/V between one-rank engines; {engine} has "
-                          f"{manifest.world_size} ranks")
-    if options.num_threads is None:  # the host's cores shared between the replicas' ranks
-        threads = max(1, usable_cpus() // (plan.num_engines * manifest.world_size))
-        options = dataclasses.replace(options, num_threads=threads)
-    app = build_app(str(Path(engine).resolve()), options, plan, max_waiting=max_waiting, model_name=model_name,
-                    max_request_bytes=max_request_bytes, block_size=manifest.block_size,
-                    blocks_per_replica=manifest.shared_kv_blocks(kv_budget(backend, options.kv_cache_gib)),
-                    max_batch_size=limits.max_batch_size, drain_timeout=drain_timeout)
     local = ray_address is None
     ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING,
              **({"num_cpus": usable_cpus(), "object_store_memory": 256 << 20} if local else {}))
