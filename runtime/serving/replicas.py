@@ -218,15 +218,27 @@ class ReplicaPool:
 
     RETRIES = 3  # a request no replica started is offered to another this many times
 
-    def __init__(self, handle, frontend: ModelFrontend, max_waiting: int, metrics: ServerMetrics, prefill=None):
+    def __init__(self, handle, frontend: ModelFrontend, max_waiting: int, metrics: ServerMetrics, prefill=None,
+                 expected_replicas: int = 1):
         self.handle = handle.options(stream=True)
         self.prefill = prefill.options(stream=True) if prefill is not None else None  # disaggregated
         self.llm = frontend
         self.max_waiting = max_waiting
         self.metrics = metrics
-        self.ready = True
+        self.expected_replicas = expected_replicas
+        self._started = False
         self.failure: Exception | None = None
         self._calls: dict[str, asyncio.Task] = {}  # request id -> the task pumping its call's outputs
+
+    @property
+    def ready(self) -> bool:
+        """Serving (/health 200) once the router has seen every replica the plan starts with; it stays so
+        while Serve replaces one that dies."""
+        if not self._started:
+            from runtime.serving.ray_router import replica_figures
+
+            self._started = len(replica_figures()) >= self.expected_replicas
+        return self._started
 
     @property
     def num_unfinished(self) -> int:
@@ -359,11 +371,13 @@ class KilnIngress:
     """The HTTP front (Serve's ingress deployment): create_app over a ReplicaPool."""
 
     async def __init__(self, replicas, engine: str, options: EngineOptions, max_waiting: int,
-                       model_name: str | None, max_request_bytes: int, prefill=None):
+                       model_name: str | None, max_request_bytes: int, prefill=None, expected_replicas: int = 1):
         described = await replicas.describe.remote()
+        if prefill is not None:
+            await prefill.describe.remote()  # both routers know their replicas from here on
         self.metrics = ReplicaMetrics()
         self.pool = ReplicaPool(replicas, ModelFrontend(engine, options, described), max_waiting, self.metrics,
-                                prefill)
+                                prefill, expected_replicas)
         self.model_name, self.max_request_bytes = model_name, max_request_bytes
 
     def __serve_build_asgi_app__(self):
@@ -496,9 +510,10 @@ def build_app(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_wai
                                max_ongoing_requests=10_000)
     if plan.prefill_replicas:
         return ingress.bind(engines("KilnDecode", plan.replicas), engine, options, max_waiting, model_name,
-                            max_request_bytes, prefill=engines("KilnPrefill", plan.prefill_replicas))
+                            max_request_bytes, prefill=engines("KilnPrefill", plan.prefill_replicas),
+                            expected_replicas=plan.num_engines)
     return ingress.bind(engines("KilnReplica", plan.replicas, plan.max_replicas), engine, options, max_waiting,
-                        model_name, max_request_bytes)
+                        model_name, max_request_bytes, expected_replicas=plan.replicas)
 
 
 def application(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_waiting: int = 64,
