@@ -99,6 +99,9 @@ class KilnReplica:
         """Stream a request's outputs: first [] once the engine took it (or one Refused), then lists of
         RequestOutput as steps produce them. `token_ids` is for the router, which reads the call's kwargs.
         Disaggregated: hand_off prefills only (the final outputs carry the K/V), handoffs decodes from them."""
+        if not self.engine_loop.ready:  # its engine thread ended (a rank died): until Serve replaces it
+            yield Refused(503, f"replica unavailable: {self.engine_loop.failure}", "unavailable", retry=True)
+            return
         try:
             outputs = await self.engine_loop.submit(requests, time.monotonic(), hand_off, handoffs)
         except Overloaded:
@@ -108,7 +111,7 @@ class KilnReplica:
         except APIError as exc:
             yield Refused(exc.status, exc.message, exc.type, exc.param, exc.code)
             return
-        except Exception as exc:  # the engine thread is gone: another replica may take the request
+        except Exception as exc:  # another replica may take the request
             yield Refused(503, f"replica unavailable: {type(exc).__name__}: {exc}", "unavailable", retry=True)
             return
         yield []

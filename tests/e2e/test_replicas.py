@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -137,27 +138,30 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(server,
     assert server.metric("kiln_prefix_cache_hit_rate") > 0
 
 
-def test_killing_a_replica_fails_only_its_requests_and_it_is_replaced(server):
+def kill_mid_run(server: ServerProcess, kill, error_says: str, max_tokens: int = 1500) -> None:
+    """Start 8 streams of max_tokens, call kill(pid of the replica running the most of them) once each has a token,
+    and check that exactly that replica's requests fail (their error containing `error_says`), the
+    others run to the end, a new replica replaces it, and requests succeed afterwards."""
     before = replicas(server)
     prompts = random_prompts(8, seed=9)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
             started = [asyncio.Event() for _ in prompts]
-            tasks = [asyncio.create_task(complete(http, p, 1500, True, s)) for p, s in zip(prompts, started)]
+            tasks = [asyncio.create_task(complete(http, p, max_tokens, True, s)) for p, s in zip(prompts, started)]
             # Every request has streamed a token: all are running, on one replica or the other.
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
             during = await asyncio.to_thread(replicas, server)
             routed = {rid: during[rid]["routed"] - before[rid]["routed"] for rid in during}
             victim = max(routed, key=routed.get)
-            os.kill(int(during[victim]["pid"]), signal.SIGKILL)
+            kill(int(during[victim]["pid"]))
             return victim, routed, await asyncio.gather(*tasks)
 
     victim, routed, results = asyncio.run(scenario())
     failed = [r for r in results if r["error"] is not None]
     finished = [r for r in results if r["error"] is None]
     assert len(failed) == routed[victim] >= 1, (routed, results)  # its in-flight requests, and only those
-    assert all("replica" in r["error"] for r in failed), failed
+    assert all(error_says in r["error"] for r in failed), failed
     assert all(r["finish_reason"] == "length" for r in finished), finished  # the other replica's ran to the end
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -173,6 +177,34 @@ def test_killing_a_replica_fails_only_its_requests_and_it_is_replaced(server):
             return await asyncio.gather(*(complete(http, p, 8, stream=False) for p in random_prompts(8, seed=10)))
 
     assert [r["status"] for r in asyncio.run(after())] == [200] * 8
+
+
+def test_killing_a_replica_fails_only_its_requests_and_it_is_replaced(server):
+    """A one-rank replica: its process is the engine's rank process."""
+    kill_mid_run(server, lambda pid: os.kill(pid, signal.SIGKILL), error_says="replica")
+
+
+def test_a_dead_rank_of_a_two_rank_replica_fails_only_its_requests(tiny_llama_dir, tmp_path):
+    """Replicas of a tp=2 engine: SIGKILL of one replica's rank-1 process ends that replica's engine (its
+    requests fail); it refuses new ones, and Serve's health check replaces it."""
+    from builder.build import build_engine
+    from tests.conftest import exact_plan
+    from tests.e2e.test_multirank import children_of
+
+    engine = tmp_path / "tp2"
+    build_engine(str(tiny_llama_dir), exact_plan(method="none").with_overrides(tp=2), engine, show_progress=False)
+    server = ServerProcess(engine, tmp_path / "tp2.log", "--replicas", "2", "--rank-timeout", "3")
+    try:
+        def kill_rank_1(replica_pid: int) -> None:
+            ranks = [pid for pid in children_of(replica_pid) if b"runtime.ranks.launch" in Path(
+                f"/proc/{pid}/cmdline").read_bytes()]
+            assert len(ranks) == 1, ranks
+            os.kill(ranks[0], signal.SIGKILL)
+
+        # Four rank processes share two cores: shorter answers, still running well after the kill.
+        kill_mid_run(server, kill_rank_1, error_says="generation failed", max_tokens=300)
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_disaggregated_serving_answers_as_the_colocated_engine(engine_dir, tmp_path):
