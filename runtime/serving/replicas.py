@@ -91,8 +91,7 @@ class KilnReplica:
         from runtime.serving.prompts import context_len
 
         llm = self.engine_loop.llm
-        return {"context_len": context_len(llm), "num_blocks": llm.num_blocks, "block_size": llm.block_size,
-                "max_waiting": self.engine_loop.max_waiting, "max_batch_size": llm.limits.max_batch_size}
+        return {"context_len": context_len(llm), "num_blocks": llm.num_blocks, "block_size": llm.block_size}
 
     async def generate(self, requests: list[tuple[str, list[int], SamplingParams]], token_ids: list[int] = (),
                        hand_off: bool = False, handoffs: dict | None = None):
@@ -195,16 +194,16 @@ class ModelFrontend:
     the files come from the engine directory, the KV pool's size from a replica."""
 
     def __init__(self, engine: str, options: EngineOptions, described: dict):
-        import json
         from types import SimpleNamespace
 
         from tokenizers import Tokenizer
 
+        from runtime.engine import _read_json
+
         self.engine = open_engine(engine, check_hashes=False, backend=options.backend)
         path = Path(engine)
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config = path / "tokenizer_config.json"
-        self.tokenizer_config = json.loads(config.read_text()) if config.exists() else {}
+        self.tokenizer_config = _read_json(path / "tokenizer_config.json")
         self.eos_token_ids = self.engine.manifest.eos_token_ids
         self.block_size = described["block_size"]
         self.num_blocks = described["num_blocks"]
