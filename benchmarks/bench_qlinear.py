@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.ops import linear
-from runtime.weights import bf16, fp8, int4, int8
+from runtime.weights import bf16, fp8, int4, int5, int6, int8
 
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LM_HEAD = (49152, 576)
@@ -74,6 +74,19 @@ def methods(group: int, threads: int) -> list[Method]:
             return (lambda x: bound(x, num_threads=threads)), tensor_bytes(packed.values())
         return make
 
+    def kiln_int5(n, k):  # Q5_0-like: f16 d, min -16d (packs to f16 scales and mins)
+        q = torch.randint(0, 32, (n, k), dtype=torch.uint8)
+        d = (torch.rand(n, k // 32) * 0.01 + 1e-3).half().float()
+        packed = int5.pack(q, d, -16 * d, 32)
+        bound = linear.bind(int5.FORMAT, packed, n, k, 32)
+        return (lambda x: bound(x, num_threads=threads)), tensor_bytes(packed.values())
+
+    def kiln_int6(n, k):  # Q6_K-like: group 16, f32 scales d * sc
+        q = torch.randint(0, 64, (n, k), dtype=torch.uint8)
+        packed = int6.pack(q, torch.rand(n, k // 16) * 1e-3, 16)
+        bound = linear.bind(int6.FORMAT, packed, n, k, 16)
+        return (lambda x: bound(x, num_threads=threads)), tensor_bytes(packed.values())
+
     def kiln_fp8(n, k):
         packed = fp8.pack((torch.randn(n, k) * 8).to(torch.float8_e4m3fn), torch.rand(n) * 1e-3)
         bound = linear.bind(fp8.FORMAT, packed, n, k)
@@ -96,6 +109,8 @@ def methods(group: int, threads: int) -> list[Method]:
         Method("kiln int8 g32 (Q8_0) f32", kiln_int8("f32", 32)),
         Method("kiln int8 g32 (Q8_0) int8", kiln_int8("int8", 32)),
         Method("kiln int8 g32 (Q8_0) int16", kiln_int8("int16", 32)),
+        Method("kiln int5 g32 (Q5_0) f32", kiln_int5),
+        Method("kiln int6 g16 (Q6_K) f32", kiln_int6),
         Method("kiln fp8 e4m3 act=f32", kiln_fp8),
         Method("kiln bf16 act=f32", kiln_bf16),
     ]

@@ -1,10 +1,10 @@
 """GGUF source: a .gguf file of the llama, qwen2, phi3 or gemma3 architecture, dequantized on load, its tokenizer
 rebuilt from its metadata.
 
-Weights whose blocks have an exact Kiln format (Q4_0, Q4_1 and Q4_K as int4 group-32; Q8_0 as int8
-group-32) keep them bit for bit under `[quant] method = "source"`; other quantized blocks (Q5_K,
-Q6_K, ...) are dequantized and, under "source", requantized to int8 group-32, with the build's
-accuracy measured.
+Weights whose blocks have an exact Kiln format (builder/gguf_blocks.py: Q4_0, Q4_1 and Q4_K as int4;
+Q5_0, Q5_1 and Q5_K as int5; Q6_K as int6; Q8_0 as int8) keep them bit for bit under `[quant] method =
+"source"`; other quantized blocks (Q2_K, Q3_K, the IQ types, ...) are dequantized and, under "source",
+requantized to int8 group-32, with the build's accuracy measured.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from builder.errors import KilnError
+from builder.gguf_blocks import BLOCK_FORMATS
 from builder.model import ModelConfig, ModelSpec, RawBlocks, canonical_weight_shapes, make_config, write_json
+from runtime.special_tokens import SpecialTokens, from_flags
 
 GGUF_MAGIC = b"GGUF"
-BLOCK = 32  # elements per Kiln group (a Q4_0 / Q4_1 / Q8_0 block, a Q4_K sub-block)
-SUPER_BLOCK = 256  # elements per K-quant block
 DEQUANT_CHUNK = 1 << 22  # elements dequantized at a time when loading a weight
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF architecture -> whether llama.cpp's converter interleaved the q/k rows for its rope (llama
@@ -150,9 +150,22 @@ class GGUFModelSpec(ModelSpec):
         for role, gguf_role in SPECIAL_TOKEN_METADATA.items():
             token_id = _field(self._reader, f"tokenizer.ggml.{gguf_role}_token_id")
             config[role] = tokens[token_id] if token_id is not None else None
+        for flag in ("add_bos_token", "add_eos_token"):  # whether a raw text gets BOS / EOS (special_tokens.py)
+            if (value := _field(self._reader, f"tokenizer.ggml.{flag}")) is not None:
+                config[flag] = bool(value)
         write_json(dst_dir / "tokenizer_config.json", config)
         sampling = {key: _field(self._reader, gguf_key) for gguf_key, key in SAMPLING_METADATA.items()}
         write_json(dst_dir / "generation_config.json", self._generation_config(sampling))
+
+
+    def special_tokens(self, tokenizer_config: dict, tokenizer) -> SpecialTokens:
+        """tokenizer.ggml.add_bos_token / add_eos_token where the file has them (llama.cpp's rule), else what
+        the rebuilt tokenizer.json's post-processor adds."""
+        flags = [_field(self._reader, f"tokenizer.ggml.{flag}") for flag in ("add_bos_token", "add_eos_token")]
+        if flags == [None, None]:
+            return super().special_tokens(tokenizer_config, tokenizer)
+        ids = [_field(self._reader, f"tokenizer.ggml.{role}_token_id") for role in ("bos", "eos")]
+        return from_flags(tokenizer, bool(flags[0]), bool(flags[1]), *ids)
 
 
 @functools.lru_cache(maxsize=2)
@@ -321,73 +334,3 @@ def _field(reader: GGUFReader, key: str):
     """A metadata value as a Python int, float, str or list; None if the key is absent."""
     field = reader.fields.get(key)
     return None if field is None else field.contents()
-
-
-def gguf_blocks_to_int4(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1 blocks as Kiln's int4 group-32 layout: w = (q - 8) * scale + zero.
-
-    A Q4_1 block is (d f16, m f16, 16 bytes of nibbles) with w = q * d + m, so scale = d and
-    zero = m + 8d. Returns q uint8 [N, K] in 0..15, scale f32 [N, K/32], zero f32 [N, K/32].
-    """
-    if raw.ggml_type != "Q4_1":
-        raise ValueError(f"gguf_blocks_to_int4: expected Q4_1 blocks, got {raw.ggml_type}")
-    rows, cols = raw.shape
-    blocks = raw.data.reshape(rows, cols // BLOCK, 20)  # [N, K/32, 2 + 2 + 16 bytes]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = blocks[..., 4:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # low nibbles hold elements 0..15
-    zero = m + 8 * d
-    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d), torch.from_numpy(zero)
-
-
-def gguf_q4_0_to_int4(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 blocks (d f16, 16 bytes of nibbles; w = (q - 8) * d) as Kiln's int4: scale = d, zero = 0."""
-    rows, cols = raw.shape
-    blocks = raw.data.reshape(rows, cols // BLOCK, 18)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = blocks[..., 2:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d), torch.zeros(d.shape, dtype=torch.float32)
-
-
-def gguf_q4_k_to_int4(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K blocks as Kiln's int4 group-32 layout, exactly.
-
-    A Q4_K block covers 256 weights: d and dmin (f16), 12 bytes packing eight 6-bit sub-block scales
-    sc and mins m, and 128 bytes of nibbles; sub-block j (32 weights) is w = d * sc[j] * q - dmin * m[j].
-    So scale = d * sc[j] and zero = 8 * scale - dmin * m[j]. The nibbles come in 64-weight runs of 32
-    bytes: low nibbles are the run's first 32 weights, high nibbles its last 32.
-    """
-    rows, cols = raw.shape
-    blocks = raw.data.reshape(rows, cols // SUPER_BLOCK, 144)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-    packed = blocks[..., 4:16].reshape(rows, -1, 3, 4)  # bytes 0-3: scale low bits, 4-7: min low bits, 8-11: high bits
-    lo_sc, lo_m, hi = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-    sc = np.concatenate([lo_sc & 0x3F, (hi & 0x0F) | ((lo_sc >> 2) & 0x30)], axis=-1).astype(np.float32)
-    m = np.concatenate([lo_m & 0x3F, (hi >> 4) | ((lo_m >> 2) & 0x30)], axis=-1).astype(np.float32)
-    nibbles = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-2)  # [N, blocks, 4 runs, 2 halves, 32]
-    scale = (d * sc).reshape(rows, -1)
-    zero = (8 * scale - (dmin * m).reshape(rows, -1)).astype(np.float32)
-    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(scale), torch.from_numpy(zero)
-
-
-def gguf_blocks_to_int8(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks (d f16, 32 x int8) as q int8 [N, K] and scale f32 [N, K/32], w = q * scale."""
-    if raw.ggml_type != "Q8_0":
-        raise ValueError(f"gguf_blocks_to_int8: expected Q8_0 blocks, got {raw.ggml_type}")
-    rows, cols = raw.shape
-    blocks = raw.data.reshape(rows, cols // BLOCK, 34)  # [N, K/32, 2 + 32 bytes]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
-    return torch.from_numpy(q), torch.from_numpy(d)
-
-
-# GGUF block type -> (the Kiln weight format it maps to exactly, its conversion to that format's logical operands)
-BLOCK_FORMATS = {"Q4_0": ("int4", gguf_q4_0_to_int4), "Q4_1": ("int4", gguf_blocks_to_int4),
-                 "Q4_K": ("int4", gguf_q4_k_to_int4), "Q8_0": ("int8", gguf_blocks_to_int8)}
-# Quantized blocks with no exact Kiln format are requantized to this one under method "source":
-# int8 group-32 holds Q5_K's and Q6_K's values to within 1/254 of each group's range.
-REQUANT_SOURCE_FORMAT = "int8"

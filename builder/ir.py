@@ -274,11 +274,12 @@ def _check_shapes(graph: Graph, node: Node, where: str) -> None:
 
 
 # Logical quantized operands (before pack_weights gives them the kernels' layout): role -> dtypes
-LOGICAL_DTYPES = {"int8": {"qweight": ("i8",)}, "int4": {"qweight": ("u8",)}, "fp8": {"qweight": ("f8e4m3",)}}
+LOGICAL_DTYPES = {"int8": {"qweight": ("i8",)}, "int4": {"qweight": ("u8",)}, "int5": {"qweight": ("u8",)},
+                  "int6": {"qweight": ("u8",)}, "fp8": {"qweight": ("f8e4m3",)}}
 
 
 def _check_logical_operands(node: Node, operands: list[Value], n: int, k: int, expect) -> None:
-    """qweight [N, K]; scales (and zeros) f32 [N] per channel or [N, K/G] per group; bias f32 [N]."""
+    """qweight [N, K]; scales (and zeros or mins) f32 [N] per channel or [N, K/G] per group; bias f32 [N]."""
     a = node.attrs
     if a.get("layout") != "logical":
         return  # packed: runtime.ops.linear checks its own layouts when it binds the node
@@ -292,7 +293,7 @@ def _check_logical_operands(node: Node, operands: list[Value], n: int, k: int, e
         if role == "qweight":
             expect(value.shape == (n, k) and value.dtype in LOGICAL_DTYPES[a["quant"]]["qweight"],
                    f"qweight must be {LOGICAL_DTYPES[a['quant']]['qweight'][0]} [{n}, {k}]")
-        elif role in ("scales", "zeros"):
+        elif role in ("scales", "zeros", "mins"):
             expect(value.dtype == "f32" and value.shape == per_group, f"{role} must be f32 {list(per_group)}")
         elif role == "bias":
             expect(value.shape == (n,), f"bias must be [{n}]")

@@ -21,9 +21,9 @@ Quantization is what TensorRT takes (symmetric Q/DQ, DequantizeLinear feeding Ma
   symmetric block-INT4 DequantizeLinear of q - 8 with scale s, plus a correction term, the
   group sums of x times z (a [T, K/G] x [K/G, N] MatMul in f32: 1/G of the main product's work);
 - int8 per channel and fp8 (e4m3, per channel or per tensor) are weight DequantizeLinear;
-- int8 per group (GGUF Q8_0) has no TensorRT form: its weights are dequantized into the activation
-  dtype (exact for f32 activations; one f16/bf16 rounding otherwise). So are embedding tables,
-  which are gathered rather than multiplied.
+- int8 per group (GGUF Q8_0), int5 (GGUF Q5_0, Q5_1, Q5_K) and int6 (GGUF Q6_K) have no TensorRT
+  form: their weights are dequantized into the activation dtype (exact for f32 activations; one
+  f16/bf16 rounding otherwise). So are embedding tables, which are gathered rather than multiplied.
 
 Activations are the plan's dtype (f32, f16 or bf16); norms, softmax and rotary embedding compute
 in f32; logits are f32.
@@ -44,7 +44,7 @@ from builder.errors import KilnError
 from builder.ir import Graph, Node
 from builder.onnx_attention import DOMAIN, paged_attention_function, paged_attention_node
 from runtime.ops.reference import RopeTable
-from runtime.weights import fp8, int4, int8
+from runtime.weights import fp8, int4, int5, int6, int8
 
 OPSET = 21
 IR_VERSION = 10
@@ -333,7 +333,7 @@ class _Lowerer:
             scales = self._float(f"{name}.scales", s if s.numel() > 1 else s.reshape(()), act)
             weight = self._emit("DequantizeLinear", [wq, scales], hint=name, **({"axis": 1} if s.numel() > 1 else {}))
             y = self._emit("MatMul", [x, weight], hint=name)
-        else:  # float, or int8 per group (no TensorRT form): the dequantized weight
+        else:  # float, or int8 per group, int5, int6 (no TensorRT form): the dequantized weight
             weight = self._float(f"{name}.weight", _dequantized(node, self.graph), act, transpose=True)
             y = self._emit("MatMul", [x, weight], hint=name)
         if "bias" in roles:
@@ -465,6 +465,10 @@ def _dequantized(node: Node, graph: Graph) -> torch.Tensor:
         return tensors[roles["weight"]].float()
     if quant == "int4":
         return int4.dequantize(tensors[roles["qweight"]], tensors[roles["scales"]], tensors[roles["zeros"]])
+    if quant == "int5":
+        return int5.dequantize(tensors[roles["qweight"]], tensors[roles["scales"]], tensors[roles["mins"]])
+    if quant == "int6":
+        return int6.dequantize(tensors[roles["qweight"]], tensors[roles["scales"]])
     if quant == "int8":
         return int8.dequantize(tensors[roles["qweight"]], tensors[roles["scales"]])
     if quant == "fp8":

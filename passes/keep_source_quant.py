@@ -1,15 +1,17 @@
-"""Keep source quantization: a GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 blocks become logical int4 / int8 group-32
-operands, exactly.
+"""Keep source quantization: a GGUF's quantized blocks become the logical operands of the Kiln format that
+holds them exactly (builder/gguf_blocks.py: Q4_0 / Q4_1 / Q4_K as int4, Q5_0 / Q5_1 / Q5_K as int5 and
+Q8_0 as int8, group 32; Q6_K as int6, group 16).
 
-Method "source" keeps every weight the file ships quantized; blocks with no exact Kiln format (Q5_K,
-Q6_K, ...) are requantized to int8 group-32 from their dequantized values, and measure_accuracy then
-evaluates the build. The requantization methods keep the excluded weights' blocks (for them "higher
-precision" means what the file ships); "none" keeps all float.
+Method "source" keeps every weight the file ships quantized; blocks with no exact Kiln format (Q2_K,
+Q3_K, the IQ types, ...) are requantized to int8 group-32 from their dequantized values, and
+measure_accuracy then evaluates the build. The requantization methods keep the excluded weights' blocks
+(for them "higher precision" means what the file ships); "none" keeps all float.
 """
 
 from __future__ import annotations
 
-from builder.gguf_source import BLOCK, BLOCK_FORMATS, FLOAT_TYPES, REQUANT_SOURCE_FORMAT
+from builder.gguf_blocks import BLOCK, BLOCK_FORMATS, REQUANT_SOURCE_FORMAT
+from builder.gguf_source import FLOAT_TYPES
 from builder.ir import Graph
 from passes.context import PassContext
 from passes.quant_rewrite import is_excluded, is_float_weight_node, logical_operands, quantize_node
@@ -30,9 +32,9 @@ def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
             continue
         raw = ctx.model.raw_blocks(node.inputs[1])
         if raw is not None:
-            quant, convert = BLOCK_FORMATS[raw.ggml_type]
-            quantize_node(out, node, quant, BLOCK, lambda _: (dict(zip(FORMATS[quant].roles, convert(raw))), None),
-                          cache)
+            block = BLOCK_FORMATS[raw.ggml_type]
+            quantize_node(out, node, block.quant, block.group_size,
+                          lambda _: (dict(zip(FORMATS[block.quant].roles, block.convert(raw))), None), cache)
         elif method == "source" and ctx.model.stored_type(node.inputs[1]) not in (None, *FLOAT_TYPES):
             quantize_node(out, node, REQUANT_SOURCE_FORMAT, BLOCK, _requantize, cache)
             out.meta.setdefault("source_requantized", []).append(node.name)

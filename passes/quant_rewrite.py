@@ -1,13 +1,14 @@
 """Helpers shared by the quantization passes: which nodes a method rewrites, and giving a node quantized operands.
 
-A quantized linear/logits/embedding node keeps its op; attrs quant ("int8" | "int4" | "fp8"),
-group_size (None: one scale per output channel), layout "logical" until pack_weights, and
-operands = the roles of inputs[1:] with the quantized roles first (then "bias"). Logical operands
-are named after the float weight they replace, `<name minus .weight>.qweight` / `.scales` / `.zeros`
-(the roles of the format in runtime.weights.FORMATS):
-  qweight  [N, K]  int8 | uint8 codes 0..15 (int4) | float8_e4m3fn
+A quantized linear/logits/embedding node keeps its op; attrs quant ("int8" | "int4" | "fp8", or a
+GGUF's "int5" | "int6"), group_size (None: one scale per output channel), layout "logical" until
+pack_weights, and operands = the roles of inputs[1:] with the quantized roles first (then "bias").
+Logical operands are named after the float weight they replace, `<name minus .weight>.qweight` /
+`.scales` / `.zeros` / `.mins` (the roles of the format in runtime.weights.FORMATS):
+  qweight  [N, K]  int8 | uint8 codes 0..15 (int4), 0..31 (int5), 0..63 (int6) | float8_e4m3fn
   scales   [N] f32 per channel, or [N, K/G] per group
   zeros    [N, K/G] f32 (int4: w = (q - 8) * scale + zero)
+  mins     [N, K/G] f32 (int5: w = fma(q, scale, min); int6 has none: w = (q - 32) * scale)
 """
 
 from __future__ import annotations

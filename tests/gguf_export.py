@@ -1,8 +1,8 @@
 """Write a loaded model as a GGUF file the way llama.cpp's converter lays it out, for the source tests.
 
-`types` picks each weight's GGUF type by name pattern: F32, Q8_0, Q4_0 and Q4_1 are quantized from
-the model's weights by the `gguf` package; the K-quants (Q4_K, Q5_K, Q6_K), which it cannot
-quantize, are written as seeded random blocks with small scales. Either way the file's dequantized
+`types` picks each weight's GGUF type by name pattern: F32, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 are
+quantized from the model's weights by the `gguf` package; the K-quants (Q2_K, Q4_K, Q5_K, Q6_K), which
+it cannot quantize, are written as seeded random blocks with small scales. Either way the file's dequantized
 values, not the source model's, are what a test compares against.
 """
 
@@ -49,6 +49,10 @@ def random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -
     elif kind == "Q6_K":
         blocks[..., 192:208] = (blocks[..., 192:208].view(np.int8) % 9 - 4).view(np.uint8)  # scales -4..4
         blocks[..., 208:210] = f16(2e-3)
+    elif kind == "Q2_K":  # 16 bytes of 4-bit (scale, min) pairs, 64 bytes of 2-bit codes, d, dmin
+        d = 2e-3
+        blocks[..., 80:82] = f16(d)
+        blocks[..., 82:84] = f16(d * 1.5)  # dmin: m's mean (7.5) x dmin ~ sc's mean x q's mean (1.5) x d
     else:
         raise ValueError(f"random_k_blocks: {kind} is not a K-quant")
     return blocks.reshape(rows, -1)

@@ -53,17 +53,8 @@ def fake_quantize_rows(w: torch.Tensor) -> torch.Tensor:
 
 def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """q uint8 [N, K] in 0..15, scales/zeros f32 [N, K/G] -> {"qweight", "scales", "zeros" | "mins"}."""
-    fn = "pack_int4"
-    n, k = panels.check_matrix(fn, q)
-    panels.check_group(fn, k, group_size)
-    expect_shape(fn, "q", q, torch.uint8, (n, k))
-    expect_shape(fn, "scales", scales, torch.float32, (n, k // group_size))
-    expect_shape(fn, "zeros", zeros, torch.float32, (n, k // group_size))
-    if q.numel() and int(q.max()) > 15:
-        fail(fn, f"q values must lie in 0..15, found {int(q.max())}")
-    cells = panels.pad_rows(q).reshape(-1, panels.PANEL, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # [P, K/8, 16, 4, lo|hi]
-    qweight = (cells[..., 0] | (cells[..., 1] << 4)).reshape(-1, k // 8, 64).contiguous()
-    packed = {"qweight": qweight}
+    panels.check_codes("pack_int4", q, group_size, LEVELS, {"scales": scales, "zeros": zeros})
+    packed = {"qweight": panels.nibble_codes(q, 4)}
     d = scales.half()
     m = (zeros.double() - 8 * scales.double()).half()
     if torch.equal(d.float(), scales) and torch.equal((m.double() + 8 * d.double()).float(), zeros):
@@ -77,15 +68,13 @@ def unpack(packed: dict, out_features: int, in_features: int, group_size: int):
     """The exact (q uint8 [N, K], scales f32 [N, K/G], zeros f32 [N, K/G]) that pack took."""
     codes, scales, zeros, _ = check_packed("unpack_int4", packed, out_features, in_features, group_size)
     n, k = out_features, in_features
-    c = codes.reshape(-1, k // 8, panels.PANEL, 4)
-    q = torch.stack([c & 15, c >> 4], dim=3)  # [P, K/8, 16, lo|hi, 4]
-    q = q.permute(0, 2, 1, 3, 4).reshape(-1, k)[:n]
+    q = panels.nibble_values(codes, n, k, 4)
     s = panels.row_scales(scales, n).float()
     if "mins" in packed:
         z = (panels.row_scales(zeros, n).double() + 8 * s.double()).float()
     else:
         z = panels.row_scales(zeros, n)
-    return q.contiguous(), s.contiguous(), z.contiguous()
+    return q, s.contiguous(), z.contiguous()
 
 
 def dequantize_packed(packed: dict, out_features: int, in_features: int, group_size: int) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""GGUF files beyond llama's F32/Q4_1/Q8_0: the qwen2 architecture and K-quant blocks.
+"""GGUF files beyond llama's F32/Q4_1/Q8_0: the qwen2 architecture, every block type Kiln keeps exactly.
 
 Tiny random Qwen2 and Llama checkpoints (hidden 256, so that rows hold whole 256-weight K-quant
-blocks) are written as GGUF with the `gguf` package: F32, Q4_0, Q4_1 and Q8_0 quantized from the
-weights, Q4_K, Q5_K and Q6_K as random blocks. The reference is the file itself, dequantized by
-transformers' GGUF loader (gguf-py's dequantizers), never Kiln's own reading of it.
+blocks) are written as GGUF with the `gguf` package: F32, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 quantized
+from the weights, Q2_K, Q4_K, Q5_K and Q6_K as random blocks. The reference is the file itself,
+dequantized by transformers' GGUF loader or gguf-py (gguf-py's dequantizers), never Kiln's own reading
+of it.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,22 +16,28 @@ from conftest import assert_logits_match, exact_plan, make_tiny_llama, transform
 from gguf_export import write_gguf
 
 from builder.build import build_engine
-from builder.gguf_source import BLOCK_FORMATS
+from builder.gguf_blocks import BLOCK_FORMATS
 from builder.interpret import Interpreter
 from builder.model import load_model
+from builder.plan import load_plan
+from builder.planner import Workload, load_shape, plan_candidates
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import map_rank_file
+from runtime.ops.linear import bind_embedding
 from runtime.sampling import SamplingParams
+from runtime.weights import FORMATS
 
+PLANS = Path(__file__).resolve().parents[2] / "plans"
 PROMPTS = [[1, 5, 9, 2, 77, 31], list(range(10, 60))]
 K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=64)
-# Every block type, each on a weight that a test reads back: exact ones (Q4_0, Q4_1, Q4_K, Q8_0) and
-# ones Kiln has no format for (Q5_K, Q6_K).
-MIXED_TYPES = {"token_embd.weight": "Q6_K", "output.weight": "Q8_0", "*.attn_q.weight": "Q4_K",
-               "*.attn_k.weight": "Q5_K", "*.attn_v.weight": "Q8_0", "*.attn_output.weight": "Q4_0",
-               "*.ffn_gate.weight": "Q4_1", "*.ffn_up.weight": "Q4_K", "*.ffn_down.weight": "Q6_K"}
-EXACT_TYPES = {pattern: kind for pattern, kind in MIXED_TYPES.items() if kind in BLOCK_FORMATS}
+# Every block type Kiln keeps exactly, each on a weight that a test reads back: int4 (Q4_0, Q4_1, Q4_K),
+# int5 (Q5_0, Q5_1, Q5_K), int6 (Q6_K) and int8 (Q8_0); gate (Q4_1) and up (Q4_0) both int4, so they fuse.
+MIXED_TYPES = {"token_embd.weight": "Q6_K", "output.weight": "Q5_1", "*.attn_q.weight": "Q4_K",
+               "*.attn_k.weight": "Q5_K", "*.attn_v.weight": "Q8_0", "*.attn_output.weight": "Q5_0",
+               "*.ffn_gate.weight": "Q4_1", "*.ffn_up.weight": "Q4_0", "*.ffn_down.weight": "Q6_K"}
+# Q2_K has no exact Kiln format: "source" requantizes it
+REQUANT_TYPES = {**MIXED_TYPES, "*.ffn_down.weight": "Q2_K"}
 
 
 @pytest.fixture(scope="module")
@@ -62,27 +70,29 @@ def test_qwen2_gguf_keeps_hugging_face_row_order(qwen2_dir, tmp_path):
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_exact_blocks_convert_to_kiln_formats_value_for_value(qwen2_dir, tmp_path, architecture):
-    # Q4_K's eight 6-bit sub-block scales and mins become int4 group-32 scale and zero; the q/k rows of a
-    # llama file are un-permuted as block bytes. Each rebuilt weight equals gguf-py's dequantization.
+    # Q4_K's and Q5_K's eight 6-bit sub-block scales and mins become group-32 scales and zeros / mins, Q6_K's
+    # int8 sub-block scales group-16 scales; the q/k rows of a llama file are un-permuted as block bytes. The
+    # packed weight each kernel dequantizes (an embedding lookup's rows) is gguf-py's float32 dequantization:
+    # bit for bit for int5, int6 and int8, within an ulp for int4 (its zero point z = m + 8s is rounded).
     spec = load_model(str(write_gguf(tmp_path / "m.gguf", load_model(str(qwen2_dir)), architecture, MIXED_TYPES)))
     checked = set()
     for name in spec.weight_names():
         raw = spec.raw_blocks(name)
         if raw is None:
-            assert spec.stored_type(name) in ("F32", "Q5_K", "Q6_K"), name
+            assert spec.stored_type(name) == "F32", name
             continue
-        quant, convert = BLOCK_FORMATS[raw.ggml_type]
-        parts = convert(raw)
-        groups = parts[0].float().view(*parts[1].shape, 32)
-        if quant == "int4":
-            assert parts[0].dtype == torch.uint8 and int(parts[0].max()) <= 15
-            rebuilt = (groups - 8) * parts[1][..., None] + parts[2][..., None]
-        else:
-            rebuilt = groups * parts[1][..., None]
+        block = BLOCK_FORMATS[raw.ggml_type]
+        fmt, (n, k) = FORMATS[block.quant], raw.shape
+        packed = fmt.pack(block.convert(raw), block.group_size)
+        rows = bind_embedding({"quant": fmt.name, "layout": fmt.layout, "vocab_size": n, "hidden_size": k,
+                               "group_size": block.group_size}, packed)(torch.arange(n))
         weight = spec.load(name)
-        assert (rebuilt.view(weight.shape) - weight).abs().max().item() <= 1e-6 * max(1.0, weight.abs().max().item())
+        if block.quant == "int4":
+            assert (rows - weight).abs().max().item() <= 2 ** -23 * weight.abs().max().item(), name
+        else:
+            assert torch.equal(rows, weight), name
         checked.add(raw.ggml_type)
-    assert checked == {"Q4_0", "Q4_1", "Q4_K", "Q8_0"}
+    assert checked == set(BLOCK_FORMATS)
 
 
 def test_every_block_type_dequantizes_as_transformers_does(qwen2_gguf):
@@ -113,34 +123,61 @@ def test_k_quant_gguf_greedy_tokens_and_chat_template(qwen2_gguf, qwen2_dir, flo
     assert written["chat_template"] == json.loads((qwen2_dir / "tokenizer_config.json").read_text())["chat_template"]
 
 
-def test_source_method_keeps_exact_blocks_bit_for_bit(qwen2_dir, tmp_path):
-    # Only exact block types: the engine computes with the file's own int4/int8 codes, so its logits are
-    # the dequantized file's (f32 activations), and the build records that it needed no evaluation.
-    path = write_gguf(tmp_path / "exact.gguf", load_model(str(qwen2_dir)), "qwen2", EXACT_TYPES,
-                      tokenizer_dir=qwen2_dir)
-    build_engine(str(path), exact_plan(method="source"), tmp_path / "e", show_progress=False)
-    program, tensors = map_rank_file(tmp_path / "e" / "rank0.engine")
-    quants = {n["name"].split(".")[-1]: n["attrs"].get("quant") for n in json.loads(program)["nodes"]
-              if n["op"] == "linear" and n["name"].startswith("layers.0.")}
-    # q, k, v in three formats stay three linears; Q4_1 gate and Q4_K up fuse as int4; Q6_K down stays float
-    assert quants == {"q_proj": "int4", "k_proj": "none", "v_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4",
-                      "down_proj": "none"}, quants
-    accuracy = json.loads((tmp_path / "e" / "manifest.json").read_text())["accuracy"]
+@pytest.fixture(scope="module")
+def source_engine(qwen2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen2_gguf_engine") / "source"
+    build_engine(str(qwen2_gguf), exact_plan(method="source"), out, show_progress=False)
+    return out
+
+
+def test_source_method_keeps_exact_blocks_bit_for_bit(qwen2_gguf, source_engine):
+    # Every block type exact: the engine computes with the file's own int4/int5/int6/int8 codes, so its logits
+    # are the dequantized file's (f32 activations), and the build records that it needed no evaluation.
+    program, tensors = map_rank_file(source_engine / "rank0.engine")
+    nodes = json.loads(program)["nodes"]
+    quants = {n["name"].split(".")[-1]: n["attrs"].get("quant") for n in nodes
+              if n["op"] in ("linear", "embedding", "logits") and n["name"].startswith(("layers.0.", "embed", "lm"))}
+    # q, k, v in three formats stay three linears; Q4_1 gate and Q4_0 up fuse as int4
+    assert quants == {"embed_tokens": "int6", "q_proj": "int4", "k_proj": "int5", "v_proj": "int8", "o_proj": "int5",
+                      "gate_up_proj": "int4", "down_proj": "int6", "lm_head": "int5"}, quants
+    accuracy = json.loads((source_engine / "manifest.json").read_text())["accuracy"]
     assert accuracy["evaluated"] is False
-    model = transformers_from_gguf(path)
+    model = transformers_from_gguf(qwen2_gguf)
     with torch.inference_mode():
         expected = model(torch.tensor([PROMPTS[1]])).logits[0]
+    # logits of about 6; f32 sums in another order differ by up to 1.1e-5 (avx512, avx2 and portable kernels)
     torch.testing.assert_close(Interpreter(program, tensors, all_logits=True).logits(PROMPTS[1]), expected,
-                               atol=1e-4, rtol=0)
+                               atol=3e-5, rtol=0)
 
 
-def test_source_method_requantizes_blocks_without_a_kiln_format_and_measures_it(qwen2_gguf, tmp_path):
-    build_engine(str(qwen2_gguf), exact_plan(method="source", max_ppl_increase=100.0, min_greedy_agreement=0.0),
+def test_the_planner_prices_each_block_type_at_the_bytes_of_its_kiln_format(qwen2_gguf, source_engine):
+    # the file's own bytes would be off: Q5_0 takes 22 bytes a block, int5 with f16 scale and min 24; Q6_K 210
+    # bytes per 256 weights, int6 with f32 scales per 16 weights 256
+    built = json.loads((source_engine / "manifest.json").read_text())["memory"]["ranks"][0]["weight_bytes"]
+    report = plan_candidates(load_shape(str(qwen2_gguf)), plan=exact_plan(method="source"), workload=Workload(64, 64))
+    assert round(report.candidates[0].weight_gib * (1 << 30)) == built
+
+
+def test_source_method_requantizes_blocks_without_a_kiln_format_and_measures_it(qwen2_dir, tmp_path):
+    path = write_gguf(tmp_path / "q2k.gguf", load_model(str(qwen2_dir)), "qwen2", REQUANT_TYPES,
+                      tokenizer_dir=qwen2_dir)
+    build_engine(str(path), exact_plan(method="source", max_ppl_increase=100.0, min_greedy_agreement=0.0),
                  tmp_path / "e", show_progress=False)
     accuracy = json.loads((tmp_path / "e" / "manifest.json").read_text())["accuracy"]
-    # Q5_K (k_proj) and Q6_K (embedding, down_proj) in two layers: 1 + 2 x 2 weights at int8 group 32
-    assert accuracy["source_requantized"] == {"format": "int8 group 32", "weights": 5}
+    # Q2_K down_proj in two layers: 2 weights at int8 group 32, every other block kept
+    assert accuracy["source_requantized"] == {"format": "int8 group 32", "weights": 2}
     assert accuracy["ppl_quantized"] > 0 and accuracy["kl_mean"] > 0 and "greedy_agreement_pct" in accuracy
+
+
+def test_tensorrt_target_lowers_every_block_type_and_its_onnx_matches_the_cpu_engine(qwen2_gguf, tmp_path):
+    # int5, int6 and int8 per group have no TensorRT form: the ONNX holds their dequantized weights. Over tp=2,
+    # whose shares of k_proj rows and down_proj columns split the int5 and int6 groups at their boundaries.
+    plan = load_plan(PLANS / "a100-tp2-int4.toml").with_overrides(tp=2)
+    plan = plan.with_overrides("quant", method="source", activations="f32").with_overrides("kv_cache", dtype="f32")
+    build_engine(str(qwen2_gguf), plan, tmp_path / "e", show_progress=False, onnx_only=True)
+    verification = json.loads((tmp_path / "e" / "manifest.json").read_text())["verification"]
+    assert verification["max_abs_logit"] > 0.1 and verification["top1_agreement"] == 1.0
+    assert all(step["max_abs_logit_diff"] <= 1e-4 for step in verification["steps"]), verification["steps"]
 
 
 def test_gemma3_gguf_reads_as_its_hugging_face_checkpoint(tmp_path):

@@ -13,7 +13,7 @@ from gguf_export import write_gguf
 from safetensors import safe_open
 
 from builder.errors import KilnError
-from builder.gguf_source import gguf_blocks_to_int4, gguf_blocks_to_int8
+from builder.gguf_blocks import gguf_blocks_to_int4, gguf_blocks_to_int8
 from builder.model import ModelConfig, load_model
 
 TEXTS = ["Hello world!", "The year 2024, x = 3.14;  two  spaces\tand a tab\n\nnew lines",

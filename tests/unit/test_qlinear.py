@@ -12,17 +12,19 @@ import torch
 from runtime.ops import linear as ql
 from runtime.weights import bf16 as bf16_weights
 from runtime.weights import fp8 as fp8_weights
-from runtime.weights import int4, int8
+from runtime.weights import int4, int5, int6, int8
 
 EPS32 = 2.0 ** -24
 SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ODD = {"n40_k96": (40, 96), "n17_k320": (17, 320), "n1_k384": (1, 384)}  # N % 16 != 0, K = G * odd
 TOKENS = (1, 2, 3, 4, 8, 13, 17, 64)  # each AVX2 direct width, then tiles split 4+4, 6+6+1, 6+6+5, 6+6
-ISAS = (["avx512"] if ql.set_isa("auto") == "avx512" else []) + ["avx2", "portable"]
+ISAS = (["avx512"] if ql.set_isa("auto") == "avx512" else []) + ["avx2", "portable"]  # those this CPU runs
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def isa(request):
+    if request.param not in ISAS:
+        pytest.skip("this CPU lacks AVX-512 F/BW/DQ/VL/VNNI: the avx512 kernels cannot run here")
     ql.set_isa(request.param)
     yield request.param
     ql.set_isa("auto")
@@ -48,6 +50,29 @@ def random_int8(n, k, g, seed=0):
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=r)
     s = torch.rand((n,) if g is None else (n, k // g), generator=r) * 1e-3 + 1e-5
     return q, s
+
+
+def random_int5(n, k, g, seed=0, f16=False):
+    """q in 0..31, scales and mins (the value of code 0); f16: both f16 values (GGUF Q5_0 / Q5_1)."""
+    r = gen(seed)
+    q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=r)
+    s = torch.rand(n, k // g, generator=r) * 0.02 + 1e-4
+    m = -16 * s + torch.randn(n, k // g, generator=r) * 0.01
+    return (q, s.half().float(), m.half().float()) if f16 else (q, s, m)
+
+
+def random_int6(n, k, g, seed=0, f16=False):
+    r = gen(seed)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=r)
+    s = torch.rand(n, k // g, generator=r) * 0.02 + 1e-4
+    return q, (s.half().float() if f16 else s)
+
+
+# int5 and int6 (GGUF's Q5 and Q6 blocks): module, random operands, the groups GGUF uses, |terms| of a weight
+GGUF_FORMATS = {
+    "int5": (int5, random_int5, 32, lambda q, s, m: q.float() * s.abs() + m.abs()),
+    "int6": (int6, random_int6, 16, lambda q, s: (q.float() - 32).abs() * s.abs()),
+}
 
 
 def check_f32(y, x, terms_w, ref, k, g):
@@ -133,6 +158,20 @@ def test_int8_matches_reference(isa, g, act):
         else:
             block = g or next(b for b in (128, 64, 32) if k % b == 0)  # the kernels' per-channel choice
             check_int_act(y, x, w, w.abs(), ref, k, block, act)
+
+
+@pytest.mark.parametrize("name", GGUF_FORMATS)
+def test_int5_and_int6_match_reference(isa, name):
+    fmt, random_operands, g, terms = GGUF_FORMATS[name]
+    for idx, (n, k) in enumerate(run_shapes(isa).values()):
+        operands = random_operands(n, k, g, seed=idx, f16=idx % 2 == 0)
+        packed = fmt.pack(*operands, g)
+        w = fmt.dequantize_packed(packed, n, k, g)
+        bias = torch.randn(n, generator=gen(idx))
+        x, y = per_batch(k, lambda xt: ql.bind(fmt.FORMAT, packed, n, k, g, bias)(xt), seed=idx)
+        q, *per_group = operands
+        terms_w = terms(q, *(t.repeat_interleave(g, dim=1) for t in per_group))
+        check_f32(y, x, terms_w, x.double() @ w.double().T + bias.double(), k, g)
 
 
 def test_fp8_and_bf16_match_reference(isa):
@@ -230,6 +269,36 @@ def test_int8_pack_round_trip_is_exact(g):
         assert torch.equal(q2, q) and torch.equal(s2, scales)
 
 
+@pytest.mark.parametrize("name", GGUF_FORMATS)
+@pytest.mark.parametrize("f16", [True, False])
+def test_int5_and_int6_pack_round_trip_is_exact(name, f16):
+    fmt, random_operands, g, _ = GGUF_FORMATS[name]
+    n, k = 40, 96
+    operands = random_operands(n, k, g, f16=f16)
+    packed = fmt.pack(*operands, g)
+    assert packed["qweight"].shape == (3, k // 8, 16 * fmt.BITS)  # 2 * bits bytes a k step of 16 rows
+    assert all(packed[role].dtype == (torch.float16 if f16 else torch.float32) for role in fmt.FORMAT.roles[1:])
+    assert all(torch.equal(a, b) for a, b in zip(fmt.unpack(packed, n, k, g), operands))
+    assert torch.equal(fmt.dequantize_packed(packed, n, k, g), fmt.dequantize(*operands))
+    q, (scales, *mins) = operands[0].double(), (t.double().repeat_interleave(g, 1) for t in operands[1:])
+    expected = q * scales + mins[0] if mins else (q - 32) * scales  # float64: one f32 rounding away
+    assert (fmt.dequantize(*operands).double() - expected).abs().max() <= 2 ** -24 * expected.abs().max()
+
+
+def test_int5_dequantizes_as_one_fmaf():
+    # 3 * s is a float32 tie (25 significant bits, the last one set) and m a tiny positive min: fmaf rounds
+    # the exact sum up, while float64 first and float32 second would land on the tie and round it to even.
+    s = torch.full((1, 1), 5592407 * 2.0 ** -24)
+    m = torch.full((1, 1), 2.0 ** -60)
+    q = torch.full((1, 32), 3, dtype=torch.uint8)
+    twice_rounded = (3 * s.double() + m.double()).float()
+    assert int5.dequantize(q, s, m)[0, 0] == torch.nextafter(twice_rounded, torch.tensor(2.0))[0, 0]
+    packed = int5.pack(q, s, m, 32)
+    rows = ql.bind_embedding({"quant": "int5", "layout": int5.LAYOUT, "vocab_size": 1, "hidden_size": 32,
+                              "group_size": 32}, packed)
+    assert torch.equal(rows(torch.tensor([0])), int5.dequantize(q, s, m))
+
+
 def test_bf16_pack_round_trip_is_exact():
     w = torch.randn(17, 64).to(torch.bfloat16)
     assert torch.equal(bf16_weights.dequantize_packed(bf16_weights.pack(w), 17, 64), w.float())
@@ -297,6 +366,12 @@ def test_make_linear_and_embedding_rows():
     assert torch.equal(rows4(ids), int4.dequantize_packed(q4, n, k, g)[ids])
     many = torch.randint(0, n, (1000,), generator=gen(3))  # enough rows to run threaded
     assert torch.equal(rows4(many), int4.dequantize_packed(q4, n, k, g)[many])
+    for name, (fmt, random_operands, group, _) in GGUF_FORMATS.items():  # the kernels' own fma / product
+        for f16 in (True, False):
+            operands = random_operands(n, k, group, f16=f16)
+            table = ql.bind_embedding({"quant": name, "layout": fmt.LAYOUT, "vocab_size": n, "hidden_size": k,
+                                       "group_size": group}, fmt.pack(*operands, group))
+            assert torch.equal(table(many), fmt.dequantize(*operands)[many]), (name, f16)
     with pytest.raises(ValueError, match="id 40 at 1 is outside 0..39"):
         rows(torch.tensor([3, 40]))
     with pytest.raises(ValueError, match="tokens must be a contiguous int64"):
@@ -313,6 +388,7 @@ def test_wrapper_errors():
     n, k, g = 40, 96, 32
     q, s, z = random_int4(n, k, g)
     packed = int4.pack(q, s, z, g)
+    q5, q6 = int5.pack(q, s, z, g), int6.pack(q, s.repeat_interleave(2, 1), 16)
     x = torch.randn(2, k)
     cases = [
         (lambda: int4.pack(q.to(torch.int8), s, z, g), "q must be"),
@@ -338,6 +414,17 @@ def test_wrapper_errors():
         (lambda: ql.linear_int4(x, packed, n, k, g, out=torch.empty(2, n + 1)), "out must be"),
         (lambda: ql.linear_int8(torch.randn(2, 40), int8.pack(torch.zeros(8, 40, dtype=torch.int8),
                                                                   torch.ones(8)), 8, 40, act="int8"), "int8"),
+        (lambda: int5.pack(q | 32, s, z, g), "0..31"),
+        (lambda: int5.pack(q, s, z, 16), "group_size"),
+        (lambda: int5.pack(q, s, z[:, :2], g), "mins must be"),
+        (lambda: int6.pack(q | 64, s, g), "0..63"),
+        (lambda: int6.pack(q, s, 48), "group_size"),
+        (lambda: ql.bind(int5.FORMAT, {"qweight": q5["qweight"], "scales": q5["scales"]}, n, k, g), "lack 'mins'"),
+        (lambda: ql.bind(int5.FORMAT, dict(q5, mins=q5["mins"].half()), n, k, g), "one dtype"),
+        (lambda: ql.bind(int6.FORMAT, q6, n, k, 32), "scales must be"),
+        (lambda: ql.bind(int6.FORMAT, q6, n + 16, k, 16), "qweight must be"),
+        (lambda: ql.BoundLinear("linear_int6", int6.FORMAT.kernel, int6.check_packed("linear_int6", q6, n, k, 16),
+                                n, k, 16, None, "int16"), "int4/int8 weights"),
     ]
     for fn, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -1,5 +1,6 @@
 /* The AVX2 qlinear path (the module's baseline ISA): f32, int16 and int8 activations. A panel's 16
- * rows are two 8-lane vectors; codes decode to q (q4: 0..15) and w = q * s + m. */
+ * rows are two 8-lane vectors; codes decode to q (q4: 0..15, q5: 0..31) and w = q * s + m, or to
+ * signed values (q6: q - 32, q8) and w = q * s. */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -12,6 +13,11 @@ typedef struct {
     __m256 lo, hi;  /* rows 0..7, 8..15 of a panel */
 } Rows16;
 
+typedef struct {
+    __m256i first[2], last[2];  /* rows 0..7 [0] and 8..15 [1]: byte j of a row's lane is its code of k step j
+                                   (first) or j + 4 (last) */
+} CodeBytes;
+
 INLINE Rows16 avx2_load16(const void *base, int64_t idx, int f16)
 {
     if (f16) {
@@ -22,7 +28,8 @@ INLINE Rows16 avx2_load16(const void *base, int64_t idx, int f16)
     return (Rows16){_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
 }
 
-/* Scale s and offset m (q4: m = z - 8s, the value of code 0; stored as is when f16) of panel p, group g. */
+/* Scale s and offset m (the value of code 0: q4 m = z - 8s, stored as is when f16; q5 the stored
+ * min) of panel p, group g. */
 INLINE void avx2_group_params(const int fmt, const Weight *w, int64_t p, int64_t g, Rows16 *s, Rows16 *m)
 {
     const int64_t idx = (p * (w->k / w->group) + g) * PANEL;
@@ -35,24 +42,89 @@ INLINE void avx2_group_params(const int fmt, const Weight *w, int64_t p, int64_t
         s->lo = _mm256_mul_ps(s->lo, _mm256_set1_ps(256.0f));
         s->hi = _mm256_mul_ps(s->hi, _mm256_set1_ps(256.0f));
     }
-    if (fmt == FMT_Q4) {
+    if (has_zeros(fmt)) {
         *m = avx2_load16(w->zeros, idx, w->scales_f16);
-        if (!w->scales_f16) {
+        if (fmt == FMT_Q4 && !w->scales_f16) {
             m->lo = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s->lo, m->lo);
             m->hi = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s->hi, m->hi);
         }
     }
 }
 
-/* 8 rows' codes of k step j from a 32-byte half of a q4/q8 chunk's 64-byte word (see decode_step). */
-INLINE __m256 avx2_decode_half(const int fmt, const uint8_t *half, const int j)
+/* 8 rows' q4 codes of k step j from a 32-byte half of a chunk's 64 bytes (see decode_step). */
+INLINE __m256 avx2_decode_q4(const uint8_t *half, const int j)
 {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)half);
-    if (fmt == FMT_Q4) {
-        const int shift = (j & 3) * 8 + (j >> 2) * 4;
-        return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(15)));
-    }
+    const int shift = (j & 3) * 8 + (j >> 2) * 4;
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(15)));
+}
+
+/* 8 rows' q8 codes of k step j from a 32-byte half of a 64-byte word. */
+INLINE __m256 avx2_decode_q8(const uint8_t *half, const int j)
+{
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)half);
     return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * (j & 3)), 24));
+}
+
+/* 0xFF in each byte whose bit in `tests` (one a byte) `bits` has set, else 0. */
+INLINE __m256i avx2_byte_flags(__m256i bits, int32_t tests)
+{
+    const __m256i t = _mm256_set1_epi32(tests);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(bits, t), t);
+}
+
+/* q6 code bytes: `nibbles` with bits 4-5 from `pairs` (byte j of a lane: its pair at bits 2j, 2j+1), bit 5
+ * flipped. */
+INLINE __m256i avx2_q6_bytes(__m256i nibbles, __m256i pairs)
+{
+    const __m256i b4 = _mm256_and_si256(avx2_byte_flags(pairs, 0x40100401), _mm256_set1_epi8(0x10));
+    const __m256i b5 = _mm256_andnot_si256(avx2_byte_flags(pairs, (int32_t)0x80200802), _mm256_set1_epi8(0x20));
+    return _mm256_or_si256(nibbles, _mm256_or_si256(b4, b5));
+}
+
+/* The 8 rows 8h..8h+7 of a q5/q6 chunk (layout.h) as CodeBytes: the low nibbles, bits 4 (and 5) added from
+ * each row's high-bit bytes, copied into every byte of its lane (tested per byte: bit j of byte j for q5,
+ * bits 2j, 2j+1 for q6). q6 codes get bit 5 flipped: a byte's low 6 bits, read as signed, are q - 32. Once
+ * a chunk, so that a k step decodes in three instructions. */
+INLINE void avx2_split_codes(const int fmt, const uint8_t *chunk, int h, CodeBytes *c)
+{
+    const __m256i nibbles = _mm256_loadu_si256((const __m256i *)(chunk + 32 * h)), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(nibbles, low4), hi = _mm256_and_si256(_mm256_srli_epi32(nibbles, 4), low4);
+    const __m256i byte0 = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                           0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    if (fmt == FMT_Q5) {
+        const __m256i bit4 = _mm256_set1_epi8(0x10), bits = _mm256_shuffle_epi8(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(chunk + 64 + 8 * h))), byte0);
+        c->first[h] = _mm256_or_si256(lo, _mm256_and_si256(avx2_byte_flags(bits, 0x08040201), bit4));
+        c->last[h] = _mm256_or_si256(hi, _mm256_and_si256(avx2_byte_flags(bits, (int32_t)0x80402010), bit4));
+        return;
+    }
+    const __m256i pairs = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(chunk + 64 + 16 * h)));
+    c->first[h] = avx2_q6_bytes(lo, _mm256_shuffle_epi8(pairs, byte0));  /* steps 0..3: the pairs' low byte */
+    c->last[h] = avx2_q6_bytes(hi, _mm256_shuffle_epi8(pairs, _mm256_add_epi8(byte0, _mm256_set1_epi8(1))));
+}
+
+/* A chunk's CodeBytes (q5, q6; other formats decode from the chunk itself). */
+INLINE CodeBytes avx2_code_bytes(const int fmt, const uint8_t *chunk)
+{
+    CodeBytes c = {{_mm256_setzero_si256(), _mm256_setzero_si256()}, {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+    if (fmt == FMT_Q5 || fmt == FMT_Q6) {
+        avx2_split_codes(fmt, chunk, 0, &c);
+        avx2_split_codes(fmt, chunk, 1, &c);
+    }
+    return c;
+}
+
+/* 8 rows' values of k step j from CodeBytes: q5 q, q6 q - 32 (the flipped bit 5 makes it the sign). */
+INLINE __m256 avx2_decode_bytes(const int fmt, const CodeBytes *c, int h, const int j)
+{
+    const __m256i v = j < 4 ? c->first[h] : c->last[h];
+    const int byte = 8 * (j & 3);
+    if (fmt == FMT_Q5) {  /* the top byte needs no mask */
+        const __m256i shifted = _mm256_srli_epi32(v, byte);
+        return _mm256_cvtepi32_ps(byte == 24 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(0x1F)));
+    }
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 26 - byte), 26));
 }
 
 /* e4m3 codes -> f32 / 2^8 for 8 rows (the f16 route of decode_step). */
@@ -62,13 +134,16 @@ INLINE __m256 avx2_decode_f8(const uint8_t *codes)
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_add_epi16(b, _mm_and_si128(b, _mm_set1_epi16(0x80))), 7));
 }
 
-INLINE Rows16 avx2_decode_step(const int fmt, const uint8_t *chunk, const int j)
+/* The 16 rows' values of k step j of an 8-k chunk; `bytes` is avx2_code_bytes' (q5, q6). */
+INLINE Rows16 avx2_decode_step(const int fmt, const uint8_t *chunk, const CodeBytes *bytes, const int j)
 {
+    if (fmt == FMT_Q5 || fmt == FMT_Q6)
+        return (Rows16){avx2_decode_bytes(fmt, bytes, 0, j), avx2_decode_bytes(fmt, bytes, 1, j)};
     if (fmt == FMT_Q4)
-        return (Rows16){avx2_decode_half(fmt, chunk, j), avx2_decode_half(fmt, chunk + 32, j)};
+        return (Rows16){avx2_decode_q4(chunk, j), avx2_decode_q4(chunk + 32, j)};
     if (fmt == FMT_Q8) {
         const uint8_t *word = chunk + (j >> 2) * 64;
-        return (Rows16){avx2_decode_half(fmt, word, j), avx2_decode_half(fmt, word + 32, j)};
+        return (Rows16){avx2_decode_q8(word, j), avx2_decode_q8(word + 32, j)};
     }
     if (fmt == FMT_F8)
         return (Rows16){avx2_decode_f8(chunk + 16 * j), avx2_decode_f8(chunk + 16 * j + 8)};
@@ -129,9 +204,10 @@ INLINE void avx2_direct_kernel(const int fmt, const int mt, const Job *job, int6
         for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
             const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
             _mm_prefetch((const char *)chunk + 4096, _MM_HINT_T0);
+            const CodeBytes bytes = avx2_code_bytes(fmt, chunk);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const Rows16 wv = avx2_decode_step(fmt, chunk, j);
+                const Rows16 wv = avx2_decode_step(fmt, chunk, &bytes, j);
                 for (int t = 0; t < mt; t++)
                     acc[t][j % chains] = avx2_fmadd(wv, avx2_splat(job->x[t * K + k + j]), acc[t][j % chains]);
             }
@@ -143,7 +219,7 @@ INLINE void avx2_direct_kernel(const int fmt, const int mt, const Job *job, int6
             for (int c = 1; c < chains; c++)
                 sum = (Rows16){_mm256_add_ps(sum.lo, acc[t][c].lo), _mm256_add_ps(sum.hi, acc[t][c].hi)};
             yacc[t] = avx2_fmadd(sum, s, yacc[t]);
-            if (fmt == FMT_Q4)
+            if (has_zeros(fmt))
                 yacc[t] = avx2_fmadd(m, avx2_splat(job->ws.xsum[t * ng + g]), yacc[t]);
         }
     }
@@ -165,11 +241,12 @@ INLINE void avx2_dequant_tile(const int fmt, const Weight *w, int64_t p, int64_t
             avx2_group_params(fmt, w, p, g_loaded, &s, &m);
         }
         const uint8_t *chunk = w->codes + p * w->k * bpk + k * bpk;
+        const CodeBytes bytes = avx2_code_bytes(fmt, chunk);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            Rows16 v = avx2_decode_step(fmt, chunk, j);
-            if (fmt == FMT_Q4)
-                v = avx2_fmadd(v, s, m);
+            Rows16 v = avx2_decode_step(fmt, chunk, &bytes, j);
+            if (has_zeros(fmt))
+                v = avx2_fmadd(v, s, m);  /* q5: fma(q, s, m), portable_weight's one rounding */
             else if (fmt != FMT_BF16)
                 v = (Rows16){_mm256_mul_ps(v.lo, s.lo), _mm256_mul_ps(v.hi, s.hi)};
             _mm256_storeu_ps(tile + (k - k0 + j) * PANEL, v.lo);
@@ -223,6 +300,8 @@ static void avx2_micro_any(int mr, const float *xp, const float *tile, int64_t k
         avx2_dequant_tile(fmt, w, p, k0, kc, tile);                                                  \
     }
 AVX2_CASES(FMT_Q4)
+AVX2_CASES(FMT_Q5)
+AVX2_CASES(FMT_Q6)
 AVX2_CASES(FMT_Q8)
 AVX2_CASES(FMT_F8)
 AVX2_CASES(FMT_BF16)
@@ -237,6 +316,8 @@ static void avx2_tile_panel(const Job *job, int64_t p, float *tile /* [KC][16] *
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         switch (w->fmt) {
         case FMT_Q4: avx2_dequant_FMT_Q4(w, p, k0, kc, tile); break;
+        case FMT_Q5: avx2_dequant_FMT_Q5(w, p, k0, kc, tile); break;
+        case FMT_Q6: avx2_dequant_FMT_Q6(w, p, k0, kc, tile); break;
         case FMT_Q8: avx2_dequant_FMT_Q8(w, p, k0, kc, tile); break;
         case FMT_F8: avx2_dequant_FMT_F8(w, p, k0, kc, tile); break;
         default: avx2_dequant_FMT_BF16(w, p, k0, kc, tile); break;
@@ -496,6 +577,8 @@ static void avx2_compute(Job *job, int tid, int nt)
         }
         switch (job->w.fmt) {
         case FMT_Q4: avx2_direct_FMT_Q4(job, p); break;
+        case FMT_Q5: avx2_direct_FMT_Q5(job, p); break;
+        case FMT_Q6: avx2_direct_FMT_Q6(job, p); break;
         case FMT_Q8: avx2_direct_FMT_Q8(job, p); break;
         case FMT_F8: avx2_direct_FMT_F8(job, p); break;
         default: avx2_direct_FMT_BF16(job, p); break;

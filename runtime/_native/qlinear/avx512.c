@@ -28,8 +28,8 @@ INLINE __m512 load16(const void *base, int64_t idx, int f16)
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
-/* Scale s and (q4) zero point z of panel p, weight group g, for 16 rows. f8 scales carry the
- * 2^8 that decode_step leaves out. */
+/* Scale s and offset z of panel p, weight group g, for 16 rows: q4 the zero point, q5 the min (the
+ * value of code 0). f8 scales carry the 2^8 that decode_step leaves out. */
 INLINE void group_params(const int fmt, const Weight *w, int64_t p, int64_t g, __m512 *s, __m512 *z)
 {
     const int64_t idx = (p * (w->k / w->group) + g) * PANEL;
@@ -43,24 +43,71 @@ INLINE void group_params(const int fmt, const Weight *w, int64_t p, int64_t g, _
     if (fmt == FMT_Q4)
         *z = w->scales_f16 ? _mm512_fmadd_ps(_mm512_set1_ps(8.0f), *s, load16(w->zeros, idx, 1))
                            : _mm512_loadu_ps((const float *)w->zeros + idx);
+    if (fmt == FMT_Q5)
+        *z = load16(w->zeros, idx, w->scales_f16);
 }
 
-/* The 512-bit words of an 8-k chunk that decode_step shifts from (q4: one, q8: two). */
+/* q6 code bytes: `nibbles` with bits 4-5 from `pairs` (byte j of a lane: its pair at bits 2j, 2j+1), bit 5
+ * flipped, so that a byte's low 6 bits read as signed are q - 32. */
+INLINE __m512i q6_bytes(__m512i nibbles, __m512i pairs)
+{
+    const __m512i v = _mm512_mask_add_epi8(nibbles, _mm512_test_epi8_mask(pairs, _mm512_set1_epi32(0x40100401)),
+                                           nibbles, _mm512_set1_epi8(0x10));
+    return _mm512_mask_add_epi8(v, _mm512_testn_epi8_mask(pairs, _mm512_set1_epi32((int32_t)0x80200802)), v,
+                                _mm512_set1_epi8(0x20));
+}
+
+/* A q5/q6 chunk (layout.h) as bytes: byte j of a row's lane is its code of k step j (raw0) or j + 4 (raw1),
+ * the low nibble with bits 4 (and 5) added from the row's high-bit bytes, copied into every byte of its
+ * lane and tested per byte (bit j of byte j for q5, bits 2j, 2j+1 for q6). Once a chunk, so that a k step
+ * decodes in two (q5) or three (q6) instructions. */
+INLINE void split_codes(const int fmt, const uint8_t *chunk, __m512i *raw0, __m512i *raw1)
+{
+    const __m512i nibbles = _mm512_loadu_si512(chunk), low4 = _mm512_set1_epi8(0x0F);
+    const __m512i lo = _mm512_and_si512(nibbles, low4), hi = _mm512_and_si512(_mm512_srli_epi32(nibbles, 4), low4);
+    const __m512i byte0 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+    if (fmt == FMT_Q5) {
+        const __m512i bit4 = _mm512_set1_epi8(0x10), bits = _mm512_shuffle_epi8(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(chunk + 64))), byte0);
+        *raw0 = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(bits, _mm512_set1_epi32(0x08040201)), lo, bit4);
+        *raw1 = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bits, _mm512_set1_epi32((int32_t)0x80402010)), hi,
+                                     bit4);
+        return;
+    }
+    const __m512i pairs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(chunk + 64)));
+    *raw0 = q6_bytes(lo, _mm512_shuffle_epi8(pairs, byte0));  /* steps 0..3: the pairs' low byte */
+    *raw1 = q6_bytes(hi, _mm512_shuffle_epi8(pairs, _mm512_add_epi8(byte0, _mm512_set1_epi8(1))));
+}
+
+/* The 512-bit words of an 8-k chunk that decode_step shifts from: q4 one; q8 two; q5 and q6 split_codes'. */
 INLINE void load_chunk(const int fmt, const uint8_t *chunk, __m512i *raw0, __m512i *raw1)
 {
     if (fmt == FMT_Q4 || fmt == FMT_Q8)
         *raw0 = _mm512_loadu_si512(chunk);
     if (fmt == FMT_Q8)
         *raw1 = _mm512_loadu_si512(chunk + 64);
+    if (fmt == FMT_Q5 || fmt == FMT_Q6)
+        split_codes(fmt, chunk, raw0, raw1);
 }
 
-/* Codes of k step j (0..7) of a chunk as f32 for 16 rows: q4 q - 8, q8 q, f8 value / 2^8, bf16 value. */
+/* Codes of k step j (0..7) of a chunk as f32 for 16 rows: q4 q - 8, q5 q, q6 q - 32, q8 q, f8
+ * value / 2^8, bf16 value. */
 INLINE __m512 decode_step(const int fmt, const uint8_t *chunk, __m512i raw0, __m512i raw1, const int j)
 {
     if (fmt == FMT_Q4) {
-        const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
         const int shift = (j & 3) * 8 + (j >> 2) * 4;  /* low nibbles: steps 0..3, high: 4..7 */
+        const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
         return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(raw0, shift) : raw0, table);
+    }
+    if (fmt == FMT_Q5 || fmt == FMT_Q6) {
+        const __m512i bytes = j < 4 ? raw0 : raw1;
+        const int byte = 8 * (j & 3);
+        if (fmt == FMT_Q6)
+            return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(bytes, 26 - byte), 26));
+        /* q5: 32-entry table, indexed by a lane's low 5 bits */
+        const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+        return _mm512_permutex2var_ps(low, byte ? _mm512_srli_epi32(bytes, byte) : bytes, high);
     }
     if (fmt == FMT_Q8) {
         const __m512i raw = j < 4 ? raw0 : raw1;
@@ -147,7 +194,7 @@ static void avx512_prepare(Job *job, int tid, int nt)
             avx512_quantize_token(job, t);
         return;  /* a last tile of mr < MRQ tokens reads only its mr tokens: padding needs no zeros */
     }
-    if (job->w.fmt == FMT_Q4) {
+    if (has_zeros(job->w.fmt)) {
         thread_range(job->t, tid, nt, &lo, &hi);
         for (int64_t t = lo; t < hi; t++)
             for (int64_t b = 0; b < nb; b++)
@@ -164,7 +211,7 @@ static void avx512_prepare(Job *job, int tid, int nt)
 // F32 activations, small T (weights decoded in registers)
 
 /* y[0 .. mt, panel p] for mt <= DIRECT_T tokens; per group the codes' dot with x is scaled once:
- * y += s * sum((q-8) x) + z * sum(x). One panel at a time keeps one stream of codes (two
+ * y += s * sum((q-8) x) + z * sum(x) (q5: s * sum(q x) + m * sum(x)). One panel at a time keeps one stream of codes (two
  * interleaved panels read slower from DRAM); a lone token splits its sum over two chains (even
  * and odd k) so the FMA latency hides behind the other chain. */
 INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p)
@@ -201,7 +248,7 @@ INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p
         for (int t = 0; t < mt; t++) {
             const __m512 sum = chains == 2 ? _mm512_add_ps(acc[t][0], acc[t][1]) : acc[t][0];
             yacc[t] = _mm512_fmadd_ps(sum, s, yacc[t]);
-            if (fmt == FMT_Q4)
+            if (has_zeros(fmt))
                 yacc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(job->ws.xsum[t * ng + g]), yacc[t]);
         }
     }
@@ -225,6 +272,8 @@ INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p
         }                                                                                  \
     }
 DIRECT_CASES(FMT_Q4)
+DIRECT_CASES(FMT_Q5)
+DIRECT_CASES(FMT_Q6)
 DIRECT_CASES(FMT_Q8)
 DIRECT_CASES(FMT_F8)
 DIRECT_CASES(FMT_BF16)
@@ -253,7 +302,7 @@ INLINE void dequant_tile(const int fmt, const Weight *w, int64_t p, int np, int6
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const __m512 q = decode_step(fmt, chunk, raw0, raw1, j);
-                const __m512 v = fmt == FMT_Q4 ? _mm512_fmadd_ps(q, s, z) : fmt == FMT_BF16 ? q : _mm512_mul_ps(q, s);
+                const __m512 v = has_zeros(fmt) ? _mm512_fmadd_ps(q, s, z) : fmt == FMT_BF16 ? q : _mm512_mul_ps(q, s);
                 _mm512_storeu_ps(dst + j * ld, v);
             }
         }
@@ -314,6 +363,8 @@ static void micro_f32_any(int mr, int np, const float *xp, const float *tile, in
         dequant_tile(fmt, w, p, np, k0, kc, tile);                                                      \
     }
 DEQUANT_CASES(FMT_Q4)
+DEQUANT_CASES(FMT_Q5)
+DEQUANT_CASES(FMT_Q6)
 DEQUANT_CASES(FMT_Q8)
 DEQUANT_CASES(FMT_F8)
 DEQUANT_CASES(FMT_BF16)
@@ -326,6 +377,8 @@ static void tile_panels(const Job *job, int64_t p, int np, float *tile /* [KC][3
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         switch (w->fmt) {
         case FMT_Q4: dequant_FMT_Q4(w, p, np, k0, kc, tile); break;
+        case FMT_Q5: dequant_FMT_Q5(w, p, np, k0, kc, tile); break;
+        case FMT_Q6: dequant_FMT_Q6(w, p, np, k0, kc, tile); break;
         case FMT_Q8: dequant_FMT_Q8(w, p, np, k0, kc, tile); break;
         case FMT_F8: dequant_FMT_F8(w, p, np, k0, kc, tile); break;
         default: dequant_FMT_BF16(w, p, np, k0, kc, tile); break;
@@ -447,6 +500,8 @@ static void avx512_compute_direct(const Job *job, int tid, int nt)
     for (int64_t p = lo; p < hi; p++) {
         switch (job->w.fmt) {
         case FMT_Q4: direct_FMT_Q4(job, p, mt); break;
+        case FMT_Q5: direct_FMT_Q5(job, p, mt); break;
+        case FMT_Q6: direct_FMT_Q6(job, p, mt); break;
         case FMT_Q8: direct_FMT_Q8(job, p, mt); break;
         case FMT_F8: direct_FMT_F8(job, p, mt); break;
         default: direct_FMT_BF16(job, p, mt); break;

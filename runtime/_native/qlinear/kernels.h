@@ -30,7 +30,7 @@ enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 
 typedef struct {
     float *xpack;    /* [ceil(T/MR)][K][MR] f32 tokens interleaved (f32 tile path) */
-    float *xsum;     /* [T][K/blk] sum of x over each block (q4 zero-point term) */
+    float *xsum;     /* [T][K/blk] sum of x over each block (the q4/q5 offset term) */
     int8_t *xq;      /* [ceil(T/MRQ)][K/4][MRQ][4] int8 activations */
     int16_t *xq16;   /* [ceil(T/MRQ)][K/2][MRQ][2] int16 activations */
     float *xscale;   /* [T][K/blk] int8 / int16 step of each block */
@@ -41,7 +41,7 @@ typedef struct {
     Weight w;
     int act;
     int64_t t;          /* tokens */
-    int64_t blk;        /* activation block: q4 G; int8 mode q8 G or 128/64/32 per-channel */
+    int64_t blk;        /* activation block: q4/q5 G; int8 mode q8 G or 128/64/32 per-channel */
     int64_t direct_t;   /* f32 activations: T <= direct_t decodes in registers, else packs x for tiles */
     const float *x;     /* [T, K] */
     const float *bias;  /* [N] or NULL */

@@ -55,7 +55,7 @@ static int take_buffer(Bound *b, PyObject *obj, const char *name, int64_t bytes,
 
 static int check_dims(int fmt, int act, int64_t N, int64_t K, int64_t G, int64_t blk)
 {
-    if (fmt < FMT_Q4 || fmt > FMT_BF16 || act < ACT_F32 || act > ACT_INT16)
+    if (fmt < FMT_Q4 || fmt > FMT_Q6 || act < ACT_F32 || act > ACT_INT16)
         return PyErr_Format(PyExc_ValueError, "qlinear: unknown format %d or activation mode %d", fmt, act), -1;
     if (N <= 0 || K <= 0 || K % 8)
         return PyErr_Format(PyExc_ValueError, "qlinear: bad shape N=%lld K=%lld (K must be a positive multiple "
@@ -63,16 +63,16 @@ static int check_dims(int fmt, int act, int64_t N, int64_t K, int64_t G, int64_t
     if (G <= 0 || G % 8 || K % G)
         return PyErr_Format(PyExc_ValueError, "qlinear: group %lld must be a multiple of 8 dividing K=%lld",
                             (long long)G, (long long)K), -1;
-    if (act != ACT_F32 && (fmt > FMT_Q8 || blk % 32 || K % blk))
+    if (act != ACT_F32 && ((fmt != FMT_Q4 && fmt != FMT_Q8) || blk % 32 || K % blk))
         return PyErr_Format(PyExc_ValueError, "qlinear: int8/int16 activations need q4/q8 weights and K, group "
                             "multiples of 32"), -1;
     return 0;
 }
 
-/* Activation block of the int8 and int16 modes (and of the q4 zero-point sums). */
+/* Activation block of the int8 and int16 modes (and of the q4/q5 per-group sums of x). */
 static int64_t activation_block(int fmt, int64_t K, int64_t G)
 {
-    if (fmt == FMT_Q4 || G < K)
+    if (has_zeros(fmt) || G < K)
         return G;
     return K % 128 == 0 ? 128 : K % 64 == 0 ? 64 : 32;
 }
@@ -98,14 +98,15 @@ static PyObject *py_bind(PyObject *self, PyObject *args)
     const void *code_ptr, *scale_ptr, *zero_ptr, *bias_ptr;
     if (take_buffer(b, codes, "codes", P * K * panel_bytes_per_k(fmt), 0, &code_ptr) < 0 ||
         take_buffer(b, scales, "scales", scale_bytes, fmt == FMT_BF16, &scale_ptr) < 0 ||
-        take_buffer(b, zeros, "zeros", scale_bytes, fmt != FMT_Q4, &zero_ptr) < 0 ||
+        take_buffer(b, zeros, "zeros", scale_bytes, !has_zeros(fmt), &zero_ptr) < 0 ||
         take_buffer(b, bias, "bias", N * 4, 1, &bias_ptr) < 0) {
         free_bound(b);
         return NULL;
     }
-    if ((fmt == FMT_BF16) != (scale_ptr == NULL) || (fmt == FMT_Q4) != (zero_ptr != NULL)) {
+    if ((fmt == FMT_BF16) != (scale_ptr == NULL) || has_zeros(fmt) != (zero_ptr != NULL)) {
         free_bound(b);
-        return PyErr_Format(PyExc_ValueError, "qlinear: scales are needed by every format but bf16, zeros by q4 only");
+        return PyErr_Format(PyExc_ValueError, "qlinear: scales are needed by every format but bf16, zeros by q4 "
+                            "and q5 only");
     }
     b->w.codes = code_ptr;
     b->w.scales = scale_ptr;
@@ -283,7 +284,8 @@ PyMODINIT_FUNC PyInit__qlinear(void)
         return NULL;
     }
     const struct { const char *name; int value; } consts[] = {
-        {"FMT_Q4", FMT_Q4}, {"FMT_Q8", FMT_Q8}, {"FMT_F8", FMT_F8}, {"FMT_BF16", FMT_BF16},
+        {"FMT_Q4", FMT_Q4}, {"FMT_Q5", FMT_Q5}, {"FMT_Q6", FMT_Q6}, {"FMT_Q8", FMT_Q8}, {"FMT_F8", FMT_F8},
+        {"FMT_BF16", FMT_BF16},
         {"ACT_F32", ACT_F32}, {"ACT_INT8", ACT_INT8}, {"ACT_INT16", ACT_INT16}, {"PANEL", PANEL},
     };
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++)

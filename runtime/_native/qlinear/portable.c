@@ -16,24 +16,43 @@ static float portable_scale(const Weight *w, int64_t n, int64_t g)
     return w->scales_f16 ? f16_to_f32(((const uint16_t *)w->scales)[idx]) : ((const float *)w->scales)[idx];
 }
 
+/* The stored zeros entry of (n, g): q4's zero point or f16 min, q5's min. */
+static float portable_stored_zero(const Weight *w, int64_t n, int64_t g)
+{
+    const int64_t ng = w->k / w->group, idx = ((n / PANEL) * ng + g) * PANEL + n % PANEL;
+    return w->scales_f16 ? f16_to_f32(((const uint16_t *)w->zeros)[idx]) : ((const float *)w->zeros)[idx];
+}
+
 /* q4 zero point z (from f32 zeros, or z = fma(8, d, m) from f16 mins). */
 static float portable_zero(const Weight *w, int64_t n, int64_t g)
 {
-    const int64_t ng = w->k / w->group, idx = ((n / PANEL) * ng + g) * PANEL + n % PANEL;
-    if (!w->scales_f16)
-        return ((const float *)w->zeros)[idx];
-    return fmaf(8.0f, portable_scale(w, n, g), f16_to_f32(((const uint16_t *)w->zeros)[idx]));
+    const float stored = portable_stored_zero(w, n, g);
+    return w->scales_f16 ? fmaf(8.0f, portable_scale(w, n, g), stored) : stored;
 }
 
-/* Raw code of (n, k): q4 0..15, q8 -128..127, f8/bf16 the bit pattern. */
+/* Bits 4 and up of q5/q6 code (r, k) from its k-block's high-bit bytes (layout.h), at bit 4. */
+static int32_t portable_high_bits(int fmt, const uint8_t *high, int64_t r, int64_t k)
+{
+    const int j = (int)(k % 8);
+    if (fmt == FMT_Q5)
+        return ((high[r] >> j) & 1) << 4;
+    const int32_t pair = high[2 * r] | high[2 * r + 1] << 8;
+    return ((pair >> (2 * j)) & 3) << 4;
+}
+
+/* Raw code of (n, k): q4 0..15, q5 0..31, q6 0..63, q8 -128..127, f8/bf16 the bit pattern. */
 static int32_t portable_code(const Weight *w, int64_t n, int64_t k)
 {
-    const int64_t p = n / PANEL, r = n % PANEL, K = w->k;
-    const uint8_t *panel = w->codes + p * K * panel_bytes_per_k(w->fmt);
+    const int64_t p = n / PANEL, r = n % PANEL, K = w->k, bpk = panel_bytes_per_k(w->fmt);
+    const uint8_t *panel = w->codes + p * K * bpk;
     switch (w->fmt) {
-    case FMT_Q4: {
-        const uint8_t byte = panel[(k / 8) * 64 + r * 4 + (k % 4)];
-        return (k % 8) < 4 ? byte & 15 : byte >> 4;
+    case FMT_Q4:
+    case FMT_Q5:
+    case FMT_Q6: {
+        const uint8_t *chunk = panel + (k / 8) * 8 * bpk;  /* the k-block: low nibbles, then high bits */
+        const uint8_t byte = chunk[r * 4 + (k % 4)];
+        const int32_t low = (k % 8) < 4 ? byte & 15 : byte >> 4;
+        return w->fmt == FMT_Q4 ? low : low | portable_high_bits(w->fmt, chunk + 64, r, k);
     }
     case FMT_Q8: return ((const int8_t *)panel)[(k / 4) * 64 + r * 4 + (k % 4)];
     case FMT_F8: return panel[k * PANEL + r];
@@ -47,6 +66,8 @@ static float portable_weight(const Weight *w, int64_t n, int64_t k)
     const int64_t g = k / w->group;
     switch (w->fmt) {
     case FMT_Q4: return fmaf((float)(code - 8), portable_scale(w, n, g), portable_zero(w, n, g));
+    case FMT_Q5: return fmaf((float)code, portable_scale(w, n, g), portable_stored_zero(w, n, g));
+    case FMT_Q6: return (float)(code - 32) * portable_scale(w, n, g);
     case FMT_Q8: return (float)code * portable_scale(w, n, g);
     case FMT_F8: return e4m3_to_f32((uint8_t)code) * portable_scale(w, n, g);
     default: return bf16_to_f32((uint16_t)code);
@@ -94,7 +115,7 @@ void portable_prepare(Job *job, int tid, int nt)
     int64_t lo, hi;
     thread_range(job->t, tid, nt, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
-        if (job->w.fmt == FMT_Q4 || job->act != ACT_F32)
+        if (has_zeros(job->w.fmt) || job->act != ACT_F32)
             portable_block_sums(job, t);
         if (job->act != ACT_F32)
             portable_quantize_token(job, t);
