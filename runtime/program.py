@@ -5,11 +5,14 @@ The binding knows every op's kernel except the ones that depend on how the progr
 collectives. The runner supplies those through `Hooks`.
 
 A runner that has a fused attention kernel (`Hooks.qkv_attention`) gets each layer's
-`split -> rope -> attention` chain bound as one call over the fused projection and the positions,
-when nothing else reads the chain's intermediate values; the IR itself stays op by op.
+`split -> rope -> attention` chain (`split -> head_rms_norm of q and of k -> rope -> attention` with
+Gemma 3's q/k norms) bound as one call over the fused projection and the positions, when nothing
+else reads the chain's intermediate values; the IR itself stays op by op. Where q, k and v come from
+three linears (weights of different formats, which fuse_qkv leaves apart), the chain without the split
+is bound the same way over the three projections.
 
-A call whose function is marked `recordable` is exactly one C kernel call; when every call is,
-the executor can record a step on a tape and replay it (runtime.ops.tape.Recording).
+A call whose function is marked `recordable` does all its work in C kernel calls; when every call
+does, the executor can record a step on a tape and replay it (runtime.ops.tape.Recording).
 
 `Program.run` is the one runner of a program: the executor (paged attention through its KV cache),
 the builder's reference interpreter and calibration (dense attention) differ only by their hooks,
@@ -40,8 +43,9 @@ class Hooks:
     all_gather: Callable[[torch.Tensor, dict], torch.Tensor] | None = None  # (x, attrs) -> concat of the group's pieces
     send: Callable[[torch.Tensor, dict], None] | None = None
     recv: Callable[[dict], torch.Tensor] | None = None
-    # (rope attrs, attention attrs) -> fn(qkv, positions) -> out: split + rope + attention in one
-    qkv_attention: Callable[[dict, dict], Callable] | None = None
+    # (rope attrs, attention attrs, q/k norms) -> fn(qkv, positions) -> out: split (+ q/k norms) + rope +
+    # attention in one; the norms are None or (q weight [hd], k weight [hd], eps) of head_rms_norm
+    qkv_attention: Callable[[dict, dict, tuple | None], Callable] | None = None
 
 
 def dense_hooks(attention: Callable[[dict], Callable] | None = None, all_logits: bool = False) -> Hooks:
@@ -60,7 +64,7 @@ class Call:
 
     @property
     def recordable(self) -> bool:
-        """Each call is one C kernel call a step tape records (runtime.ops.tape.Recording)."""
+        """Each call does all its work in C kernel calls a step tape records (runtime.ops.tape.Recording)."""
         return getattr(self.fn, "recordable", False)
 
 
@@ -79,14 +83,11 @@ class Program:
         self.outputs = program["outputs"]
         nodes = program["nodes"]
         fused = self._fusible_attention(nodes) if hooks.qkv_attention else {}
-        skipped = {i for chain in fused.values() for i in chain[:2]}
+        skipped = {i for chain in fused.values() for i in chain[:-1]}
         self.calls = []
         for i, node in enumerate(nodes):
             if i in fused:
-                split, rope, attention = (nodes[j] for j in fused[i])
-                fn = hooks.qkv_attention(rope["attrs"], attention["attrs"])
-                self.calls.append(Call(attention["name"], fn, [split["inputs"][0], rope["inputs"][2]],
-                                       attention["outputs"]))
+                self.calls.append(self._bind_chain([nodes[j] for j in fused[i]], tensors, hooks))
             elif i not in skipped:
                 self.calls.append(self._bind(node, tensors, hooks))
 
@@ -123,37 +124,81 @@ class Program:
                 return None
         return [env[o] for o in self.outputs]
 
-    def _fusible_attention(self, nodes: list[dict]) -> dict[int, tuple[int, int, int]]:
-        """attention node index -> (split, rope, attention) indices of the chains qkv_attention can run."""
+    def _fusible_attention(self, nodes: list[dict]) -> dict[int, list[int]]:
+        """attention node index -> the node indices of a chain qkv_attention can run: the split of a fused
+        projection (absent when q, k and v are projections of their own), the head_rms_norms of q and of k
+        where the model has them, rope, attention."""
         readers: dict[str, list[int]] = {}
+        producer: dict[str, int] = {}
         for i, node in enumerate(nodes):
             for name in node["inputs"]:
                 readers.setdefault(name, []).append(i)
+            producer.update((name, i) for name in node["outputs"])
+
+        def made_for(name: str, op: str, reader: int) -> int | None:
+            """The `op` node that makes `name`, when `reader` alone reads it."""
+            at = producer.get(name)
+            return at if at is not None and nodes[at]["op"] == op and readers.get(name) == [reader] else None
+
         outputs = set(self.outputs)
         chains = {}
-        for i, node in enumerate(nodes):
-            if node["op"] != "split" or len(node["outputs"]) != 3:
+        for at, attention in enumerate(nodes):
+            if attention["op"] != "attention":
                 continue
-            q, k, v = node["outputs"]
-            rope_at = readers.get(q, [])
-            if len(rope_at) != 1 or nodes[rope_at[0]]["op"] != "rope" or readers.get(k) != rope_at:
+            qr, kr, v = attention["inputs"]
+            rope_at = made_for(qr, "rope", at)
+            if rope_at is None or made_for(kr, "rope", at) != rope_at or nodes[rope_at]["outputs"] != [qr, kr]:
                 continue
-            rope = nodes[rope_at[0]]
-            attention_at = readers.get(v, [])
-            if (rope["inputs"][:2] != [q, k] or len(attention_at) != 1
-                    or nodes[attention_at[0]]["op"] != "attention"):
+            rope = nodes[rope_at]
+            qn, kn = rope["inputs"][:2]
+            norms = self._head_norms(nodes, [made_for(qn, "head_rms_norm", rope_at),
+                                             made_for(kn, "head_rms_norm", rope_at)])
+            if norms is None:
                 continue
-            attention = nodes[attention_at[0]]
-            qr, kr = rope["outputs"]
+            q, k = [nodes[j]["inputs"][0] for j in norms] or [qn, kn]
             a, r = attention["attrs"], rope["attrs"]
-            sizes = [a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"],
-                     a["num_kv_heads"] * a["head_dim"]]
-            if (attention["inputs"] == [qr, kr, v] and readers.get(qr) == attention_at
-                    and readers.get(kr) == attention_at and not {q, k, v, qr, kr} & outputs
-                    and node["attrs"]["sizes"] == sizes and r["head_dim"] == a["head_dim"]
-                    and (r["num_heads"], r["num_kv_heads"]) == (a["num_heads"], a["num_kv_heads"])):
-                chains[attention_at[0]] = (i, rope_at[0], attention_at[0])
+            if ({q, k, v, qn, kn, qr, kr} & outputs or r["head_dim"] != a["head_dim"]
+                    or (r["num_heads"], r["num_kv_heads"]) != (a["num_heads"], a["num_kv_heads"])
+                    or any(nodes[j]["attrs"]["head_dim"] != a["head_dim"] for j in norms)):
+                continue
+            split = producer.get(q)
+            sizes = [a["num_heads"] * a["head_dim"]] + [a["num_kv_heads"] * a["head_dim"]] * 2
+            if (split is not None and nodes[split]["op"] == "split" and nodes[split]["outputs"] == [q, k, v]
+                    and nodes[split]["attrs"]["sizes"] == sizes and readers.get(q) == [norms[0] if norms else rope_at]
+                    and readers.get(k) == [norms[1] if norms else rope_at] and readers.get(v) == [at]):
+                chains[at] = [split, *norms, rope_at, at]
+            elif all(nodes[producer[x]]["op"] == "linear" for x in (q, k, v) if x in producer):
+                # q, k and v from projections of their own (whose weights the compiler could not fuse: their
+                # formats differ); a linear's output is a contiguous [T, width] the kernel reads by rows
+                chains[at] = [*norms, rope_at, at]
         return chains
+
+    def _head_norms(self, nodes: list[dict], at: list[int | None]) -> list[int] | None:
+        """at: the head_rms_norm nodes whose outputs alone feed the rope, if any. [] when neither q nor k is
+        normalized, both when the kernel can run them (one eps, a weight each), None when it cannot."""
+        if at == [None, None]:
+            return []
+        if None in at:
+            return None
+        q_norm, k_norm = nodes[at[0]], nodes[at[1]]
+        fusible = (q_norm["attrs"]["eps"] == k_norm["attrs"]["eps"]
+                   and all(len(n["inputs"]) == 2 and n["inputs"][1] in self.weight_names for n in (q_norm, k_norm)))
+        return at if fusible else None
+
+    def _bind_chain(self, chain: list[dict], tensors: dict, hooks: Hooks) -> Call:
+        """One call of hooks.qkv_attention over the fused projection (or q, k and v) and the positions."""
+        *head, rope, attention = chain
+        split = head[0] if head and head[0]["op"] == "split" else None
+        norms = head[1:] if split else head
+        weights = [tensors[n["inputs"][1]].float().contiguous() for n in norms]
+        qk_norm = (*weights, norms[0]["attrs"]["eps"]) if norms else None
+        fn = hooks.qkv_attention(rope["attrs"], attention["attrs"], qk_norm)
+        if split:
+            sources = [split["inputs"][0]]
+        else:
+            sources = [n["inputs"][0] for n in norms] or rope["inputs"][:2]
+            sources = [*sources, attention["inputs"][2]]
+        return Call(attention["name"], fn, [*sources, rope["inputs"][2]], attention["outputs"])
 
     def _bind(self, node: dict, tensors: dict, hooks: Hooks) -> Call:
         if node["op"] not in BINDERS:
@@ -190,11 +235,9 @@ def _linear(site: Site):
 
 def _silu_mul(site: Site):
     act = site.attrs.get("act", "silu")
-    if act != "silu":  # Gemma's gelu-tanh gate: torch's kernel
-        return lambda *xs: reference.gated_act(act, *xs)
     if len(site.node["inputs"]) == 1:  # the fused gate | up projection
-        return rowops.bind_silu_mul(site.node["types"][0]["shape"][-1], site.reuse)
-    return reference.silu_mul
+        return rowops.bind_silu_mul(site.node["types"][0]["shape"][-1], site.reuse, act)
+    return lambda *xs: reference.gated_act(act, *xs)
 
 
 def _head_rms_norm(site: Site):
@@ -206,7 +249,15 @@ def _head_rms_norm(site: Site):
 
 def _embedding(site: Site):
     rows, scale = linear.bind_embedding(site.attrs, site.operands()), site.attrs.get("scale", 1.0)
-    return rows if scale == 1.0 else (lambda tokens: rows(tokens) * scale)
+    if scale == 1.0:
+        return rows
+    scale_rows = rowops.bind_scale(scale)  # in place: rows' output is fresh at every call
+
+    def scaled(tokens: torch.Tensor) -> torch.Tensor:
+        return scale_rows(rows(tokens))
+
+    scaled.recordable = getattr(rows, "recordable", False)  # packed rows: both calls are C kernels
+    return scaled
 
 
 def _split(site: Site):

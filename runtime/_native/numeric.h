@@ -93,4 +93,26 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+/* out[:n] = weight * x * 1 / sqrt(mean(x^2) + eps): the rms_norm row kernel, shared by the row ops and the
+ * fused attention's q/k norms so that both round alike. */
+static inline void rms_norm_row(float *out, const float *x, const float *weight, int n, float eps) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        acc0 = _mm256_fmadd_ps(a, a, acc0);
+        acc1 = _mm256_fmadd_ps(b, b, acc1);
+    }
+    float sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++)
+        sum += x[i] * x[i];
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    __m256 vinv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
+                                                _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv)));
+    for (; i < n; i++)
+        out[i] = weight[i] * (x[i] * inv);
+}
+
 #endif

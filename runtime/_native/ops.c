@@ -1,4 +1,5 @@
-/* Row-wise float32 kernels of the Kiln CPU runtime: rms_norm, add + rms_norm, silu(gate) * up.
+/* Row-wise float32 kernels of the Kiln CPU runtime: rms_norm, add + rms_norm, silu(gate) * up,
+ * gelu_tanh(gate) * up, x * factor.
  *
  * They replace chains of 3-6 torch ops whose dispatch costs more than their arithmetic for the
  * few rows of a decode step. Plain C over the buffer protocol: runtime/ops/rowops.py checks
@@ -16,27 +17,6 @@
 #include "numeric.h"
 
 #define PARALLEL_ELEMENTS (1 << 15)  /* fewer elements than this run on the calling thread */
-
-/* out[:n] = weight * x * 1 / sqrt(mean(x^2) + eps) */
-static void rms_norm_row(float *out, const float *x, const float *weight, int n, float eps) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-        acc0 = _mm256_fmadd_ps(a, a, acc0);
-        acc1 = _mm256_fmadd_ps(b, b, acc1);
-    }
-    float sum = hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++)
-        sum += x[i] * x[i];
-    float inv = 1.0f / sqrtf(sum / (float)n + eps);
-    __m256 vinv = _mm256_set1_ps(inv);
-    for (i = 0; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
-                                                _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv)));
-    for (; i < n; i++)
-        out[i] = weight[i] * (x[i] * inv);
-}
 
 /* total[:n] = x + residual; out = rms_norm(total) */
 static void add_rms_norm_row(float *out, float *total, const float *x, const float *residual,
@@ -61,6 +41,33 @@ static void silu_mul_row(float *out, const float *gate, const float *up, int n) 
     }
     for (; i < n; i++)
         out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+#define GELU_BETA 0.7978845608028654f  /* sqrt(2 / pi) */
+#define GELU_KAPPA 0.044715f
+
+/* out[:n] = gelu_tanh(gate) * up, where gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3)
+ * (torch's F.gelu(approximate="tanh")). Computed as g / (1 + exp(-2u)), the same function (0.5 (1 + tanh u)
+ * is the logistic of 2u) without the cancellation of 1 + tanh(u) for negative g. Large |g|: g^3 may
+ * overflow to inf, which exp takes to 0 (out = g) or to inf (out = -0, as torch gives); exp256 clamps its
+ * argument at 88, so above that the vector path uses inf itself, as expf overflows in the scalar tail. */
+static void gelu_tanh_mul_row(float *out, const float *gate, const float *up, int n) {
+    const __m256 one = _mm256_set1_ps(1.0f), kappa = _mm256_set1_ps(GELU_KAPPA);
+    const __m256 minus_two_beta = _mm256_set1_ps(-2.0f * GELU_BETA), overflow = _mm256_set1_ps(88.0f);
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(kappa, g), _mm256_mul_ps(g, g), g);  /* g + kappa g^3 */
+        __m256 arg = _mm256_mul_ps(minus_two_beta, inner);
+        __m256 e = _mm256_blendv_ps(exp256(arg), inf, _mm256_cmp_ps(arg, overflow, _CMP_GT_OQ));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                                _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-2.0f * GELU_BETA * (g + GELU_KAPPA * g * g * g))) * up[i];
+    }
 }
 
 /* ----------------------------------------------------------------------------------------
@@ -93,6 +100,7 @@ typedef struct {
     const int64_t *indices;                  /* gather_rows: source row of each out row */
     Py_ssize_t rows, n, source_rows;         /* source_rows: rows of x (gather_rows) */
     float eps;
+    float factor;                            /* scale: the multiplier */
     int threads;
 } RowArgs;
 
@@ -120,6 +128,23 @@ static int run_silu_mul(const void *p) {
     #pragma omp parallel for num_threads(live_threads(a->threads)) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
     for (Py_ssize_t r = 0; r < a->rows; r++)
         silu_mul_row(a->out + r * n, a->x + 2 * r * n, a->x + 2 * r * n + n, (int)n);
+    return 0;
+}
+
+static int run_gelu_tanh_mul(const void *p) {
+    const RowArgs *a = p;
+    Py_ssize_t n = a->n;
+    #pragma omp parallel for num_threads(live_threads(a->threads)) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
+    for (Py_ssize_t r = 0; r < a->rows; r++)
+        gelu_tanh_mul_row(a->out + r * n, a->x + 2 * r * n, a->x + 2 * r * n + n, (int)n);
+    return 0;
+}
+
+static int run_scale(const void *p) {
+    const RowArgs *a = p;
+    Py_ssize_t total = a->rows * a->n;
+    for (Py_ssize_t i = 0; i < total; i++)
+        a->out[i] = a->x[i] * a->factor;
     return 0;
 }
 
@@ -195,20 +220,44 @@ static PyObject *py_add_rms_norm(PyObject *Py_UNUSED(self), PyObject *args) {
     return record_and_run(NULL, run_add_rms_norm, &a, b, 5, status);
 }
 
-static PyObject *py_silu_mul(PyObject *Py_UNUSED(self), PyObject *args) {
+/* A gated activation fn(out [rows, n], gate_up [rows, 2n], n, num_threads), run by run; format names fn. */
+static PyObject *gated_act(PyObject *args, const char *format, const char *fn, TapeRun run) {
     Py_buffer b[2];  /* out [rows, n], gate_up [rows, 2n] */
     RowArgs a = {0};
     int num_threads;
-    if (!PyArg_ParseTuple(args, "w*y*ni:silu_mul", &b[0], &b[1], &a.n, &num_threads))
+    if (!PyArg_ParseTuple(args, format, &b[0], &b[1], &a.n, &num_threads))
         return NULL;
-    int status = check_width("silu_mul", a.n);
+    int status = check_width(fn, a.n);
     if (status == 0) {
         a.rows = b[0].len / 4 / a.n;
         static const char *const names[] = {"out", "gate_up"};
-        status = check_rows("silu_mul", names, b, (Py_ssize_t[]){a.n, 2 * a.n}, 2, a.rows);
+        status = check_rows(fn, names, b, (Py_ssize_t[]){a.n, 2 * a.n}, 2, a.rows);
     }
     a.out = b[0].buf, a.x = b[1].buf, a.threads = resolve_threads(num_threads);
-    return record_and_run(NULL, run_silu_mul, &a, b, 2, status);
+    return record_and_run(NULL, run, &a, b, 2, status);
+}
+
+static PyObject *py_silu_mul(PyObject *Py_UNUSED(self), PyObject *args) {
+    return gated_act(args, "w*y*ni:silu_mul", "silu_mul", run_silu_mul);
+}
+
+static PyObject *py_gelu_tanh_mul(PyObject *Py_UNUSED(self), PyObject *args) {
+    return gated_act(args, "w*y*ni:gelu_tanh_mul", "gelu_tanh_mul", run_gelu_tanh_mul);
+}
+
+static PyObject *py_scale(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b[2];  /* out, x: n float32 each (out may be x) */
+    RowArgs a = {0};
+    if (!PyArg_ParseTuple(args, "w*y*f:scale", &b[0], &b[1], &a.factor))
+        return NULL;
+    int status = 0;
+    if (b[1].len != b[0].len || b[0].len % 4) {
+        PyErr_Format(PyExc_ValueError, "scale: out and x must hold the same float32 count, got %zd and %zd bytes",
+                     b[0].len, b[1].len);
+        status = -1;
+    }
+    a.out = b[0].buf, a.x = b[1].buf, a.rows = 1, a.n = b[0].len / 4;
+    return record_and_run(NULL, run_scale, &a, b, 2, status);
 }
 
 static PyObject *py_add(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -342,6 +391,10 @@ static PyMethodDef methods[] = {
      "out = rms_norm(total) per row."},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(out, gate_up, n, num_threads): out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:]."},
+    {"gelu_tanh_mul", py_gelu_tanh_mul, METH_VARARGS,
+     "gelu_tanh_mul(out, gate_up, n, num_threads): out [rows, n] = gelu_tanh(gate_up[:, :n]) * gate_up[:, n:] "
+     "(torch's F.gelu(approximate=\"tanh\"))."},
+    {"scale", py_scale, METH_VARARGS, "scale(out, x, factor): out = x * factor, float32 of one size (out may be x)."},
     {"add", py_add, METH_VARARGS, "add(out, x, y): out = x + y, float32 of one size."},
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(out, x, indices, n): out[r] = x[indices[r]], rows of n float32; indices int64 checked."},
@@ -364,8 +417,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_ops",
-    "Row-wise float32 kernels (rms_norm, add_rms_norm, silu_mul, add, gather_rows; AVX2, OpenMP) and the "
-    "step tapes that record and replay the calls of every Kiln C module.",
+    "Row-wise float32 kernels (rms_norm, add_rms_norm, silu_mul, gelu_tanh_mul, scale, add, gather_rows; AVX2, "
+    "OpenMP) and the step tapes that record and replay the calls of every Kiln C module.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -1,7 +1,7 @@
 """Paged attention and KV-cache writes: checks torch tensors, then calls the C kernels in _native._attention.
 
-kv_write, paged_attention and the fused qkv_attention (rope + KV write + attention from the qkv
-projection; LayerAttention binds it to one layer for the executor). The wrappers check dtypes,
+kv_write, paged_attention and the fused qkv_attention (q/k norms where the model has them, rope, KV
+write and attention from the qkv projection; LayerAttention binds it to one layer for the executor). The wrappers check dtypes,
 dimensions, matching sizes, devices and contiguity (skipped with check=False, for callers that
 validated the step once). The C side always checks buffer lengths and the metadata values (slot
 range, positions within the rope table, block ids of used blocks, query_start_loc monotonic and
@@ -72,23 +72,26 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
 def qkv_attention(out: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                   positions: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                  scale: float, *, kv_scale: float = 1.0, window: int = 0, num_threads: int | None = None,
-                  check: bool = True) -> torch.Tensor:
-    """One attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32 = q | k | v.
+                  scale: float, *, kv_scale: float = 1.0, window: int = 0, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, norm_eps: float = 0.0, k: torch.Tensor | None = None,
+                  v: torch.Tensor | None = None, num_threads: int | None = None, check: bool = True) -> torch.Tensor:
+    """One attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32 = q | k | v, or,
+    given k and v [T, nkv * hd] (three projections of their own), from q = qkv [T, nh * hd] and them.
 
-    Rotates q and k by position (rope [rows, hd] f32 = cos | sin of the first half of the
-    frequencies, as reference.RopeTable.packed; positions [T] int64 index its rows), writes k and v
-    to the caches at slot_mapping like kv_write, then runs paged_attention (with its window) into
-    out [T, nh, hd].
+    Normalizes each head of q by q_norm and each of k by k_norm (RMSNorm weights [hd] f32 with
+    norm_eps, as reference.head_rms_norm; None: no norm), rotates q and k by position (rope [rows, hd]
+    f32 = cos | sin of the first half of the frequencies, as reference.RopeTable.packed; positions
+    [T] int64 index its rows), writes k and v to the caches at slot_mapping like kv_write, then runs
+    paged_attention (with its window) into out [T, nh, hd].
     """
     if check:
         _check_qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions,
-                             rope, slot_mapping, num_heads, kv_scale)
+                             rope, slot_mapping, num_heads, kv_scale, q_norm, k_norm, k, v)
     _C.qkv_attention(out.numpy(), qkv.numpy(), buffer(k_cache), buffer(v_cache), block_tables.numpy(),
                      context_lens.numpy(), query_start_loc.numpy(), positions.numpy(), rope.numpy(),
                      slot_mapping.numpy(), num_heads, k_cache.shape[2], k_cache.shape[3], k_cache.shape[1],
                      float(scale), CACHE_DTYPE_CODES[k_cache.dtype], float(kv_scale), int(window),
-                     threads(num_threads))
+                     threads(num_threads), buffer(q_norm), buffer(k_norm), float(norm_eps), buffer(k), buffer(v))
     return out
 
 
@@ -103,40 +106,53 @@ class StepArrays:
     query_start_loc: np.ndarray
 
     @staticmethod
-    def of(meta) -> StepArrays:
-        return StepArrays(meta.positions.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy(),
+    def of(meta, group: int = 0) -> StepArrays:
+        """The arrays of the layers of one KV group (runtime/kv_groups.py): its own slots and block tables."""
+        slot_mapping, block_tables = meta.groups[group]
+        return StepArrays(meta.positions.numpy(), slot_mapping.numpy(), block_tables.numpy(),
                           meta.context_lens.numpy(), meta.query_start_loc.numpy())
 
 
 class LayerAttention:
-    """qkv_attention of one layer bound to its caches and rope table: (qkv, StepArrays) -> [T, nh * hd].
+    """qkv_attention of one layer bound to its caches and rope table: (StepArrays, qkv) -> [T, nh * hd], or
+    (StepArrays, q, k, v) for a layer whose q, k and v come from projections of their own.
 
     The per-call cost is one C call: the caches' buffers are taken once, the step's arrays once per
     step, and the argument checks are the C side's (lengths and every index, before any data moves).
+    qk_norm: None, or the q and k head norms (weight [hd] f32 each, eps) as qkv_attention takes them.
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                 kv_scale: float, rope_table, reuse_outputs: bool = False, window: int = 0):
+                 kv_scale: float, rope_table, reuse_outputs: bool = False, window: int = 0,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
         _check_caches("qkv_attention", k_cache, v_cache, kv_scale)
+        q_norm, k_norm, eps = qk_norm or (None, None, 0.0)
+        _check_norms("qkv_attention", q_norm, k_norm, k_cache.shape[3])
+        self.norms = (buffer(q_norm), buffer(k_norm), float(eps))  # held while the layer lives: a tape reads them
         self.k, self.v = buffer(k_cache), buffer(v_cache)
         _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
         self.num_heads, self.scale, self.kv_scale, self.window = num_heads, float(scale), float(kv_scale), int(window)
         self.dtype = CACHE_DTYPE_CODES[k_cache.dtype]
         self.rope_table = rope_table
         self._rope = (None, None)  # (rope_table.packed, its numpy view): taken again only when the table grows
-        self.width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.q_width, self.kv_width = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.outputs = Outputs((num_heads * self.head_dim,), reuse_outputs)
 
-    def __call__(self, qkv: torch.Tensor, step: StepArrays) -> torch.Tensor:
-        if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != self.width:
-            raise ValueError(f"qkv_attention: qkv must be float32 [T, {self.width}], got {qkv.dtype} {tuple(qkv.shape)}")
+    def __call__(self, step: StepArrays, qkv: torch.Tensor, k: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None) -> torch.Tensor:
+        parts = [("qkv", qkv, self.q_width + 2 * self.kv_width)] if k is None else \
+            [("q", qkv, self.q_width), ("k", k, self.kv_width), ("v", v, self.kv_width)]
+        for name, t, width in parts:  # the C side checks lengths; rows must also be this wide
+            if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != width or t.shape[0] != qkv.shape[0]:
+                raise ValueError(f"qkv_attention: {name} must be float32 [T, {width}], got {t.dtype} {tuple(t.shape)}")
         (out, out_np), = self.outputs.get(qkv)
         if self._rope[0] is not self.rope_table.packed:
             self._rope = (self.rope_table.packed, self.rope_table.packed.numpy())
+        kv = () if k is None else (k.numpy(), v.numpy())
         _C.qkv_attention(out_np, qkv.numpy(), self.k, self.v, step.block_tables, step.context_lens,
                          step.query_start_loc, step.positions, self._rope[1], step.slot_mapping,
                          self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale, self.dtype,
-                         self.kv_scale, self.window, threads())
+                         self.kv_scale, self.window, threads(), *self.norms, *kv)
         return out
 
 
@@ -169,25 +185,38 @@ def _check_paged_attention(out, query, k_cache, v_cache, block_tables, context_l
 
 
 def _check_qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, rope,
-                         slot_mapping, num_heads, kv_scale) -> None:
+                         slot_mapping, num_heads, kv_scale, q_norm, k_norm, k=None, v=None) -> None:
     fn = "qkv_attention"
     _check_caches(fn, k_cache, v_cache, kv_scale)
     nkv, hd = k_cache.shape[2:]
     if num_heads <= 0 or num_heads % nkv or hd % 2:
         raise ValueError(f"{fn}: num_heads ({num_heads}) must be a positive multiple of the cache's num_kv_heads "
                          f"({nkv}) and head_dim ({hd}) even")
-    expect_contiguous(fn, "qkv", qkv, torch.float32, 2, "[T, (num_heads + 2 num_kv_heads) head_dim]")
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: k and v come together (or both inside qkv)")
+    heads = num_heads if k is not None else num_heads + 2 * nkv
+    name = "q" if k is not None else "qkv"
+    expect_contiguous(fn, name, qkv, torch.float32, 2, f"[T, {heads} heads x head_dim]")
     t = qkv.shape[0]
-    if qkv.shape[1] != (num_heads + 2 * nkv) * hd:
-        raise ValueError(f"{fn}: qkv must be [T, {(num_heads + 2 * nkv) * hd}] for {num_heads} + 2 x {nkv} heads "
-                         f"of {hd}, got {tuple(qkv.shape)}")
+    if qkv.shape[1] != heads * hd:
+        raise ValueError(f"{fn}: {name} must be [T, {heads * hd}] for {heads} heads of {hd}, got {tuple(qkv.shape)}")
+    for part_name, part in (("k", k), ("v", v)):
+        if part is not None:
+            expect_contiguous(fn, part_name, part, torch.float32, 2, "[T, num_kv_heads head_dim]", shape=(t, nkv * hd))
     expect_contiguous(fn, "out", out, torch.float32, 3, "[T, num_heads, head_dim]", shape=(t, num_heads, hd))
     expect_contiguous(fn, "positions", positions, torch.int64, 1, "[T]", shape=(t,))
     expect_contiguous(fn, "slot_mapping", slot_mapping, torch.int64, 1, "[T]", shape=(t,))
     expect_contiguous(fn, "rope", rope, torch.float32, 2, "[rows, head_dim]")
     if rope.shape[1] != hd:
         raise ValueError(f"{fn}: rope must be [rows, {hd}], got {tuple(rope.shape)}")
+    _check_norms(fn, q_norm, k_norm, hd)
     _check_sequences(fn, block_tables, context_lens, query_start_loc)
+
+
+def _check_norms(fn: str, q_norm, k_norm, head_dim: int) -> None:
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight is not None:
+            expect_contiguous(fn, name, weight, torch.float32, 1, "[head_dim]", shape=(head_dim,))
 
 
 def _check_sequences(fn: str, block_tables, context_lens, query_start_loc) -> None:

@@ -1,4 +1,5 @@
-"""Row-wise ops in C (_native._ops): rms_norm, add + rms_norm, silu(gate) * up, add, gather_rows.
+"""Row-wise ops in C (_native._ops): rms_norm, add + rms_norm, silu(gate) * up, gelu_tanh(gate) * up,
+add, x * factor, gather_rows.
 
 Same math as the torch references in runtime.ops.reference (what the tests compare against), in
 one call instead of 3-6 dispatched torch ops: for the few rows of a decode step the dispatch is
@@ -34,12 +35,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return bind_add_rms_norm(weight, eps)(x, residual)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused projection [..., 2n] = gate | up -> [..., n]."""
+def silu_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up of the fused projection [..., 2n] = gate | up -> [..., n]; act "silu" or "gelu_tanh"."""
     _f32("silu_mul", "gate_up", gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul: gate_up {tuple(gate_up.shape)} must end in an even size (gate | up)")
-    return bind_silu_mul(gate_up.shape[-1] // 2)(gate_up)
+    return bind_silu_mul(gate_up.shape[-1] // 2, act=act)(gate_up)
+
+
+def scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x *= factor in place (factor rounded to float32, as torch's x * factor rounds it); returns x."""
+    return bind_scale(factor)(x)
 
 
 # The executor's per-step calls: the weight is checked and taken once; a call checks what the C side
@@ -75,15 +81,32 @@ def bind_add_rms_norm(weight: torch.Tensor, eps: float, reuse: bool = False):
     return recordable(run)
 
 
-def bind_silu_mul(n: int, reuse: bool = False):
-    """silu_mul of gate_up [..., 2n] -> [..., n]."""
-    outputs = Outputs((n,), reuse)
+# act of a gated activation (the silu_mul node's attribute) -> its kernel
+GATED_ACTS = {"silu": _C.silu_mul, "gelu_tanh": _C.gelu_tanh_mul}
+
+
+def bind_silu_mul(n: int, reuse: bool = False, act: str = "silu"):
+    """act(gate) * up of gate_up [..., 2n] -> [..., n], act one of GATED_ACTS."""
+    if act not in GATED_ACTS:
+        raise ValueError(f"silu_mul: act must be one of {sorted(GATED_ACTS)}, got {act!r}")
+    kernel, outputs = GATED_ACTS[act], Outputs((n,), reuse)
 
     def run(gate_up: torch.Tensor) -> torch.Tensor:
         _rows("silu_mul", "gate_up", gate_up, 2 * n)
         (out, out_np), = outputs.get(gate_up)
-        _C.silu_mul(out_np, gate_up.numpy(), n, threads())
+        kernel(out_np, gate_up.numpy(), n, threads())
         return out
+
+    return recordable(run)
+
+
+def bind_scale(factor: float):
+    """x *= factor in place, for a float32 x the caller made (the embedding's rows, scaled by Gemma)."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x_np = _f32("scale", "x", x).numpy()
+        _C.scale(x_np, x_np, factor)
+        return x
 
     return recordable(run)
 

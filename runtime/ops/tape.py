@@ -1,6 +1,6 @@
 """Step tapes: record every C kernel call of a step (`Recording`) and replay them; the output buffers they reuse.
 
-A bound op marked `recordable` is exactly one C call a tape records; one that had to take another
+A bound op marked `recordable` does all its work in C calls a tape records; one that had to take another
 path calls `unrecorded()`. `Outputs` keeps a node's small outputs from step to step, so a replayed
 tape finds its buffers where the recording left them.
 """
@@ -15,7 +15,7 @@ REUSE_ROWS = 64  # outputs of at most this many rows are kept for reuse (decode 
 
 
 def recordable(fn):
-    """Marks a bound op whose every call is exactly one C call a tape records (see Recording)."""
+    """Marks a bound op whose every call does all its work in C calls a tape records (see Recording)."""
     fn.recordable = True
     return fn
 

@@ -4,9 +4,13 @@ import threading
 
 import pytest
 import torch
+from conftest import exact_plan
 
+from builder.build import build_engine
 from runtime.ops import rowops, tape
 from runtime.engine import EngineOptions, LLMEngine
+from runtime.engine_format import open_engine
+from runtime.executor import CpuExecutor
 from runtime.sampling import SamplingParams
 
 
@@ -108,4 +112,50 @@ def test_replayed_steps_give_the_tokens_of_steps_run_op_by_op(replay_engine_dir,
     monkeypatch.setenv("KILN_STEP_REPLAY", "0")
     expected, llm = run_mixed(replay_engine_dir)
     assert not llm.executor.replay and llm.executor.replayed_steps == 0
+    assert replayed == expected
+
+
+@pytest.fixture(scope="module")
+def gemma3_replay_engine_dir(tiny_gemma3_dir, build_tiny_engine):
+    """Gemma 3 with every weight int8 (the scaled embedding and the tied logits too), float32 activations."""
+    return build_tiny_engine(tiny_gemma3_dir, "tiny-gemma3-replay", method="int8", exclude=[])
+
+
+def test_every_call_of_a_gemma3_program_is_recordable(gemma3_replay_engine_dir):
+    """The q/k norms and rope run inside the fused attention call, GeGLU and the embedding scale in C."""
+    program = CpuExecutor(open_engine(gemma3_replay_engine_dir).load_rank(0), 8, 16).program  # 8 blocks of 16
+    assert [call.name for call in program.calls if not call.recordable] == []
+    nodes = program.doc["nodes"]
+    layers = sum(node["op"] == "attention" for node in nodes)
+    assert layers == 3 and len(program.calls) == len(nodes) - 4 * layers  # split, norms and rope folded in
+
+
+def test_gemma3_replayed_steps_give_the_tokens_of_steps_run_op_by_op(gemma3_replay_engine_dir, monkeypatch):
+    replayed, llm = run_mixed(gemma3_replay_engine_dir)
+    assert llm.executor.replay and llm.executor.replayed_steps > 250
+    monkeypatch.setenv("KILN_STEP_REPLAY", "0")
+    expected, llm = run_mixed(gemma3_replay_engine_dir)
+    assert not llm.executor.replay and llm.executor.replayed_steps == 0
+    assert replayed == expected
+
+
+def test_a_gemma3_gguf_whose_q_k_and_v_differ_in_format_replays(tiny_gemma3_dir, tmp_path, monkeypatch):
+    """Gemma 3 270M's own mix: q and k in Q5_0, v in Q8_0, so fuse_qkv leaves three projections; the fused
+    attention call reads them as they are, and the source build's decode steps replay like the rest."""
+    from gguf_export import write_gguf
+
+    from builder.model import load_model
+
+    types = {"*.attn_q.weight": "Q5_0", "*.attn_k.weight": "Q5_0", "*.weight": "Q8_0"}
+    gguf = write_gguf(tmp_path / "mixed.gguf", load_model(str(tiny_gemma3_dir)), "gemma3", types,
+                      tokenizer_dir=tiny_gemma3_dir)
+    engine = tmp_path / "engine"
+    build_engine(str(gguf), exact_plan(), engine, show_progress=False)
+    program = CpuExecutor(open_engine(engine).load_rank(0), 8, 16).program
+    assert not any(node["op"] == "split" for node in program.doc["nodes"])  # q, k and v stayed apart
+    assert [call.name for call in program.calls if not call.recordable] == []
+    replayed, llm = run_mixed(engine)
+    assert llm.executor.replay and llm.executor.replayed_steps > 250
+    monkeypatch.setenv("KILN_STEP_REPLAY", "0")
+    expected, _ = run_mixed(engine)
     assert replayed == expected

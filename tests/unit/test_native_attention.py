@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from runtime.ops import reference
+from runtime.ops import reference, rowops
 from runtime.ops.attention import kv_write, paged_attention, qkv_attention
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
@@ -313,40 +313,91 @@ def test_fast_path_still_checks_metadata_values():
 
 # ---------------------------------------------------------------------------------------- fused qkv step
 
-@pytest.mark.parametrize("dtype", CACHE_DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 5)])
-def test_qkv_attention_equals_rope_kv_write_then_paged_attention(dtype, num_heads, num_kv_heads, head_dim,
-                                                                 block_size):
-    """The fused step (rope + KV write + attention from the qkv projection) against the op-by-op path."""
+def fused_and_op_by_op(dtype, num_heads, num_kv_heads, head_dim, block_size, window=0, norms=False,
+                       head_rms_norm=None, separate=False):
+    """qkv_attention over a MIXED_STEP and the same step op by op (split, head_rms_norm of q and k when
+    norms, rope, kv_write, paged_attention) on copies of the caches: (out, expected, caches, expected caches).
+    head_rms_norm(x, weight, eps, head_dim): the op-by-op norm (default: the C rms_norm the executor binds).
+    separate: the fused call reads q, k and v as three tensors of their own (three projections)."""
     generator = torch.Generator().manual_seed(3)
     k_cache, v_cache, tables, ctx, qsl, kv_scale = build_step(MIXED_STEP, block_size, num_kv_heads, head_dim,
                                                               dtype, generator)
     t = int(qsl[-1])
-    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 3
     positions = torch.cat([torch.arange(c - (int(qsl[s + 1]) - int(qsl[s])), c) for s, c in enumerate(ctx.tolist())])
     seq_of_token = torch.repeat_interleave(torch.arange(len(MIXED_STEP)), qsl[1:] - qsl[:-1])
     slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
     table = reference.RopeTable(head_dim, 10000.0, None)
     table.ensure(int(ctx.max()) + 1)
     scale = 1.0 / math.sqrt(head_dim)
+    q_norm, k_norm = (1.0 + 0.3 * torch.randn(head_dim, generator=generator) for _ in range(2))
+    eps = 1e-6
 
-    # op by op: split, rope, kv_write, paged_attention on copies of the caches
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    if norms:
+        norm = head_rms_norm or (lambda x, w, e, hd: rowops.rms_norm(x.contiguous().view(-1, hd), w, e).view(x.shape))
+        q, k = norm(q, q_norm, eps, head_dim), norm(k, k_norm, eps, head_dim)
     rope = reference.make_rope({"head_dim": head_dim, "theta": 10000.0, "num_heads": num_heads,
-                              "num_kv_heads": num_kv_heads})
+                                "num_kv_heads": num_kv_heads})
     q, k = rope(q, k, positions)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     kv_write(k.reshape(t, num_kv_heads, head_dim).contiguous(), v.reshape(t, num_kv_heads, head_dim).contiguous(),
              k_ref, v_ref, slots, kv_scale=kv_scale)
     expected = paged_attention(torch.empty(t, num_heads, head_dim), q.reshape(t, num_heads, head_dim).contiguous(),
-                               k_ref, v_ref, tables, ctx, qsl, scale, kv_scale=kv_scale)
+                               k_ref, v_ref, tables, ctx, qsl, scale, kv_scale=kv_scale, window=window)
 
     out = torch.full((t, num_heads, head_dim), float("nan"))
-    qkv_attention(out, qkv, k_cache, v_cache, tables, ctx, qsl, positions, table.packed, slots, num_heads, scale,
-                  kv_scale=kv_scale, num_threads=2)
-    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))  # bytes: unwritten slots hold NaN
-    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    parts = [p.contiguous() for p in qkv.split(q.shape[1:] + k.shape[1:] + k.shape[1:], dim=1)] if separate else []
+    qkv_attention(out, parts[0] if separate else qkv, k_cache, v_cache, tables, ctx, qsl, positions, table.packed,
+                  slots, num_heads, scale, kv_scale=kv_scale, window=window, q_norm=q_norm if norms else None,
+                  k_norm=k_norm if norms else None, norm_eps=eps, num_threads=2,
+                  **(dict(k=parts[1], v=parts[2]) if separate else {}))
+    return out, expected, (k_cache, v_cache), (k_ref, v_ref)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 5)])
+def test_qkv_attention_equals_rope_kv_write_then_paged_attention(dtype, num_heads, num_kv_heads, head_dim,
+                                                                 block_size):
+    """The fused step (rope + KV write + attention from the qkv projection) against the op-by-op path."""
+    out, expected, caches, expected_caches = fused_and_op_by_op(dtype, num_heads, num_kv_heads, head_dim, block_size)
+    for cache, expected_cache in zip(caches, expected_caches):  # bytes: unwritten slots hold NaN
+        assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window", [
+    (9, 3, 64, 16, 0), (4, 4, 32, 8, 7), (8, 2, 16, 5, 0), (6, 2, 20, 8, 45), (4, 1, 256, 16, 40)])
+def test_qkv_attention_with_q_k_norms_equals_head_rms_norm_then_rope_then_attention(
+        dtype, num_heads, num_kv_heads, head_dim, block_size, window):
+    """Gemma 3's chain: the fused step normalizes each q and k head with the rms_norm row kernel, so the
+    cache holds the op-by-op bytes and the attention reads the same queries."""
+    out, expected, caches, expected_caches = fused_and_op_by_op(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                                window, norms=True)
+    for cache, expected_cache in zip(caches, expected_caches):
+        assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("norms", [False, True])
+def test_qkv_attention_reads_q_k_and_v_from_three_projections(dtype, norms):
+    """q, k and v as tensors of their own (projections in different weight formats): the same bytes in the
+    cache and the same output as op by op."""
+    out, expected, caches, expected_caches = fused_and_op_by_op(dtype, 4, 1, 32, 8, 7, norms=norms, separate=True)
+    for cache, expected_cache in zip(caches, expected_caches):
+        assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def test_qkv_attention_q_k_norms_match_torch_s_head_rms_norm():
+    # torch's mean of squares sums in another order than the row kernel: equal within float32 rounding
+    out, expected, (k_cache, _), (k_ref, _) = fused_and_op_by_op(torch.float32, 6, 2, 48, 8, norms=True,
+                                                                 head_rms_norm=reference.head_rms_norm)
+    written = ~k_ref.isnan()
+    torch.testing.assert_close(k_cache[written], k_ref[written], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
 def small_qkv_args(**overrides):
@@ -368,6 +419,11 @@ def small_qkv_args(**overrides):
     (dict(rope=torch.zeros(4, 6)), "rope must be \\[rows, 8\\]"),
     (dict(num_heads=0), "positive multiple of the cache.s num_kv_heads"),
     (dict(positions=torch.tensor([0, 1], dtype=torch.int32)), "positions must be int64"),
+    (dict(q_norm=torch.ones(6)), r"q_norm must be float32 contiguous CPU \[head_dim\] \(8,\)"),
+    (dict(k_norm=torch.ones(8, dtype=torch.float64)), "k_norm must be float32"),
+    (dict(qkv=torch.randn(2, 16), k=torch.randn(2, 8)), "k and v come together"),
+    (dict(qkv=torch.randn(2, 16), k=torch.randn(2, 8), v=torch.randn(2, 6)), r"v must be float32.*\(2, 8\)"),
+    (dict(qkv=torch.randn(2, 32), k=torch.randn(2, 8), v=torch.randn(2, 8)), r"q must be \[T, 16\]"),
 ])
 def test_qkv_attention_rejects_bad_arguments(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -379,3 +435,5 @@ def test_qkv_attention_c_side_checks_indices_without_the_python_checks():
         qkv_attention(**small_qkv_args(positions=torch.tensor([0, 9])), check=False)
     with pytest.raises(ValueError, match="out of range"):
         qkv_attention(**small_qkv_args(slot_mapping=torch.tensor([0, -2])), check=False)
+    with pytest.raises(ValueError, match="k_norm has 28 bytes, expected 32"):
+        qkv_attention(**small_qkv_args(q_norm=torch.ones(8), k_norm=torch.ones(7)), check=False)

@@ -67,10 +67,16 @@ static inline int first_visible_key(const AttentionArgs *a, int pos) {
 }
 
 typedef struct {
-    const float *qkv;          /* [T, (nh + 2 nkv) * hd] */
+    /* q [T, nh * hd], k and v [T, nkv * hd], row t at q + t * q_stride (...): the parts of one fused
+     * projection [T, (nh + 2 nkv) * hd] (stride its row), or three projections' own rows */
+    const float *q, *k, *v;
+    Py_ssize_t q_stride, k_stride, v_stride;  /* floats between consecutive rows */
     const int64_t *positions;  /* [T] */
     const float *rope;         /* [rope_rows, hd]: cos(pos * inv_freq) | sin(pos * inv_freq), hd/2 each */
     const int64_t *slot_mapping;  /* [T], -1 = skip the write */
+    const float *q_norm;       /* [hd] RMSNorm weight of every q head, applied before the rotation; NULL: none */
+    const float *k_norm;       /* [hd] the same for every k head (Gemma 3's q/k norms) */
+    float norm_eps;            /* eps of both norms */
     Py_ssize_t num_tokens;
     Py_ssize_t rope_rows;
 } RopeKVArgs;

@@ -65,7 +65,9 @@ static int check_sequences(const AttentionArgs *a, Py_ssize_t num_tokens, Py_ssi
                         "block_tables has %d columns",
                         s, used_blocks, ctx, a->max_blocks);
         const int32_t *table = a->block_tables + (size_t)s * a->max_blocks;
-        for (int b = 0; b < used_blocks; b++)
+        /* Blocks wholly before the window of the sequence's first query are never read: a sliding-window
+         * KV group gives them back (-1). */
+        for (int b = first_visible_key(a, ctx - qlen) / a->block_size; b < used_blocks; b++)
             if (table[b] < 0 || table[b] >= num_blocks)
                 return fail("paged_attention: block_tables[%d][%d] = %d is out of range [0, %zd)",
                             s, b, table[b], num_blocks);
@@ -188,23 +190,36 @@ static PyObject *py_paged_attention(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* b = {out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, rope,
- * slot_mapping}; fills r and a (whose sizes are set) and checks every index before any data moves. */
+/* b = {out, qkv (or q), k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, rope,
+ * slot_mapping, q_norm, k_norm, k, v} (the last four optional: buf NULL); fills r and a (whose sizes are set)
+ * and checks every index before any data moves. With k and v, b[1] is q alone. */
 static int setup_qkv_attention(RopeKVArgs *r, AttentionArgs *a, Py_buffer *b) {
     const char *fn = "qkv_attention";
     if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->head_dim <= 0 || a->head_dim % 2)
         return fail("%s: num_heads, num_kv_heads and an even head_dim must be positive, got %d, %d, %d",
                     fn, a->num_heads, a->num_kv_heads, a->head_dim);
-    Py_ssize_t row_bytes = (Py_ssize_t)(a->num_heads + 2 * a->num_kv_heads) * a->head_dim * 4;
-    Py_ssize_t num_tokens = b[1].len / row_bytes, rope_row = (Py_ssize_t)a->head_dim * 4;
+    if (!b[12].buf != !b[13].buf)
+        return fail("%s: k and v come together (or both in qkv)", fn);
+    const int parts = b[12].buf != NULL;
+    const Py_ssize_t q_row = (Py_ssize_t)a->num_heads * a->head_dim, kv_row = (Py_ssize_t)a->num_kv_heads * a->head_dim;
+    const Py_ssize_t row = parts ? q_row : q_row + 2 * kv_row;  /* floats of a row of b[1] */
+    Py_ssize_t num_tokens = b[1].len / (row * 4), rope_row = (Py_ssize_t)a->head_dim * 4;
     Py_ssize_t rope_rows = b[8].len / rope_row;
-    if (check_buffer_len(fn, "qkv", &b[1], num_tokens * row_bytes) < 0
+    if (check_buffer_len(fn, parts ? "q" : "qkv", &b[1], num_tokens * row * 4) < 0
+        || (parts && check_buffer_len(fn, "k", &b[12], num_tokens * kv_row * 4) < 0)
+        || (parts && check_buffer_len(fn, "v", &b[13], num_tokens * kv_row * 4) < 0)
         || check_buffer_len(fn, "positions", &b[7], num_tokens * 8) < 0
         || check_buffer_len(fn, "slot_mapping", &b[9], num_tokens * 8) < 0
         || check_buffer_len(fn, "rope", &b[8], rope_rows * rope_row) < 0
+        || (b[10].buf && check_buffer_len(fn, "q_norm", &b[10], rope_row) < 0)
+        || (b[11].buf && check_buffer_len(fn, "k_norm", &b[11], rope_row) < 0)
         || setup_attention(fn, a, b, num_tokens) < 0)
         return -1;
-    *r = (RopeKVArgs){b[1].buf, b[7].buf, b[8].buf, b[9].buf, num_tokens, rope_rows};
+    const float *qkv = b[1].buf;
+    r->q = qkv, r->k = parts ? b[12].buf : qkv + q_row, r->v = parts ? b[13].buf : qkv + q_row + kv_row;
+    r->q_stride = row, r->k_stride = r->v_stride = parts ? kv_row : row;
+    r->positions = b[7].buf, r->rope = b[8].buf, r->slot_mapping = b[9].buf;
+    r->q_norm = b[10].buf, r->k_norm = b[11].buf, r->num_tokens = num_tokens, r->rope_rows = rope_rows;
     for (Py_ssize_t t = 0; t < num_tokens; t++)
         if (r->positions[t] < 0 || r->positions[t] >= rope_rows)
             return fail("%s: positions[%zd] = %lld is outside the rope table's %zd rows",
@@ -241,14 +256,14 @@ static int run_qkv_call(const void *p) {
 }
 
 static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer b[10];
+    Py_buffer b[14] = {{0}};  /* the optional q_norm, k_norm, k, v stay empty (buf NULL) when not passed */
     QKVCall c = {0};
     AttentionArgs *a = &c.a;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "w*y*w*w*y*y*y*y*y*y*iiiififii:qkv_attention", &b[0], &b[1], &b[2], &b[3],
-                          &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &a->num_heads, &a->num_kv_heads,
+    if (!PyArg_ParseTuple(args, "w*y*w*w*y*y*y*y*y*y*iiiififii|z*z*fz*z*:qkv_attention", &b[0], &b[1], &b[2],
+                          &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &a->num_heads, &a->num_kv_heads,
                           &a->head_dim, &a->block_size, &a->scale, &a->cache_dtype, &a->kv_scale, &a->window,
-                          &num_threads))
+                          &num_threads, &b[10], &b[11], &c.r.norm_eps, &b[12], &b[13]))
         return NULL;
     int status = setup_qkv_attention(&c.r, a, b);
     if (status == 0) {
@@ -262,7 +277,7 @@ static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
         if (status < 0)
             PyErr_NoMemory();
     }
-    release_buffers(b, 10);
+    release_buffers(b, 14);
     if (status < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -284,8 +299,10 @@ static PyMethodDef methods[] = {
     {"qkv_attention", py_qkv_attention, METH_VARARGS,
      "qkv_attention(out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, "
      "rope, slot_mapping, num_heads, num_kv_heads, head_dim, block_size, scale, cache_dtype, kv_scale, "
-     "window, num_threads): one attention layer's step from the fused projection qkv [T, (nh + 2 nkv) * hd] f32: "
-     "rotary embedding (rope [rows, hd] = cos | sin by position), KV write, paged attention into out."},
+     "window, num_threads[, q_norm, k_norm, norm_eps, k, v]): one attention layer's step from the fused projection "
+     "qkv [T, (nh + 2 nkv) * hd] f32 (or, given k and v [T, nkv * hd], from q [T, nh * hd] and them): per-head "
+     "RMSNorm of q and of k by weights [hd] f32 when given (None: none), rotary embedding (rope [rows, hd] = "
+     "cos | sin by position), KV write, paged attention into out."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -254,6 +254,10 @@ static void load_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_
     for (int i = 0; i < n;) {
         int pos = key_begin + i, offset = pos % block_size;
         int run = block_size - offset < n - i ? block_size - offset : n - i;
+        if (table[pos / block_size] < 0) {  /* a block given back behind a sliding window: no query sees it */
+            i += run;
+            continue;
+        }
         size_t slot = (size_t)table[pos / block_size] * block_size + offset;
         size_t at = (slot * slot_stride + (size_t)kv_head * hd) * elem;
         const uint8_t *k_src = a->k_cache + at, *v_src = a->v_cache + at;
@@ -283,6 +287,8 @@ static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int
     size_t elem = (size_t)cache_elem_size[a->cache_dtype];
     size_t slot_bytes = (size_t)a->num_kv_heads * a->head_dim * elem, row_bytes = (size_t)a->head_dim * elem;
     for (int pos = key_begin; pos < key_begin + n; pos++) {
+        if (table[pos / a->block_size] < 0)  /* given back behind a sliding window */
+            continue;
         size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
         size_t at = slot * slot_bytes + (size_t)kv_head * row_bytes;
         for (size_t line = 0; line < row_bytes; line += 64) {
@@ -568,8 +574,9 @@ int paged_attention_compute(const AttentionArgs *a, int num_threads) {
 }
 
 /* ----------------------------------------------------------------------------------------
- * Fused step of one attention layer: rotary embedding, KV write and paged attention, reading
- * q, k and v straight from the fused qkv projection [T, (nh + 2 nkv) * hd].
+ * Fused step of one attention layer: per-head q/k norms when the model has them, rotary
+ * embedding, KV write and paged attention, reading q, k and v straight from the fused qkv
+ * projection [T, (nh + 2 nkv) * hd], or from the q, k and v projections' own rows.
  */
 
 /* out[d] = x[d] cos[d] - x[d + h] sin[d], out[d + h] = x[d + h] cos[d] + x[d] sin[d]: the
@@ -584,30 +591,42 @@ static void rotate_head(float *out, const float *x, const float *cs, int hd) {
     }
 }
 
+/* rotate_head of x, or with a norm weight [hd] of rms_norm_row(x) (the rms_norm op's row kernel, so that
+ * the fused call rounds as head_rms_norm then rope do), normalized into normed [hd]. */
+static void norm_rotate_head(float *out, const float *x, const float *norm, float eps, const float *cs, int hd,
+                             float *normed) {
+    if (norm) {
+        rms_norm_row(normed, x, norm, hd, eps);
+        x = normed;
+    }
+    rotate_head(out, x, cs, hd);
+}
+
 /* Rotates q into query [T, nh, hd], rotates k and writes it and v into their cache slots. */
 static int rope_kv_write_compute(const RopeKVArgs *r, const AttentionArgs *a, float *query, int num_threads) {
     int nh = a->num_heads, nkv = a->num_kv_heads, hd = a->head_dim, dtype = a->cache_dtype;
     size_t row = (size_t)(nh + 2 * nkv) * hd, kv_row = (size_t)nkv * hd;
     size_t row_bytes = kv_row * cache_elem_size[dtype];
-    float *k_rot = malloc(sizeof(float) * kv_row * (size_t)num_threads);
+    float *k_rot = malloc(sizeof(float) * (kv_row + hd) * (size_t)num_threads);  /* per thread: k | normed head */
     if (!k_rot)
         return -1;
     int parallel = r->num_tokens * (Py_ssize_t)row >= (1 << 15);
     uint8_t *k_cache = (uint8_t *)a->k_cache, *v_cache = (uint8_t *)a->v_cache;
     #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
     for (Py_ssize_t t = 0; t < r->num_tokens; t++) {
-        const float *x = r->qkv + (size_t)t * row;
+        const float *q_in = r->q + (size_t)t * r->q_stride, *k_in = r->k + (size_t)t * r->k_stride;
         const float *cs = r->rope + (size_t)r->positions[t] * hd;
-        float *k = k_rot + kv_row * (size_t)omp_get_thread_num();
+        float *k = k_rot + (kv_row + hd) * (size_t)omp_get_thread_num(), *normed = k + kv_row;
         for (int h = 0; h < nh; h++)
-            rotate_head(query + ((size_t)t * nh + h) * hd, x + (size_t)h * hd, cs, hd);
+            norm_rotate_head(query + ((size_t)t * nh + h) * hd, q_in + (size_t)h * hd, r->q_norm, r->norm_eps, cs,
+                             hd, normed);
         int64_t slot = r->slot_mapping[t];
         if (slot < 0)
             continue;
         for (int h = 0; h < nkv; h++)
-            rotate_head(k + (size_t)h * hd, x + (size_t)(nh + h) * hd, cs, hd);
+            norm_rotate_head(k + (size_t)h * hd, k_in + (size_t)h * hd, r->k_norm, r->norm_eps, cs, hd, normed);
         encode_row(k_cache + slot * row_bytes, k, (int)kv_row, dtype, a->kv_scale);
-        encode_row(v_cache + slot * row_bytes, x + (size_t)(nh + nkv) * hd, (int)kv_row, dtype, a->kv_scale);
+        encode_row(v_cache + slot * row_bytes, r->v + (size_t)t * r->v_stride, (int)kv_row, dtype, a->kv_scale);
     }
     free(k_rot);
     return 0;
