@@ -7,15 +7,15 @@ transformers loads the file itself (its GGUF loader dequantizes every block with
 reference shares nothing with Kiln's reading of the file. For each plan (the default plan with
 `[quant] method` changed; "none" computes in float32 end to end, "source" keeps the file's exact
 blocks and requantizes the rest) it prints the perplexity of both over the shipped evaluation text
-(windows of 512 tokens), the largest logit difference, and the share of shipped chat prompts whose
-greedy answers are identical token for token (with the chat template where the file has one,
-else the bare message; a BOS token first where the tokenizer adds one).
+(the build's own evaluation windows: 512 tokens, each starting as a raw prompt does, with BOS where the
+tokenizer adds one), the largest logit difference, and the share of shipped chat prompts whose greedy
+answers are identical token for token (with the chat template where the file has one, else the bare
+message as a raw prompt).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 
 from builder.build import build_engine
-from builder.calibration import MAX_TOKENS, WINDOW, shipped_text
+from builder.calibration import WINDOW, shipped_text, windows
 from builder.interpret import Interpreter
 from builder.plan import load_plan
-from runtime.chat import render_chat
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import map_rank_file
 from runtime.sampling import SamplingParams
@@ -38,21 +37,13 @@ def nll(logits: torch.Tensor, ids: list[int]) -> float:
     return -float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
 
 
-def prompts(engine: Path) -> list[list[int]]:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(engine / "tokenizer.json"))
-    config = json.loads((engine / "tokenizer_config.json").read_text())
-    bos = config.get("bos_token")
+def prompts(llm: LLMEngine) -> list[list[int]]:
+    """The shipped chat prompts as the server reads them: through the chat template where the engine has one,
+    else the bare message as a raw prompt (with the special tokens the model's tokenizer adds to either)."""
     messages = [line for line in shipped_text("chat_prompts").splitlines() if line.strip()]
-    out = []
-    for message in messages:
-        if config.get("chat_template"):
-            text = render_chat(config, [{"role": "user", "content": message}])
-        else:
-            text = (bos or "") + message
-        out.append(tokenizer.encode(text, add_special_tokens=False).ids)
-    return out
+    templated = bool(llm.tokenizer_config.get("chat_template"))
+    return [llm.encode(llm.apply_chat_template([{"role": "user", "content": m}]) if templated else m)
+            for m in messages]
 
 
 def main() -> None:
@@ -80,22 +71,19 @@ def main() -> None:
         print(f"built {method} in {time.time() - started:.0f} s")
         program, tensors = map_rank_file(engine / "rank0.engine")
         interpreter = Interpreter(program, tensors, all_logits=True)
-        from tokenizers import Tokenizer
-
-        ids = Tokenizer.from_file(str(engine / "tokenizer.json")).encode(shipped_text("evaluation"),
-                                                                           add_special_tokens=False).ids[:MAX_TOKENS]
+        llm = LLMEngine.from_dir(engine, EngineOptions(kv_cache_gib=0.5))
+        ids = llm.tokenizer.encode(shipped_text("evaluation"), add_special_tokens=False).ids
         ours = theirs = 0.0
         tokens, max_diff = 0, 0.0
-        for start in range(0, len(ids), WINDOW):
-            window = ids[start:start + WINDOW]
+        for window in windows(ids, WINDOW, llm.special_tokens):
             with torch.inference_mode():
                 reference = model(torch.tensor([window])).logits[0]
             logits = interpreter.logits(window)
             max_diff = max(max_diff, float((logits - reference).abs().max()))
             ours, theirs, tokens = ours + nll(logits, window), theirs + nll(reference, window), tokens + len(window) - 1
-        llm = LLMEngine.from_dir(engine, EngineOptions(kv_cache_gib=0.5))
-        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-        chat = prompts(engine)
+        # min_tokens holds EOS back as transformers' min_new_tokens does
+        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, min_tokens=args.tokens)
+        chat = prompts(llm)
         answers = [r.token_ids for r in llm.generate(chat, params)]
         same = 0
         for prompt, answer in zip(chat, answers):

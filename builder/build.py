@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder import emit
+from builder.calibration import model_tokenizer
 from builder.errors import KilnError
 from builder.lazy_tensors import LazyTensors
 from builder.model import load_model
@@ -34,7 +35,8 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
                  calibration_text: str | None = None, onnx_only: bool = False) -> BuildResult:
     model = load_model(model_source)
     identity = {"name": model.name, "architecture": model.config.architecture,
-                "config": model.config.to_dict(), "weights_sha256": model.weights_sha256()}
+                "config": model.config.to_dict(), "weights_sha256": model.weights_sha256(),
+                "special_tokens": model_tokenizer(model)[2].to_dict()}
     if calibration_text is None and plan.quant.calib is not None:
         calibration_text = _read_calibration(plan.quant.calib)
     pipeline = build_pipeline(plan, calibration_text)

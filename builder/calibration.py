@@ -1,11 +1,13 @@
 """Calibration and evaluation data: the shipped texts, their tokens, and a runner that captures activations.
 
 Texts are read as token windows of at most WINDOW tokens (or the model's context, if shorter),
-each run as one independent sequence with no BOS added.
+each run as one independent sequence that starts as a user's raw prompt would: with the model's BOS
+where its tokenizer adds one (runtime/special_tokens.py), and so are the chat prompts.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from builder.ir import Graph
 from builder.packing import integer_activations, pack_graph
 from runtime.ops import reference
 from runtime.program import Program, dense_hooks
+from runtime.special_tokens import SpecialTokens
 
 WINDOW = 512
 MAX_TOKENS = 1024          # calibration and evaluation read at most this many tokens
@@ -35,36 +38,47 @@ def shipped_text(name: str) -> str:
 
 
 def tokenize(model, text: str) -> list[int]:
-    tokenizer, _ = _tokenizer(model)
+    """A text's token ids without special tokens (the windows add them)."""
+    tokenizer, _, _ = model_tokenizer(model)
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def _tokenizer(model):
-    """The model's tokenizer and its tokenizer_config (chat template, special tokens)."""
+@functools.lru_cache(maxsize=4)
+def model_tokenizer(model):
+    """The model's tokenizer, its tokenizer_config (chat template, special tokens) and the special tokens
+    it puts around a raw text, as the engine will (written out once per model: a GGUF's takes seconds)."""
     from tokenizers import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         model.write_tokenizer(tmp)
         config = json.loads(Path(tmp, "tokenizer_config.json").read_text(encoding="utf-8"))
-        return Tokenizer.from_file(f"{tmp}/tokenizer.json"), config
+        tokenizer = Tokenizer.from_file(f"{tmp}/tokenizer.json")
+    try:
+        special = model.special_tokens(config, tokenizer)
+    except ValueError as exc:
+        raise KilnError(f"model: {model.source}: {exc}") from None
+    return tokenizer, config, special
 
 
 def chat_prompts(model) -> tuple[list[list[int]], bool]:
     """The shipped chat prompts as the server sends them (each one user message through the model's chat
-    template), and whether there was a template to use; without one, the bare messages."""
+    template, with the special tokens the server adds), and whether there was a template to use; without
+    one, the bare messages as raw prompts."""
     from runtime.chat import render_chat
 
-    tokenizer, config = _tokenizer(model)
+    tokenizer, config, special = model_tokenizer(model)
     messages = [line for line in shipped_text("chat_prompts").splitlines() if line.strip()]
     templated = bool(config.get("chat_template"))
     texts = [render_chat(config, [{"role": "user", "content": m}]) if templated else m for m in messages]
-    return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)], templated
+    return [special.apply(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)], templated
 
 
-def windows(ids: list[int], model_config) -> list[list[int]]:
-    length = min(WINDOW, model_config.max_position_embeddings)
+def windows(ids: list[int], max_positions: int, special: SpecialTokens = SpecialTokens()) -> list[list[int]]:
+    """Windows of a text's ids (of at most WINDOW and the model's max_positions tokens), each with the special
+    tokens a raw prompt gets."""
+    length = min(WINDOW, max_positions) - len(special.prefix) - len(special.suffix)
     ids = ids[:MAX_TOKENS]
-    return [ids[i:i + length] for i in range(0, len(ids), length) if len(ids[i:i + length]) > 1]
+    return [special.apply(ids[i:i + length]) for i in range(0, len(ids), length) if len(ids[i:i + length]) > 1]
 
 
 def calibration_windows(ctx, purpose: str) -> list[list[int]]:
@@ -72,16 +86,18 @@ def calibration_windows(ctx, purpose: str) -> list[list[int]]:
     if ctx.model is None:
         raise KilnError(f"{purpose}: calibration needs the model source (its tokenizer)")
     text = ctx.calibration_text if ctx.calibration_text is not None else shipped_text("calibration")
-    ids = tokenize(ctx.model, text)
+    tokenizer, _, special = model_tokenizer(ctx.model)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
     if len(ids) < MIN_CALIBRATION_TOKENS:
         raise KilnError(f"calibration text too short for {purpose}: {len(ids)} tokens, at least "
                         f"{MIN_CALIBRATION_TOKENS} needed (about {MIN_CALIBRATION_TOKENS * 5 // 1000 + 1} KB of prose)")
-    return windows(ids, ctx.model.config)
+    return windows(ids, ctx.model.config.max_position_embeddings, special)
 
 
 def evaluation_windows(ctx) -> list[list[int]]:
     text = ctx.evaluation_text if ctx.evaluation_text is not None else shipped_text("evaluation")
-    return windows(tokenize(ctx.model, text), ctx.model.config)
+    _, _, special = model_tokenizer(ctx.model)
+    return windows(tokenize(ctx.model, text), ctx.model.config.max_position_embeddings, special)
 
 
 def fake_quantize_kv(x: torch.Tensor, kv_dtype: str, kv_scale: float) -> torch.Tensor:

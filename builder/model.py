@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from builder.errors import KilnError
+from runtime.special_tokens import SpecialTokens, from_tokenizer
 
 # rope scaling types Kiln implements -> the parameters each needs
 ROPE_SCALING_KEYS = {
@@ -218,6 +219,10 @@ class ModelSpec:
     def write_tokenizer(self, dst_dir: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and generation_config.json into dst_dir."""
         raise NotImplementedError
+
+    def special_tokens(self, tokenizer_config: dict, tokenizer) -> SpecialTokens:
+        """The special tokens a raw text gets (BOS), from the tokenizer files write_tokenizer wrote."""
+        return from_tokenizer(tokenizer_config, tokenizer)
 
     def _load(self, name: str) -> torch.Tensor:
         raise NotImplementedError

@@ -12,6 +12,7 @@ from builder.errors import KilnError
 from builder.interpret import Interpreter
 from builder.packing import INTEGER_ACTIVATIONS
 from runtime.engine_format import EngineError, Manifest, map_rank_file
+from runtime.special_tokens import from_tokenizer
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -46,10 +47,13 @@ def load_transformers_model(source: str):
     return model.eval()
 
 
-def load_tokenizer(engine: Path):
+def load_tokenizer(engine: Path, manifest: Manifest):
+    """(tokenizer, the special tokens around a raw prompt) of the engine, as engine-run reads them."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(engine / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(engine / "tokenizer.json"))
+    config = json.loads((engine / "tokenizer_config.json").read_text(encoding="utf-8"))
+    return tokenizer, manifest.special_tokens or from_tokenizer(config, tokenizer)
 
 
 @torch.inference_mode()
@@ -66,9 +70,9 @@ def verify_engine(engine: Path, model_source: str | None, prompts: list[str] | N
     modes = {n["attrs"].get("act", "f32") for n in json.loads(program)["nodes"]}
     report = VerifyReport(activations=next((m for m in INTEGER_ACTIVATIONS if m in modes), "f32"))
     reference = load_transformers_model(model_source or manifest.model_source)
-    tokenizer = load_tokenizer(engine)
+    tokenizer, special = load_tokenizer(engine, manifest)
     for text in prompts or DEFAULT_PROMPTS:
-        ids = tokenizer.encode(text).ids
+        ids = special.apply(tokenizer.encode(text, add_special_tokens=False).ids)
         ours = interpreter.logits(ids)[-1]
         theirs = reference(torch.tensor([ids])).logits[0, -1].float()
         diff = (ours - theirs).abs().max().item()

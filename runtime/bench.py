@@ -88,7 +88,9 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
               weights: int, seed: int = 0, linear_params: tuple[int, int] = (0, 0)) -> LevelResult:
     """One level: `requests` requests, `concurrency` of them in flight at a time. `linear_params`: one
     rank's (layer, logits) linear parameters (runtime.roofline.linear_parameters / world size)."""
-    prompts = synthetic_prompts(requests, prompt_len, llm.engine.manifest.vocab_size, seed)
+    prefix = list(llm.special_tokens.prefix)  # a raw prompt of this model starts with it (BOS)
+    prompts = [prefix + ids[len(prefix):] for ids in
+               synthetic_prompts(requests, prompt_len, llm.engine.manifest.vocab_size, seed)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     pending = list(reversed(prompts))
     arrival: dict[str, float] = {}
