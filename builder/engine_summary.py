@@ -77,7 +77,14 @@ def _model(m: dict) -> list[str]:
              f"{c['num_heads']} query / {c['num_kv_heads']} KV heads x {c['head_dim']}, vocabulary "
              f"{c['vocab_size']:,}{tied}")
     return [f"{model['name']}: {model['architecture']}{counted}, from {model['source']}", shape,
-            f"weights sha256 {model['weights_sha256']}"]
+            f"weights sha256 {model['weights_sha256']}", _special_tokens(model.get("special_tokens"))]
+
+
+def _special_tokens(special: dict | None) -> str:
+    if special is None:
+        return "raw prompts: special tokens read from the tokenizer files (an engine built before Kiln recorded them)"
+    around = [f"{ids} {where}" for where, ids in (("before", special["prefix"]), ("after", special["suffix"])) if ids]
+    return f"raw prompts: token ids {' and '.join(around)} the text" if around else "raw prompts: no special tokens added"
 
 
 def _plan(m: dict) -> list[str]:
@@ -180,9 +187,17 @@ def _ranks(m: dict) -> list[str]:
 def _memory(m: dict) -> list[str]:
     max_seq_len = m["plan"]["limits"]["max_seq_len"]
     lines = []
+    windows = m["model"]["config"].get("layer_windows") or [0]
     for r in m["memory"]["ranks"]:
+        window_bytes = r.get("kv_window_bytes_per_token", 0)
+        pools = f"{r['kv_blocks']:,} blocks"
+        if "kv_window_bytes_per_token" in r and r.get("kv_window_blocks"):
+            pools = (f"{r['kv_blocks']:,} blocks for the full layers and {r['kv_window_blocks']:,} for the "
+                     f"{max(windows)}-token window layers (theirs {window_bytes:,} bytes of the token)")
+        elif "kv_window_bytes_per_token" in r and window_bytes:
+            pools += f" for the {max(windows)}-token window layers (given back behind the window)"
         lines.append(f"rank {r['rank']}: weights {_size(r['weight_bytes'])}, workspace {_size(r['workspace_bytes'])}, "
-                     f"KV {r['kv_bytes_per_token']:,} bytes a token: {r['kv_blocks']:,} blocks "
+                     f"KV {r['kv_bytes_per_token']:,} bytes a token: {pools} "
                      f"({r['max_concurrency']:,} sequences of {max_seq_len:,} tokens)")
     return lines
 

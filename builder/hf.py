@@ -155,7 +155,7 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         mlp_bias=bool(hf_config.get("mlp_bias", False)),
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf_config.get("eos_token_id"), generation.get("eos_token_id")),
-        layer_windows=_layer_windows(hf_config, where),
+        layer_windows=layer_windows(hf_config, where),
         hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
         qk_norm=gemma,
         sandwich_norms=gemma,
@@ -165,7 +165,7 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
     )
 
 
-def _layer_windows(hf_config: dict, where: str) -> tuple[int, ...]:
+def layer_windows(hf_config: dict, where: str) -> tuple[int, ...]:
     """Each layer's sliding window (0 = full attention), from `layer_types` where the config lists them
     (transformers 5, Gemma 3), else `sliding_window` on every layer (Mistral) unless
     `use_sliding_window` is false (Qwen2 records a window it does not use)."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from builder.errors import KilnError
 from builder.plan import Device, Plan, PlanError, load_devices, plan_from_dict
 from runtime.engine_format import GIB, KV_CACHE_DTYPES
+from runtime.kv_groups import group_windows, shared_pools, window_blocks_per_sequence
 from runtime.mapping import Mapping
 from runtime.memory_plan import RankMemoryPlan, workspace_bytes
 
@@ -65,13 +66,17 @@ class ModelShape:
     head_dim: int
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 0
-    sliding_window: int | None = None          # recorded; Kiln's paged cache keeps every layer whole
-    sliding_window_pattern: int | None = None
-    source_bytes: dict | None = None           # a GGUF's stored bytes: {"layers": ..., "embed": ..., "head": ...}
+    layer_windows: tuple[int, ...] = ()        # each layer's sliding window (0: full attention); () all full
+    sandwich_norms: bool = False               # Gemma 3: norms after attention and the MLP too, and q/k norms
+    source_bytes: dict | None = None           # a GGUF's weights' bytes in a "source" engine:
+                                               # {"layers": ..., "embed": ..., "head": ..., "norms": ...}
 
     @property
     def q(self) -> int:
         return self.num_heads * self.head_dim
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def layer_parameters(self, q_heads: int | None = None, kv_heads: int | None = None,
                          mlp: int | None = None) -> int:
@@ -85,7 +90,12 @@ class ModelShape:
     def parameters(self) -> int:
         """Every weight: layers' linears, embedding, untied lm_head, norms."""
         tables = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (self.layer_parameters() + 2 * self.hidden_size) + tables + self.hidden_size
+        return self.num_layers * (self.layer_parameters() + self.layer_norm_parameters) + tables + self.hidden_size
+
+    @property
+    def layer_norm_parameters(self) -> int:
+        """One layer's norm weights: two of hidden_size (Gemma 3: four, and its q and k norms of head_dim)."""
+        return 4 * self.hidden_size + 2 * self.head_dim if self.sandwich_norms else 2 * self.hidden_size
 
     def kv_bytes_per_token(self, kv_dtype: str, layers: int | None = None, kv_heads: int | None = None) -> int:
         """K and V of one token in `layers` layers (default all) of `kv_heads` heads (default all)."""
@@ -120,9 +130,25 @@ def _shape_from_config(config: dict, name: str, where: str) -> ModelShape:
     return ModelShape(name=name, head_dim=head_dim,
                       tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
                       max_position_embeddings=int(fields.get("max_position_embeddings") or 0),
-                      sliding_window=fields.get("sliding_window"),
-                      sliding_window_pattern=fields.get("sliding_window_pattern"),
+                      layer_windows=_layer_windows(fields, where),
+                      sandwich_norms=str(fields.get("model_type", fields.get("architecture", ""))).startswith("gemma3"),
                       **{f: fields[f] for f in SHAPE_FIELDS})
+
+
+def _layer_windows(fields: dict, where: str) -> tuple[int, ...]:
+    """Each layer's sliding window, as a build reads it: Kiln's own layer_windows (a GGUF's), a window on all
+    but every sliding_window_pattern-th layer (the presets' Gemma 3), else as from a Hugging Face config."""
+    from builder.hf import layer_windows as hf_layer_windows
+
+    layers, window, pattern = fields["num_layers"], fields.get("sliding_window"), fields.get("sliding_window_pattern")
+    if fields.get("layer_windows") is not None:
+        return tuple(int(w) for w in fields["layer_windows"])
+    if window and pattern and "layer_types" not in fields:
+        return tuple(0 if (i + 1) % pattern == 0 else int(window) for i in range(layers))
+    try:
+        return hf_layer_windows({**fields, "num_hidden_layers": layers}, where)
+    except KilnError as exc:
+        raise PlanningError(str(exc)) from None
 
 
 def model_presets() -> dict[str, dict]:
@@ -164,10 +190,13 @@ def load_shape(source: str) -> ModelShape:
 def _gguf_shape(path: Path, name: str) -> ModelShape:
     from gguf import GGUFReader
 
-    from builder.gguf_source import load_gguf
+    from builder.gguf_blocks import engine_bytes
+    from builder.gguf_source import FLOAT_TYPES, load_gguf
 
     config = load_gguf(path, name=name).config
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    # quantized blocks at the bytes of the Kiln format that keeps (or requantizes) them
+    tensors = {t.name: int(t.n_bytes) if t.tensor_type.name in FLOAT_TYPES
+               else round(engine_bytes(t.tensor_type.name, int(t.n_elements))) for t in GGUFReader(path).tensors}
     embed = tensors.get("token_embd.weight", 0)
     head = tensors.get("output.weight", 0)
     layers = sum(n for t, n in tensors.items() if t.startswith("blk.") and not t.endswith("norm.weight"))
@@ -217,6 +246,7 @@ class Candidate:
     workspace_gib: float = 0.0
     kv_gib: float = 0.0
     kv_tokens: int = 0
+    kv_pools: tuple[int, ...] = ()                    # blocks of each KV group's pool (runtime/kv_groups.py)
     sequences: int = 0                                # at the workload's context length
     prefill_s: float = 0.0                            # one prompt of the workload's input length, alone
     decode: dict[int, float] = field(default_factory=dict)   # batch -> seconds of a decode step (ITL)
@@ -265,12 +295,32 @@ def bytes_per_weight(weights: str, device: Device, group: int) -> float:
     return 1.0  # int8, fp8: a scale per output channel
 
 
+def _price_kv(c: Candidate, ranks: list[RankMemoryPlan], windows: tuple[int, ...], context: int) -> None:
+    """The candidate's KV cache: the pools every rank allocates (the rank that fits the fewest, per pool), their
+    size on the rank that holds the most, and the sequences of `context` tokens they hold at once."""
+    pools = shared_pools(windows, [r.pools for r in ranks], [r.uses_pools for r in ranks]).num_blocks
+    bs = c.plan.kv_cache.block_size
+
+    def pool_bytes(r: RankMemoryPlan) -> int:
+        if len(pools) == 1:
+            return pools[0] * bs * r.kv_bytes_per_token
+        return bs * (pools[0] * (r.kv_bytes_per_token - r.window_bytes_per_token) + pools[1] * r.window_bytes_per_token)
+
+    c.kv_pools, c.kv_tokens = pools, pools[0] * bs
+    c.kv_gib = max(map(pool_bytes, ranks)) / GIB
+    needs = [window_blocks_per_sequence(w, bs, c.plan.limits.max_num_tokens, context) if w else -(-context // bs)
+             for w in windows]
+    c.sequences = min(blocks // need for blocks, need in zip(pools, needs))
+
+
 def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, batches: list[int]) -> None:
     """Fill in the candidate's memory plan, roofline and (with users) sizing."""
     plan = c.plan
+    # The cpu runtime gives windowed layers a pool of their own; the tensorrt executors one pool for all.
+    windows = group_windows(model.layer_windows) if plan.target == "cpu" else (0,)
     float_bytes = 2.0 if device.kind == "gpu" else 4.0
     wbytes = bytes_per_weight(plan.quant.method, device, plan.quant.group_size)
-    src = model.source_bytes  # a GGUF's stored bytes: its linears under "source", its excluded tables always
+    src = model.source_bytes  # a GGUF's weights as kept: its linears under "source", its excluded tables always
     source = src is not None and plan.quant.method == "source"
     kept = src if plan.quant.method != "none" else None  # "none" makes every weight float
     layer_cost = float(model.layer_parameters())
@@ -278,7 +328,9 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
     ranks = []
     for rank in range(c.devices):
         mapping = Mapping(c.tp, c.pp, rank)
-        layers = len(mapping.pp_layers(model.num_layers, [layer_cost] * model.num_layers, 0.0, float(head_rows)))
+        stage = mapping.pp_layers(model.num_layers, [layer_cost] * model.num_layers, 0.0, float(head_rows))
+        layers = len(stage)
+        windowed = sum(1 for i in stage if model.window(i))
         heads = mapping.attention_heads(model.num_heads, model.num_kv_heads)
         mlp = mapping.columns(model.intermediate_size, "intermediate_size").count
         vocab = mapping.columns(model.vocab_size, "vocab_size").count
@@ -292,7 +344,7 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
         if last:
             head = (kept["head"] * vocab / model.vocab_size if kept and kept["head"] else
                     embed if model.tie_word_embeddings else table * float_bytes)
-        norms = (2 * layers + last) * model.hidden_size * float_bytes  # two a layer, the final one
+        norms = (layers * model.layer_norm_parameters + last * model.hidden_size) * float_bytes  # the final one too
         if src:
             norms = src["norms"] * (2 * layers + last) / (2 * model.num_layers + 1)
         stored = linear + norms + (embed if first else 0.0) \
@@ -304,16 +356,16 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
                                             model.vocab_size),
             kv_bytes_per_token=model.kv_bytes_per_token(plan.kv_cache.dtype, layers, heads.kv.count),
             memory_fraction=plan.kv_cache.memory_fraction, block_size=plan.kv_cache.block_size,
-            max_seq_len=plan.limits.max_seq_len)
+            max_seq_len=plan.limits.max_seq_len, windows=windows,
+            window_bytes_per_token=model.kv_bytes_per_token(plan.kv_cache.dtype, windowed, heads.kv.count)
+            if windows != (0,) else 0,
+            max_batch_size=plan.limits.max_batch_size, max_num_tokens=plan.limits.max_num_tokens)
         ranks.append((memory, params, linear + head, layers, heads.q.count, vocab if last else 0))
         if c.problem is None:
             c.problem = memory.problem(device.name, rank)
     fullest = max(ranks, key=lambda r: r[0].weight_bytes)[0]
-    least_kv = min(ranks, key=lambda r: r[0].kv_blocks)[0]
     c.weight_gib, c.workspace_gib = fullest.weight_bytes / GIB, fullest.workspace_bytes / GIB
-    c.kv_tokens = least_kv.kv_blocks * plan.kv_cache.block_size
-    c.kv_gib = least_kv.kv_blocks * plan.kv_cache.block_size * least_kv.kv_bytes_per_token / GIB
-    c.sequences = least_kv.kv_blocks // -(-workload.context // plan.kv_cache.block_size)
+    _price_kv(c, [r[0] for r in ranks], windows, workload.context)
     if not c.fits:
         return
     stages = [max(ranks[s * c.tp:(s + 1) * c.tp], key=lambda r: r[2]) for s in range(c.pp)]  # its slowest rank
@@ -323,10 +375,13 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
         compute, bandwidth = compute / c.devices, bandwidth / c.devices
 
     def step(tokens: int, sequences: int, context: float) -> float:
-        """Seconds of one step through every stage: `tokens` tokens of `sequences` sequences of `context`."""
+        """Seconds of one step through every stage: `tokens` tokens of `sequences` sequences of `context`
+        (a windowed layer reads its window's keys only)."""
         total = 0.0
         for memory, params, read, layers, q_heads, vocab in stages:
-            kv = sequences * context * memory.kv_bytes_per_token
+            window_bytes = memory.window_bytes_per_token
+            kv = sequences * (context * (memory.kv_bytes_per_token - window_bytes)
+                              + min(context, max(model.layer_windows, default=0)) * window_bytes)
             flops = 2 * tokens * (params + vocab * model.hidden_size) \
                 + 4 * tokens * context * q_heads * model.head_dim * layers
             total += max((read + kv) / bandwidth, flops / compute)

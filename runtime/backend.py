@@ -6,11 +6,13 @@ from typing import Protocol
 
 import torch
 
+from runtime.kv_groups import KVGroups
 from runtime.step import StepMetadata
 
 
 class KVCache(Protocol):
-    num_blocks: int  # blocks of every attention layer's K and V; the scheduler hands out their ids
+    num_blocks: int    # blocks of the first KV group's pool (every layer's, with one group)
+    groups: KVGroups   # each KV group's window and blocks (runtime/kv_groups.py); the scheduler hands out their ids
 
 
 class Executor(Protocol):
@@ -46,10 +48,21 @@ def kv_budget(backend: str, kv_cache_gib: float | None) -> float | None:
     return ONNXRUNTIME_KV_GIB if backend == "onnxruntime" and kv_cache_gib is None else kv_cache_gib
 
 
-def create_executor(engine, rank: int, num_blocks: int, backend: str, num_threads: int | None = None,
+# The backends that give sliding-window layers a KV pool of their own (runtime/kv_groups.py); the others
+# read every layer through one block table.
+WINDOWED_POOLS = ("cpu",)
+
+
+def kv_groups(manifest, backend: str, kv_cache_gib: float | None) -> KVGroups:
+    """The KV pools an engine runs with on this backend."""
+    return manifest.kv_groups(kv_budget(backend, kv_cache_gib), windowed=backend in WINDOWED_POOLS)
+
+
+def create_executor(engine, rank: int, pools: KVGroups, backend: str, num_threads: int | None = None,
                     collectives: dict | None = None) -> Executor:
     """The executor of one rank of `engine` (an EngineDir) for a backend check_target accepted."""
     manifest = engine.manifest
+    num_blocks = pools.num_blocks[0]
     if backend == "onnxruntime":
         from runtime.onnx_executor import OnnxExecutor
 
@@ -61,5 +74,5 @@ def create_executor(engine, rank: int, num_blocks: int, backend: str, num_thread
                                 collectives, rank_device(rank))
     from runtime.executor import CpuExecutor
 
-    return CpuExecutor(engine.load_rank(rank), num_blocks, manifest.block_size, manifest.kv_dtype,
+    return CpuExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype,
                        collectives=collectives)

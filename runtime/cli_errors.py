@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import typer
 
@@ -21,6 +22,9 @@ def one_line_errors(prog: str, errors: tuple[type[BaseException], ...], interrup
         def wrapper(*args, **kwargs):
             try:
                 return command(*args, **kwargs)
+            except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a SIGPIPE'd tool does
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise typer.Exit(141) from None
             except errors as exc:
                 if os.environ.get("KILN_DEBUG"):
                     raise

@@ -72,33 +72,42 @@ def cache_layout(cache, block_size: int) -> KVLayout:
                     DTYPE_NAMES[cache.k[layers[0]].dtype], block_size)
 
 
+def layer_tables(cache, layout: KVLayout, tables: list[list[int]]) -> list[list[int]]:
+    """Each layout layer's block table: its KV group's (runtime/kv_groups.py) of a sequence's tables."""
+    return [tables[cache.group[layer]] for layer in layout.layers]
+
+
 def _slots(block_table: list[int], block_size: int, start: int, stop: int) -> torch.Tensor:
+    """The cache slot of each position in [start, stop) that the table holds a block for (-1: given back)."""
     positions = torch.arange(start, stop)
-    return torch.tensor(block_table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+    blocks = torch.tensor(block_table, dtype=torch.long)[positions // block_size]
+    return torch.where(blocks >= 0, blocks * block_size + positions % block_size, -1)
 
 
-def read_kv(cache, layout: KVLayout, block_table: list[int], num_tokens: int) -> tuple[list, list]:
-    """K and V of positions [0, num_tokens) of a sequence holding block_table, as byte arrays per layer."""
-    slots = _slots(block_table, layout.block_size, 0, num_tokens)
-
-    def gather(tensor: torch.Tensor) -> np.ndarray:
+def read_kv(cache, layout: KVLayout, tables: list[list[int]], num_tokens: int) -> tuple[list, list]:
+    """K and V of positions [0, num_tokens) of a sequence holding `tables` (per layout layer), as byte arrays."""
+    def gather(tensor: torch.Tensor, slots: torch.Tensor) -> np.ndarray:
         rows = tensor.view(-1, *tensor.shape[2:])[slots]
         return rows.contiguous().view(torch.uint8).numpy()
 
-    return [gather(cache.k[layer]) for layer in layout.layers], [gather(cache.v[layer]) for layer in layout.layers]
+    slots = [_slots(table, layout.block_size, 0, num_tokens) for table in tables]
+    return ([gather(cache.k[layer], s) for layer, s in zip(layout.layers, slots)],
+            [gather(cache.v[layer], s) for layer, s in zip(layout.layers, slots)])
 
 
-def write_kv(cache, layout: KVLayout, block_table: list[int], start: int, handoff: KVHandoff) -> None:
-    """Write the handoff's positions [start, prompt length) into a sequence's blocks."""
+def write_kv(cache, layout: KVLayout, tables: list[list[int]], start: int, handoff: KVHandoff) -> None:
+    """Write the handoff's positions [start, prompt length) into a sequence's blocks (per layout layer's table),
+    those of a sliding-window layer that its table has given back left out."""
     stop = len(handoff.prompt_token_ids)
     if start >= stop:
         return
-    slots = _slots(block_table, layout.block_size, start, stop)
     dtype = KV_CACHE_DTYPES[layout.dtype]
-    for i, layer in enumerate(layout.layers):
+    for i, (layer, table) in enumerate(zip(layout.layers, tables)):
+        slots = _slots(table, layout.block_size, start, stop)
+        kept = slots >= 0
         for tensor, data in ((cache.k[layer], handoff.k[i]), (cache.v[layer], handoff.v[i])):
             rows = torch.from_numpy(data).view(dtype).view(stop, *tensor.shape[2:])
-            tensor.view(-1, *tensor.shape[2:])[slots] = rows[start:stop]
+            tensor.view(-1, *tensor.shape[2:])[slots[kept]] = rows[start:stop][kept]
 
 
 def check_handoff(handoff: KVHandoff, layout: KVLayout, vocab_size: int) -> None:

@@ -54,8 +54,9 @@ class DraftProposer:
                               f"{target.manifest.vocab_size}")
         self.engine = draft
         self.max_seq_len = manifest.limits.max_seq_len
-        blocks = manifest.shared_kv_blocks(kv_cache_gib if kv_cache_gib is not None else DRAFT_KV_GIB)
-        self.executor = create_executor(draft, 0, blocks, "cpu", num_threads)
+        # one pool: the draft's own block handling reads every layer through one table
+        pools = manifest.kv_groups(kv_cache_gib if kv_cache_gib is not None else DRAFT_KV_GIB, windowed=False)
+        self.executor = create_executor(draft, 0, pools, "cpu", num_threads)
         self.block_size = manifest.block_size
         self.blocks = BlockManager(self.executor.cache.num_blocks, self.block_size, enable_prefix_caching=False)
         self.seqs: dict[str, Sequence] = {}  # target request id -> the draft's sequence

@@ -22,13 +22,14 @@ import torch
 from tokenizers import Tokenizer
 
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.backend import Executor, create_executor, kv_budget
+from runtime.backend import Executor, create_executor, kv_groups
 from runtime.cpus import usable_cpus
 from runtime.engine_format import EngineDir, EngineError, PlanLimits, check_target, open_engine
 from runtime.sampler import Sampler
 from runtime.sampling import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
+from runtime.special_tokens import from_tokenizer
 from runtime.speculative import NgramProposer, SpeculativeConfig, Speculator
 from runtime.step import build_step_metadata
 
@@ -123,20 +124,23 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_file(str(engine.path / "tokenizer.json"))
         self.tokenizer_config = _read_json(engine.path / "tokenizer_config.json")
         self.generation_config = _read_json(engine.path / "generation_config.json")
+        self.special_tokens = manifest.special_tokens or from_tokenizer(self.tokenizer_config, self.tokenizer)
         self.eos_token_ids = manifest.eos_token_ids
         if executor is None:
             backend = check_target(engine.path, manifest, options.backend)
-            blocks = manifest.shared_kv_blocks(kv_budget(backend, options.kv_cache_gib))
-            executor = create_executor(engine, 0, blocks, backend, options.num_threads)
+            executor = create_executor(engine, 0, kv_groups(manifest, backend, options.kv_cache_gib), backend,
+                                       options.num_threads)
         self.executor = executor
         self.max_in_flight = executor.max_in_flight
+        self.kv_groups = executor.cache.groups
         self.num_blocks = executor.cache.num_blocks
         self.speculator = self._speculator(options)
+        windows, pools = self.kv_groups.windows, self.kv_groups.num_blocks
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.limits.max_batch_size, max_num_tokens=self.limits.max_num_tokens,
-            max_seq_len=self.limits.max_seq_len, num_blocks=self.num_blocks, block_size=self.block_size,
+            max_seq_len=self.limits.max_seq_len, num_blocks=pools[0], block_size=self.block_size,
             enable_prefix_caching=options.enable_prefix_caching, max_batches_in_flight=self.max_in_flight,
-            prefill_chunk=options.prefill_chunk),
+            prefill_chunk=options.prefill_chunk, kv_windows=windows, window_blocks=pools[-1] if len(pools) > 1 else 0),
             self.eos_token_ids, self.speculator)
         self.scheduler.before_free = self._read_handoff
         self.sampler = Sampler()
@@ -164,7 +168,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        """A raw text's token ids, with the special tokens the model's tokenizer puts around it (BOS)."""
+        return self.special_tokens.apply(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hand_off: bool = False) -> str:
@@ -201,8 +206,8 @@ class LLMEngine:
         seq = Sequence(request_id, handoff.prompt_token_ids, params)
         seq.seed = handoff.seed
         self.scheduler.add_prefilled(seq, handoff.first_token, handoff.first_logprob,
-                                     lambda s, start: write_kv(self.executor.cache, layout, s.block_table, start,
-                                                               handoff))
+                                     lambda s, start: write_kv(self.executor.cache, layout, self._layer_tables(s),
+                                                               start, handoff))
         request = self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
         request.detok.update(seq.output_token_ids)  # the first token's text: the prefill engine's output gave it
         self.prompt_tokens += seq.num_prompt_tokens
@@ -224,11 +229,16 @@ class LLMEngine:
     def _read_handoff(self, seq: Sequence) -> None:
         from runtime.disaggregation import KVHandoff, read_kv
 
-        k, v = read_kv(self.executor.cache, self.kv_layout, seq.block_table, seq.num_prompt_tokens)
+        k, v = read_kv(self.executor.cache, self.kv_layout, self._layer_tables(seq), seq.num_prompt_tokens)
         blocks = self.scheduler.block_manager.blocks_needed(seq.num_prompt_tokens)
         seq.kv_handoff = KVHandoff(list(seq.prompt_token_ids), seq.output_token_ids[0],
                                    seq.logprobs[0] if seq.logprobs else None, seq.seed, self.kv_layout, k, v,
                                    tuple(seq.block_table[:blocks]))
+
+    def _layer_tables(self, seq: Sequence) -> list[list[int]]:
+        from runtime.disaggregation import layer_tables
+
+        return layer_tables(self.executor.cache, self.kv_layout, self.scheduler.block_manager.tables(seq))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: it gives no more outputs, and its KV blocks are freed at once, or when
@@ -241,6 +251,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
+    @property
+    def context_len(self) -> int:
+        """The longest sequence this engine runs: max_seq_len, within what the full layers' pool holds (a pool
+        of windowed layers holds a window, whatever the sequence's length)."""
+        if self.kv_groups.windows[0]:
+            return self.limits.max_seq_len
+        return min(self.limits.max_seq_len, self.num_blocks * self.block_size)
+
+    def _step_metadata(self, batch: ScheduledBatch):
+        return build_step_metadata(batch, self.block_size, len(self.kv_groups.windows))
+
     def step(self) -> list[RequestOutput]:
         """Run a batch and return its outputs: one step start to finish, or, with a pipelined
         executor, submit batches until max_in_flight are in flight and collect the oldest."""
@@ -251,7 +272,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self.peak_in_flight = max(self.peak_in_flight, 1)
-        outputs = self._complete(batch, lambda: self.executor.execute(build_step_metadata(batch, self.block_size)))
+        outputs = self._complete(batch, lambda: self.executor.execute(self._step_metadata(batch)))
         if self.speculator is not None and batch.decodes_only:  # decodes only: what guesses are priced on
             self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
         return outputs
@@ -262,7 +283,7 @@ class LLMEngine:
             if batch.is_empty:
                 break
             try:
-                handle = self.executor.submit(build_step_metadata(batch, self.block_size))
+                handle = self.executor.submit(self._step_metadata(batch))
             except Exception as exc:  # the batch's requests end, as in _complete
                 return self._fail_batch(batch, exc)
             self.in_flight.append((batch, handle))

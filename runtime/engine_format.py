@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 import torch
 
+from runtime.kv_groups import KVGroups, PoolSizing, group_windows, pool_blocks, shared_pools
+from runtime.special_tokens import SpecialTokens
+
 ENGINE_FORMAT = "kiln-engine"
 RANK_FORMAT = "kiln-rank"
 # Bump when this runtime can no longer read older engines the same way. 2: IR nodes carry their
@@ -65,12 +68,6 @@ def kv_bytes_per_token(attention_layers: Iterable[dict], kv_dtype: str) -> int:
     return elements * KV_CACHE_DTYPES[kv_dtype].itemsize
 
 
-def kv_blocks(budget_bytes: float, bytes_per_token: int, block_size: int) -> int:
-    """KV blocks of block_size tokens that fit in budget_bytes; 0 when nothing is cached or nothing fits."""
-    block_bytes = bytes_per_token * block_size
-    return int(budget_bytes // block_bytes) if block_bytes and budget_bytes > 0 else 0
-
-
 # ---------------------------------------------------------------------- the manifest
 
 @dataclass(frozen=True)
@@ -87,8 +84,11 @@ class RankEntry:
 class RankMemory:
     """One rank's memory plan (passes/plan_memory.py)."""
 
-    kv_blocks: int            # blocks the build's budget left room for
+    kv_blocks: int            # blocks the build's budget left room for (the first KV group's: runtime/kv_groups.py)
     kv_bytes_per_token: int   # 0 on a rank without attention layers
+    kv_window_blocks: int = 0           # the windowed layers' own pool, when the rank has full layers too
+    kv_window_bytes_per_token: int = 0  # the windowed layers' share of kv_bytes_per_token
+    kv_windowed: bool = False           # the build priced windowed layers by their window (False: as full layers)
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class Manifest:
     memory: tuple[RankMemory, ...]    # per rank
     model_config: dict                # the model's shapes (builder.model.ModelConfig.to_dict)
     activations: str                  # the plan's [quant] activations
+    special_tokens: SpecialTokens | None = None  # BOS/EOS around raw text; None: an engine built before the rule
 
     @staticmethod
     def read(path: Path) -> Manifest:
@@ -163,22 +164,36 @@ class Manifest:
             ranks=tuple(RankEntry(int(r["rank"]), r.get("file"), int(r.get("bytes", 0)), r.get("sha256"),
                                   r.get("onnx", {}).get("dir"), tuple(sorted(r.get("onnx", {}).get("files", {}).items())))
                         for r in doc["ranks"]),
-            memory=tuple(RankMemory(int(m["kv_blocks"]), int(m["kv_bytes_per_token"]))
+            memory=tuple(RankMemory(int(m["kv_blocks"]), int(m["kv_bytes_per_token"]), int(m.get("kv_window_blocks", 0)),
+                                    int(m.get("kv_window_bytes_per_token", 0)), "kv_window_bytes_per_token" in m)
                          for m in doc["memory"]["ranks"]),
-            model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"))
+            model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"),
+            special_tokens=SpecialTokens.from_dict(model["special_tokens"]) if "special_tokens" in model else None)
 
-    def shared_kv_blocks(self, kv_cache_gib: float | None) -> int:
-        """KV blocks every rank allocates (the scheduler hands out one block id space): the build's
-        memory plan, or what kv_cache_gib holds, on the rank that fits the fewest."""
+    def kv_groups(self, kv_cache_gib: float | None, windowed: bool = True) -> KVGroups:
+        """The KV pools every rank allocates (the scheduler hands out one block id space per group): the build's
+        memory plan, or what kv_cache_gib holds, on the rank that fits the fewest. windowed=False (a runner that
+        reads every layer through one block table) prices windowed layers as full ones, in one pool."""
+        priced = any(m.kv_windowed and m.kv_window_bytes_per_token for m in self.memory)
+        windows = group_windows(self.model_config.get("layer_windows") or ()) if windowed and priced else (0,)
+        has_layers = [(m.kv_bytes_per_token > m.kv_window_bytes_per_token, m.kv_window_bytes_per_token > 0)
+                      if len(windows) == 2 else (m.kv_bytes_per_token > 0,) for m in self.memory]
         if kv_cache_gib is None:
-            return min(m.kv_blocks for m in self.memory)
-        blocks = min((kv_blocks(kv_cache_gib * GIB, m.kv_bytes_per_token, self.block_size)
-                      for m in self.memory if m.kv_bytes_per_token), default=0)
-        if blocks < 1:
+            if priced and windows == (0,):
+                raise EngineError("this engine's memory plan prices its sliding-window layers by their window, "
+                                  "not for one pool: give this runner a KV budget (kv_cache_gib)")
+            return shared_pools(windows, [(m.kv_blocks, m.kv_window_blocks)[:len(windows)] for m in self.memory],
+                                has_layers)
+        sizing = PoolSizing(self.block_size, self.limits.max_batch_size, self.limits.max_num_tokens,
+                            self.limits.max_seq_len)
+        groups = shared_pools(windows, [pool_blocks(kv_cache_gib * GIB, m.kv_bytes_per_token - m.kv_window_bytes_per_token,
+                                                    m.kv_window_bytes_per_token, windows, sizing)
+                                        for m in self.memory], has_layers)
+        if min(groups.num_blocks) < 1:
             where = (f"({self.memory[0].kv_bytes_per_token * self.block_size} bytes each)" if self.world_size == 1
                      else "on some rank")
             raise EngineError(f"kv_cache_gib={kv_cache_gib} holds no KV block {where}; raise it")
-        return blocks
+        return groups
 
 
 def manifest_header(kiln_version: str) -> dict:

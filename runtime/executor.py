@@ -14,6 +14,7 @@ import torch
 from runtime.backend import Executor
 from runtime.cpus import process_governor
 from runtime.engine_format import KV_CACHE_DTYPES, RankFile
+from runtime.kv_groups import KVGroups
 from runtime.ops import attention, reference, rowops, tape
 from runtime.program import Hooks, Program, attention_layers
 from runtime.step import StepMetadata
@@ -42,28 +43,33 @@ _STEP_FIELDS = ("token_ids", "positions", "slot_mapping", "context_lens", "query
 
 
 def _copy_step(dst: StepMetadata, src: StepMetadata) -> None:
-    """Write src's step inputs into dst's buffers (same shapes; dst's block table may be wider)."""
+    """Write src's step inputs into dst's buffers (same shapes; dst's block tables may be wider)."""
     for name in _STEP_FIELDS:
         getattr(dst, name).copy_(getattr(src, name))
-    width = src.block_tables.shape[1]
-    dst.block_tables[:, :width].copy_(src.block_tables)
-    dst.block_tables[:, width:] = -1
+    if src.window_slot_mapping is not None:
+        dst.window_slot_mapping.copy_(src.window_slot_mapping)
+    for (_, mine), (_, theirs) in zip(dst.groups, src.groups):
+        width = theirs.shape[1]
+        mine[:, :width].copy_(theirs)
+        mine[:, width:] = -1
 
 
 class KVCacheStorage:
-    """K and V of every attention layer on this rank: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """K and V of every attention layer on this rank: [num_blocks, block_size, num_kv_heads, head_dim], the
+    num_blocks of the layer's KV group (runtime/kv_groups.py)."""
 
-    def __init__(self, layers: list[dict], num_blocks: int, block_size: int, dtype: str):
+    def __init__(self, layers: list[dict], groups: KVGroups, block_size: int, dtype: str):
         if dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype {dtype!r} is not supported by this runtime "
                              f"(supported: {', '.join(KV_CACHE_DTYPES)})")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.groups, self.num_blocks, self.block_size = groups, groups.num_blocks[0], block_size
+        self.group = {a["layer"]: groups.group_of(a.get("window", 0)) for a in layers}  # layer -> its KV group
         # Uninitialised on purpose: attention reads only slots this run has written, and untouched
         # pages cost no memory until used.
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for a in layers:
-            shape = (num_blocks, block_size, a["num_kv_heads"], a["head_dim"])
+            shape = (groups.num_blocks[self.group[a["layer"]]], block_size, a["num_kv_heads"], a["head_dim"])
             self.k[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype])
             self.v[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype])
 
@@ -96,13 +102,15 @@ class CpuExecutor(Executor):
     REPLAY_MAX_TOKENS = tape.REUSE_ROWS
     MAX_TAPES = 8
 
-    def __init__(self, rank_file: RankFile, num_blocks: int, block_size: int, kv_dtype: str = "f32",
+    def __init__(self, rank_file: RankFile, pools: int | KVGroups, block_size: int, kv_dtype: str = "f32",
                  collectives: dict | None = None):
+        """pools: the KV groups' blocks, or one pool's blocks for every layer."""
         recycle_large_allocations()
         self.meta: StepMetadata | None = None
-        self.arrays: attention.StepArrays | None = None
+        self.arrays: list[attention.StepArrays] = []  # per KV group, during a step
         doc = json.loads(rank_file.program)
-        self.cache = KVCacheStorage(attention_layers(doc), num_blocks, block_size, kv_dtype)  # binding reads it
+        groups = pools if isinstance(pools, KVGroups) else KVGroups((0,), (pools,))
+        self.cache = KVCacheStorage(attention_layers(doc), groups, block_size, kv_dtype)  # binding reads it
         self.rope_tables: dict[tuple, reference.RopeTable] = {}  # one per distinct rope, shared by its layers
         hooks = Hooks(attention=self._attention, gather_last=tape.recordable(lambda x: self._gather_last(x)),
                       qkv_attention=self._qkv_attention,
@@ -127,7 +135,8 @@ class CpuExecutor(Executor):
             return self._run(meta, {}, inputs)
         shape = (meta.token_ids.numel(), meta.context_lens.numel(), meta.logits_indices.numel())
         recorded = self.tapes.get(shape)
-        if (recorded is not None and meta.block_tables.shape[1] <= recorded.meta.block_tables.shape[1]
+        if (recorded is not None and all(new.shape[1] <= old.shape[1] for (_, new), (_, old) in
+                                         zip(meta.groups, recorded.meta.groups))
                 and all(a is b for a, b in zip(recorded.rope, self._rope_buffers()))):
             self.tapes.move_to_end(shape)
             _copy_step(recorded.meta, meta)
@@ -144,7 +153,7 @@ class CpuExecutor(Executor):
         return self._record(meta, shape)
 
     def _run(self, meta: StepMetadata, env: dict, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
-        self.meta, self.arrays = meta, attention.StepArrays.of(meta)
+        self.meta, self.arrays = meta, [attention.StepArrays.of(meta, g) for g in range(len(meta.groups))]
         env.update(tokens=meta.token_ids, positions=meta.positions)
         if inputs:
             env.update(inputs)
@@ -152,14 +161,16 @@ class CpuExecutor(Executor):
             outputs = self.program.run(env)
             return outputs[0] if outputs else None  # a pipeline stage before the last sends, returns nothing
         finally:
-            self.meta = self.arrays = None
+            self.meta, self.arrays = None, []
 
     def _record(self, meta: StepMetadata, shape: tuple[int, int, int]) -> torch.Tensor:
         """Run the step on inputs of its own (room for twice the block table columns) and keep its tape."""
         self.tapes.pop(shape, None)
-        width = max(16, 2 * meta.block_tables.shape[1])
-        tables = torch.full((meta.block_tables.shape[0], width), -1, dtype=torch.int32)
-        own = StepMetadata(**{name: getattr(meta, name).clone() for name in _STEP_FIELDS}, block_tables=tables)
+        tables = [torch.full((t.shape[0], max(16, 2 * t.shape[1])), -1, dtype=torch.int32) for _, t in meta.groups]
+        window = {} if len(tables) == 1 else dict(window_slot_mapping=meta.window_slot_mapping.clone(),
+                                                   window_block_tables=tables[1])
+        own = StepMetadata(**{name: getattr(meta, name).clone() for name in _STEP_FIELDS}, block_tables=tables[0],
+                           **window)
         _copy_step(own, meta)
         env: dict[str, torch.Tensor] = {}
         with tape.Recording() as recording:
@@ -182,27 +193,31 @@ class CpuExecutor(Executor):
         quantized = self.cache.k[attrs["layer"]].dtype in attention.QUANTIZED_CACHE_DTYPES
         return attrs.get("kv_scale", 1.0) if quantized else 1.0
 
-    def _qkv_attention(self, rope: dict, attrs: dict):
+    def _qkv_attention(self, rope: dict, attrs: dict, qk_norm: tuple | None = None):
         scaling = rope.get("scaling")
         key = (rope["head_dim"], float(rope["theta"]), reference.scaling_key(scaling))
         if key not in self.rope_tables:
             self.rope_tables[key] = reference.RopeTable(rope["head_dim"], rope["theta"], scaling)
         layer = attention.LayerAttention(self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]],
                                          attrs["num_heads"], attrs["scale"], self._kv_scale(attrs),
-                                         self.rope_tables[key], reuse_outputs=True, window=attrs.get("window", 0))
-        return tape.recordable(lambda qkv, positions: layer(qkv, self.arrays))
+                                         self.rope_tables[key], reuse_outputs=True, window=attrs.get("window", 0),
+                                         qk_norm=qk_norm)
+        group = self.cache.group[attrs["layer"]]
+        # inputs: (qkv, positions), or (q, k, v, positions) from three projections; the step's arrays hold positions
+        return tape.recordable(lambda *inputs: layer(self.arrays[group], *inputs[:-1]))
 
     def _attention(self, attrs: dict):
         k_cache, v_cache = self.cache.k[attrs["layer"]], self.cache.v[attrs["layer"]]
         nh, nkv, hd, scale = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
-        kv_scale = self._kv_scale(attrs)
+        kv_scale, group = self._kv_scale(attrs), self.cache.group[attrs["layer"]]
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             meta, t = self.meta, q.shape[0]
+            slot_mapping, block_tables = meta.groups[group]
             attention.kv_write(k.contiguous().view(t, nkv, hd), v.contiguous().view(t, nkv, hd), k_cache, v_cache,
-                               meta.slot_mapping, kv_scale=kv_scale, check=False)
+                               slot_mapping, kv_scale=kv_scale, check=False)
             out = torch.empty(t, nh, hd)  # [T, num_heads, head_dim]
-            attention.paged_attention(out, q.contiguous().view(t, nh, hd), k_cache, v_cache, meta.block_tables,
+            attention.paged_attention(out, q.contiguous().view(t, nh, hd), k_cache, v_cache, block_tables,
                                       meta.context_lens, meta.query_start_loc, scale, kv_scale=kv_scale,
                                       window=attrs.get("window", 0), check=False)
             return out.view(t, nh * hd)

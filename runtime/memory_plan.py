@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.engine_format import GIB, kv_blocks
+from runtime.engine_format import GIB
+from runtime.kv_groups import PoolSizing, blocks_for, pool_blocks, window_blocks_per_sequence
 
 LIVE_ACTIVATIONS = 6  # [max_num_tokens, widest] float32 activations alive at once in a step
 
@@ -30,25 +31,57 @@ class RankMemoryPlan:
     memory_fraction: float    # share of what weights and workspace leave that goes to the KV cache
     block_size: int
     max_seq_len: int
+    # Sliding-window layers priced by their window (runtime/kv_groups.py): the engine's groups, this rank's
+    # windowed layers' share of kv_bytes_per_token, and the limits a windowed sequence's blocks depend on.
+    windows: tuple[int, ...] = (0,)
+    window_bytes_per_token: int = 0
+    max_batch_size: int = 1
+    max_num_tokens: int = 1
 
     @property
     def free_bytes(self) -> float:
         return self.memory_bytes - self.weight_bytes - self.workspace_bytes
 
     @property
-    def kv_blocks(self) -> int:
+    def pools(self) -> tuple[int, ...]:
+        """Blocks of each KV group's pool (0 for a group without layers on this rank)."""
         if not self.kv_bytes_per_token:
-            return 0
-        return kv_blocks(self.free_bytes * self.memory_fraction, self.kv_bytes_per_token, self.block_size)
+            return (0,) * len(self.windows)
+        sizing = PoolSizing(self.block_size, self.max_batch_size, self.max_num_tokens, self.max_seq_len)
+        return pool_blocks(self.free_bytes * self.memory_fraction, self.kv_bytes_per_token - self.window_bytes_per_token,
+                           self.window_bytes_per_token, self.windows, sizing)
 
     @property
-    def blocks_per_sequence(self) -> int:
-        return -(-self.max_seq_len // self.block_size)
+    def kv_blocks(self) -> int:
+        """The first pool's blocks: every layer's, the windowed layers' when all are, else the full layers'."""
+        return self.pools[0]
+
+    @property
+    def kv_window_blocks(self) -> int:
+        """The windowed layers' own pool beside the full layers' (0 with one pool)."""
+        return self.pools[1] if len(self.windows) == 2 else 0
+
+    @property
+    def blocks_per_sequence(self) -> tuple[int, ...]:
+        """Blocks one sequence of max_seq_len holds at most in each pool."""
+        whole = blocks_for(self.max_seq_len, self.block_size)
+        return tuple(window_blocks_per_sequence(w, self.block_size, self.max_num_tokens, self.max_seq_len) if w
+                     else whole for w in self.windows)
 
     @property
     def max_concurrency(self) -> int:
         """Sequences of max_seq_len tokens the KV blocks hold at once."""
-        return self.kv_blocks // self.blocks_per_sequence if self.kv_bytes_per_token else 0
+        if not self.kv_bytes_per_token:
+            return 0
+        return min(blocks // need for blocks, need, used in zip(self.pools, self.blocks_per_sequence, self.uses_pools)
+                   if used)
+
+    @property
+    def uses_pools(self) -> tuple[bool, ...]:
+        """Which pools this rank holds layers of."""
+        if len(self.windows) == 1:
+            return (self.kv_bytes_per_token > 0,)
+        return self.kv_bytes_per_token > self.window_bytes_per_token, self.window_bytes_per_token > 0
 
     def problem(self, device: str, rank: int) -> str | None:
         """Why the plan does not fit this rank (one line naming what to change), or None when it fits."""
@@ -57,9 +90,13 @@ class RankMemoryPlan:
         if self.free_bytes <= 0:
             return (f"plan does not fit {device} ({gib:g} GiB) on rank {rank}: {used} exceed it; quantize the "
                     f"weights, add ranks (tp or pp), or lower max_num_tokens")
-        if self.kv_bytes_per_token and self.kv_blocks < self.blocks_per_sequence:
-            return (f"plan does not fit {device} ({gib:g} GiB) on rank {rank}: {used} leave room for "
-                    f"{self.kv_blocks} KV blocks, one sequence of max_seq_len={self.max_seq_len} needs "
-                    f"{self.blocks_per_sequence}; lower max_seq_len or max_num_tokens, raise "
-                    f"kv_cache.memory_fraction, quantize, or add ranks")
+        if not self.kv_bytes_per_token:
+            return None
+        for blocks, need, used_pool, window in zip(self.pools, self.blocks_per_sequence, self.uses_pools, self.windows):
+            if used_pool and blocks < need:
+                pool = f" for the {window}-token window layers" if window else ""
+                return (f"plan does not fit {device} ({gib:g} GiB) on rank {rank}: {used} leave room for "
+                        f"{blocks} KV blocks{pool}, one sequence of max_seq_len={self.max_seq_len} needs "
+                        f"{need}; lower max_seq_len or max_num_tokens, raise kv_cache.memory_fraction, quantize, "
+                        f"or add ranks")
         return None

@@ -25,6 +25,7 @@ import torch
 from runtime.backend import Executor
 from runtime.engine_format import EngineError
 from runtime.step import StepMetadata
+from runtime.kv_groups import KVGroups
 
 # ONNX element type of the KV pools -> the numpy dtype of their zeroed storage (bit patterns for
 # the types numpy lacks: ONNX Runtime takes them with ortvalue_from_numpy_with_onnx_type)
@@ -138,6 +139,7 @@ class KVPools:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
+        self.groups = KVGroups((0,), (num_blocks,))  # one pool: every layer reads the one block table
 
 
 class OnnxExecutor(Executor):

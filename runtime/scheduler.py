@@ -12,7 +12,9 @@ Each schedule() builds one step within max_num_tokens:
 3. waiting sequences are admitted in arrival order (strictly FIFO, so none starves) while the
    budget, max_batch_size and the free blocks allow, each reusing its cached prefix and starting
    its first chunk.
-A sequence is admitted with blocks for all its tokens, so only decodes ask for new blocks.
+A sequence is admitted with blocks for all its tokens, so only decodes ask for new blocks (the full
+layers'; sliding-window layers' blocks come as each step needs them and go once behind the window, from a
+pool where admission reserved them: runtime/kv_cache.py).
 
 Speculative decoding (with a Speculator): after step 1, each decoding sequence may get k guesses
 (runtime/speculative.py), which the step carries after its last token as a query chunk of k + 1
@@ -56,6 +58,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_batches_in_flight: int = 1  # batches scheduled and not yet postprocessed at once (a pipeline's depth)
     prefill_chunk: int | None = None  # prefill tokens in a step that also decodes (None: the whole budget)
+    # KV groups (runtime/kv_groups.py): (0,) every layer full; (W,) every layer windowed, num_blocks theirs;
+    # (0, W) full layers with num_blocks and windowed ones with window_blocks of their own
+    kv_windows: tuple[int, ...] = (0,)
+    window_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "num_blocks", "block_size",
@@ -123,7 +129,9 @@ class Scheduler:
         self.config = config
         self.speculator = speculator
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        pools = (config.num_blocks, config.window_blocks)[:len(config.kv_windows)]
+        self.block_manager = BlockManager(pools, config.block_size, config.enable_prefix_caching, config.kv_windows,
+                                          config.max_num_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.requests: dict[str, Sequence] = {}  # unfinished sequences by request id
@@ -158,8 +166,9 @@ class Scheduler:
             self.waiting.append(seq)
             return False
         bm.allocate(seq)
-        write_kv(seq, seq.num_computed_tokens)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_prompt_tokens
+        bm.append_slots(seq, seq.num_prompt_tokens)  # a windowed group: the blocks its next query sees
+        write_kv(seq, start)
         bm.cache_blocks(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -175,12 +184,10 @@ class Scheduler:
         if total > cfg.max_seq_len:
             raise ValueError(f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
                              f"({seq.params.max_tokens}) = {total} exceeds max_seq_len ({cfg.max_seq_len})")
-        # The last output token is never written to the cache, so the longest KV is total - 1 tokens.
-        blocks = self.block_manager.blocks_needed(total - 1)
-        if blocks > cfg.num_blocks:
+        problem = self.block_manager.problem(seq, total)
+        if problem:
             raise ValueError(f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
-                             f"({seq.params.max_tokens}) needs {blocks} KV blocks of {cfg.block_size} tokens, "
-                             f"but the cache has only {cfg.num_blocks}")
+                             f"({seq.params.max_tokens}) {problem}")
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts (see the module docstring for the policy)."""
@@ -216,6 +223,7 @@ class Scheduler:
             if seq.num_pending_tokens > 1 and seq not in self.in_flight:
                 seqs.append(seq)
                 counts.append(min(seq.num_pending_tokens, budget))
+                bm.append_slots(seq, seq.num_computed_tokens + counts[-1])  # a windowed group's blocks
                 budget -= counts[-1]
         while self.waiting and budget > 0 and len(seqs) < max_seqs and len(self.running) < cfg.max_batch_size:
             seq = self.waiting[0]
@@ -227,6 +235,7 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(seq)
             counts.append(min(seq.num_pending_tokens, budget))
+            bm.append_slots(seq, seq.num_computed_tokens + counts[-1])
             budget -= counts[-1]
         if proposals:
             proposals += [Proposal([])] * (len(seqs) - len(proposals))

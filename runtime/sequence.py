@@ -48,6 +48,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.arrival = next(_arrival_counter)
         self.block_table: list[int] = []
+        self.window_block_table: list[int] = []  # the windowed layers' blocks beside the full layers' (-1: given back)
         self.block_hashes: list[bytes] = []  # chained hashes of leading full computed blocks (BlockManager's)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -96,6 +97,7 @@ class Sequence:
         """Forget all cached state (after preemption): prompt + outputs so far become the next prefill."""
         self.status = SequenceStatus.WAITING
         self.block_table = []
+        self.window_block_table = []
         self.block_hashes = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

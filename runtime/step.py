@@ -20,9 +20,20 @@ class StepMetadata:
     context_lens: torch.Tensor     # [S] int32, tokens in cache for each seq after this step's write
     query_start_loc: torch.Tensor  # [S+1] int32, offsets of each seq's tokens in T
     logits_indices: torch.Tensor   # [N] int64, indices into T whose logits are needed
+    # An engine with full and sliding-window layers (runtime/kv_groups.py): the windowed layers' own slots and
+    # tables ([T] int64, [S, max_blocks] int32, -1 for blocks given back); None: every layer reads the above.
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
+
+    @property
+    def groups(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot_mapping, block_tables) of each KV group."""
+        first = [(self.slot_mapping, self.block_tables)]
+        return first if self.window_block_tables is None else first + [(self.window_slot_mapping,
+                                                                         self.window_block_tables)]
 
 
-def build_step_metadata(batch: ScheduledBatch, block_size: int) -> StepMetadata:
+def build_step_metadata(batch: ScheduledBatch, block_size: int, num_groups: int = 1) -> StepMetadata:
     """Pack batch.seqs in order: seq s computes tokens num_computed_tokens .. +num_new_tokens[s].
 
     Call after schedule() and before postprocess() (it reads each sequence's num_computed_tokens).
@@ -32,31 +43,39 @@ def build_step_metadata(batch: ScheduledBatch, block_size: int) -> StepMetadata:
     """
     token_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     context_lens: list[int] = []
     query_start_loc = [0]
     logits_indices: list[int] = []
     for i, (seq, n, needs_token) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.needs_token)):
-        start, table, guesses = seq.num_computed_tokens, seq.block_table, batch.guesses(i)
+        start, guesses = seq.num_computed_tokens, batch.guesses(i)
         token_ids.extend(seq.token_ids[start:start + n - len(guesses)])
         token_ids.extend(guesses)
-        span = range(start, start + n)
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        positions.extend(range(start, start + n))
         context_lens.append(start + n)
         query_start_loc.append(query_start_loc[-1] + n)
         if needs_token:
             logits_indices.extend(range(query_start_loc[-1] - 1 - len(guesses), query_start_loc[-1]))
-    max_blocks = max((len(seq.block_table) for seq in batch.seqs), default=0)
-    block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)  # [S, max_blocks]
-    for row, seq in zip(block_tables, batch.seqs):
-        row[:len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+    group_tables = [[seq.block_table for seq in batch.seqs], [seq.window_block_table for seq in batch.seqs]]
+    groups = [_slots_and_tables(tables, batch, block_size) for tables in group_tables[:num_groups]]
     return StepMetadata(
         token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=block_tables,
+        slot_mapping=groups[0][0],
+        block_tables=groups[0][1],
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        **(dict(window_slot_mapping=groups[1][0], window_block_tables=groups[1][1]) if num_groups == 2 else {}),
     )
+
+
+def _slots_and_tables(tables: list[list[int]], batch: ScheduledBatch,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot of each packed token ([T] int64) and the block tables ([S, max_blocks] int32, -1 padded)."""
+    slots = [table[p // block_size] * block_size + p % block_size
+             for seq, n, table in zip(batch.seqs, batch.num_new_tokens, tables)
+             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)]
+    block_tables = torch.full((len(tables), max(map(len, tables), default=0)), -1, dtype=torch.int32)
+    for row, table in zip(block_tables, tables):
+        row[:len(table)] = torch.tensor(table, dtype=torch.int32)
+    return torch.tensor(slots, dtype=torch.int64), block_tables

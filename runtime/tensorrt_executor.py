@@ -29,6 +29,7 @@ import torch
 from runtime.backend import Executor
 from runtime.engine_format import EngineError, map_rank_file
 from runtime.step import StepMetadata
+from runtime.kv_groups import KVGroups
 
 _STEP_INPUTS = ("tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
                 "logits_indices")
@@ -167,6 +168,7 @@ class TensorRTExecutor(Executor):
 class _Blocks:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
+        self.groups = KVGroups((0,), (num_blocks,))  # one pool: every layer reads the one block table
 
 
 def rank_device(rank: int) -> torch.device:

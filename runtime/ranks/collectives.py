@@ -2,8 +2,8 @@
 
 The hooks run the IR's collective ops over torch.distributed: all_reduce and all_gather within the
 rank's pipeline stage (its tp group), send and recv between stages by global rank. Rank 0 broadcasts
-each step's metadata as two int64 tensors: a header [command, T, S, max_blocks, N] and every field
-packed in one tensor, so a step costs two small broadcasts whatever the batch.
+each step's metadata as two int64 tensors: a header [command, T, S, max_blocks, N, window max_blocks]
+and every field packed in one tensor, so a step costs two small broadcasts whatever the batch.
 """
 
 from __future__ import annotations
@@ -88,33 +88,41 @@ _FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "context_le
 
 
 def broadcast_step(meta: StepMetadata | None, group, async_op: bool = False) -> list:
-    """Rank 0: one int64 header [command, T, S, max_blocks, N], then every field packed in one int64 tensor.
+    """Rank 0: one int64 header [command, T, S, max_blocks, N, window max_blocks (-1: one KV group)], then every
+    field packed in one int64 tensor (the windowed layers' slots and tables last, when the step has them).
 
     With async_op it returns the broadcasts' works without waiting on them: rank 0 with steps in
     flight goes on while a rank still busy with an earlier step has yet to take this one.
     """
     if meta is None:
-        tensors = [torch.tensor([STOP, 0, 0, 0, 0])]
+        tensors = [torch.tensor([STOP, 0, 0, 0, 0, -1])]
     else:
         s, b = meta.block_tables.shape
-        tensors = [torch.tensor([STEP, meta.token_ids.numel(), s, b, meta.logits_indices.numel()]),
-                   torch.cat([getattr(meta, f).reshape(-1).to(torch.int64) for f in _FIELDS])]
+        window = meta.window_block_tables
+        fields = [getattr(meta, f) for f in _FIELDS]
+        if window is not None:
+            fields += [meta.window_slot_mapping, window]
+        tensors = [torch.tensor([STEP, meta.token_ids.numel(), s, b, meta.logits_indices.numel(),
+                                 -1 if window is None else window.shape[1]]),
+                   torch.cat([f.reshape(-1).to(torch.int64) for f in fields])]
     works = [dist.broadcast(t, 0, group=group, async_op=async_op) for t in tensors]
     return works if async_op else []
 
 
 def receive_step(group) -> StepMetadata | None:
-    header = torch.empty(5, dtype=torch.int64)
+    header = torch.empty(6, dtype=torch.int64)
     dist.broadcast(header, 0, group=group)
-    command, t, s, b, n = header.tolist()
+    command, t, s, b, n, wb = header.tolist()
     if command == STOP:
         return None
-    sizes = [t, t, t, s * b, s, s + 1, n]
+    sizes = [t, t, t, s * b, s, s + 1, n] + ([t, s * wb] if wb >= 0 else [])
     payload = torch.empty(sum(sizes), dtype=torch.int64)
     dist.broadcast(payload, 0, group=group)
-    parts = dict(zip(_FIELDS, torch.split(payload, sizes)))
+    parts = dict(zip(_FIELDS + ("window_slot_mapping", "window_block_tables"), torch.split(payload, sizes)))
+    window = {} if wb < 0 else dict(window_slot_mapping=parts["window_slot_mapping"],
+                                    window_block_tables=parts["window_block_tables"].view(s, wb).to(torch.int32))
     return StepMetadata(
         token_ids=parts["token_ids"], positions=parts["positions"], slot_mapping=parts["slot_mapping"],
         block_tables=parts["block_tables"].view(s, b).to(torch.int32),
         context_lens=parts["context_lens"].to(torch.int32),
-        query_start_loc=parts["query_start_loc"].to(torch.int32), logits_indices=parts["logits_indices"])
+        query_start_loc=parts["query_start_loc"].to(torch.int32), logits_indices=parts["logits_indices"], **window)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.backend import create_executor, kv_budget
+from runtime.backend import create_executor, kv_groups
 from runtime.engine_format import EngineDir, EngineError, check_target, open_engine
 from runtime.mapping import Mapping
 from runtime.ranks.collectives import Collectives, broadcast_step, receive_step
@@ -68,8 +68,7 @@ class Rank:
             device = rank_device(self.rank)
             torch.cuda.set_device(device)
         self.collectives = Collectives(self.rank, mapping.tp_group(), stages[mapping.pp_rank], device)
-        budget = kv_budget(self.backend, kv_cache_gib)
-        config = [manifest.shared_kv_blocks(budget) if self.rank == 0 else None]
+        config = [kv_groups(manifest, self.backend, kv_cache_gib) if self.rank == 0 else None]
         dist.broadcast_object_list(config, 0, group=self.control)
         self.executor = create_executor(self.engine, self.rank, config[0], self.backend,
                                         collectives=self.collectives.hooks())

@@ -21,7 +21,9 @@ _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "U
 
 
 def context_len(llm: LLMEngine) -> int:
-    return min(llm.limits.max_seq_len, llm.num_blocks * llm.block_size)
+    """The longest sequence the engine runs (the replicas' ingress serves from a stand-in, ModelFrontend in
+    serving/replicas.py, that has a replica's figure)."""
+    return llm.context_len
 
 
 class PromptReader:
@@ -80,7 +82,8 @@ class PromptReader:
         """As LLMEngine.encode, for each text (encode_batch: the GIL is released while it runs)."""
         if not texts:
             return []
-        return [e.ids for e in self.llm.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        special = self.llm.special_tokens
+        return [special.apply(e.ids) for e in self.llm.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 def every_character_lands_in_a_token(config: dict) -> bool:

@@ -199,14 +199,18 @@ class ModelFrontend:
         from tokenizers import Tokenizer
 
         from runtime.engine import _read_json
+        from runtime.special_tokens import from_tokenizer
 
         self.engine = open_engine(engine, check_hashes=False, backend=options.backend)
         path = Path(engine)
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer_config = _read_json(path / "tokenizer_config.json")
+        self.special_tokens = self.engine.manifest.special_tokens or from_tokenizer(self.tokenizer_config,
+                                                                                    self.tokenizer)
         self.eos_token_ids = self.engine.manifest.eos_token_ids
         self.block_size = described["block_size"]
         self.num_blocks = described["num_blocks"]
+        self.context_len = described["context_len"]  # what prompts.context_len gives for the replica's engine
         self.limits = SimpleNamespace(max_seq_len=described["context_len"])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -521,7 +525,7 @@ def build_app(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_wai
 def application(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_waiting: int = 64,
                 model_name: str | None = None, max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0):
     """The Serve application for an engine directory and a plan, checked against the engine first."""
-    from runtime.backend import kv_budget
+    from runtime.backend import kv_groups
     from runtime.cpus import usable_cpus
     from runtime.engine import _lowered
     from runtime.engine_format import EngineError, check_target
@@ -537,7 +541,7 @@ def application(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_w
         options = dataclasses.replace(options, num_threads=threads)
     return build_app(str(Path(engine).resolve()), options, plan, max_waiting=max_waiting, model_name=model_name,
                      max_request_bytes=max_request_bytes, block_size=manifest.block_size,
-                     blocks_per_replica=manifest.shared_kv_blocks(kv_budget(backend, options.kv_cache_gib)),
+                     blocks_per_replica=kv_groups(manifest, backend, options.kv_cache_gib).num_blocks[0],
                      max_batch_size=limits.max_batch_size, drain_timeout=drain_timeout)
 
 

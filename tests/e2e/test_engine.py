@@ -210,7 +210,7 @@ def test_executor_fuses_attention_chains_and_matches_the_reference_interpreter(t
     from runtime.step import StepMetadata
 
     rank = open_engine(tiny_engine_dir).load_rank(0)
-    executor = CpuExecutor(rank, num_blocks=8, block_size=16)
+    executor = CpuExecutor(rank, pools=8, block_size=16)
     nodes = executor.program.doc["nodes"]
     layers = sum(n["op"] == "attention" for n in nodes)
     assert layers >= 2 and len(executor.program.calls) == len(nodes) - 2 * layers  # split and rope folded in

@@ -3,6 +3,7 @@ one source of truth it shares with the build (the same memory plan, the same ref
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -86,6 +87,26 @@ def test_the_planner_prices_the_default_engine_as_its_build_did(smollm2_default_
     assert round(c.weight_gib * (1 << 30)) == built["weight_bytes"]
     assert round(c.workspace_gib * (1 << 30)) == built["workspace_bytes"]
     assert c.kv_tokens == built["kv_blocks"] * 16
+
+
+def test_the_planner_prices_windowed_layers_as_the_build_does(tiny_mistral_dir, tiny_gemma3_dir, tmp_path):
+    """Sliding-window layers in a pool of their own (every layer windowed, or beside full ones): the planner's
+    pools are the built engine's, and they hold more sequences than the same layers priced as full ones."""
+    plan = exact_plan()
+    for model_dir in (tiny_mistral_dir, tiny_gemma3_dir):
+        built = build_engine(str(model_dir), plan, tmp_path / model_dir.name, show_progress=False).manifest
+        rank = built["memory"]["ranks"][0]
+        shape, workload = load_shape(str(model_dir)), Workload(1024, 1024)
+        c = plan_candidates(shape, plan=plan, workload=workload).candidates[0]
+        assert round(c.weight_gib * (1 << 30)) == rank["weight_bytes"]
+        assert c.kv_pools == ((rank["kv_blocks"],) if not rank.get("kv_window_blocks")
+                              else (rank["kv_blocks"], rank["kv_window_blocks"]))
+        [as_full] = plan_candidates(dataclasses.replace(shape, layer_windows=()), plan=plan,
+                                    workload=workload).candidates
+        if len(c.kv_pools) == 1:  # every layer windowed: more sequences in the same memory
+            assert c.sequences > as_full.sequences
+        else:  # the windowed pool holds the batch; what the windowed layers save goes to the full layers
+            assert c.sequences == plan.limits.max_batch_size and c.kv_tokens > as_full.kv_tokens
 
 
 def test_the_build_refuses_a_plan_the_planner_refuses_with_the_same_words(tiny_llama_dir, tmp_path):

@@ -139,7 +139,7 @@ def direct_figures(model_dir: Path, quantized_linears: bool) -> tuple[float, flo
     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(shipped_text("evaluation"),
                                                                         add_special_tokens=False).ids
     nll_ref = nll_q = kl = count = 0.0
-    for window in windows(ids, reference.config):
+    for window in windows(ids, reference.config.max_position_embeddings):
         x = torch.tensor([window])
         with torch.inference_mode():
             log_p = torch.log_softmax(reference(x).logits[0, :-1].double(), -1)
@@ -216,7 +216,7 @@ def test_quantized_kv_cache_uses_the_calibrated_scales(tiny_llama_dir, tmp_path,
     meta = StepMetadata(token_ids=torch.tensor(ids), positions=torch.arange(t), slot_mapping=torch.arange(t),
                         block_tables=torch.arange(3, dtype=torch.int32)[None], context_lens=torch.tensor([t]).int(),
                         query_start_loc=torch.tensor([0, t]).int(), logits_indices=torch.arange(t))
-    served = CpuExecutor(rank, num_blocks=3, block_size=16, kv_dtype=kv_dtype).execute(meta)
+    served = CpuExecutor(rank, pools=3, block_size=16, kv_dtype=kv_dtype).execute(meta)
     program, tensors = map_rank_file(tmp_path / "e" / "rank0.engine")
     float_logits = Interpreter(program, tensors, all_logits=True).logits(ids)
     graph, _ = float_graph(tiny_llama_dir)

@@ -4,6 +4,7 @@ import hashlib
 import struct
 
 from runtime.kv_cache import BlockManager, hash_block_tokens
+from runtime.sampling import SamplingParams
 from runtime.sequence import Sequence
 
 
@@ -219,3 +220,98 @@ def test_prefix_caching_can_be_disabled():
     bm.allocate(b)
     assert b.block_table == [2, 3] and b.num_cached_tokens == 0
     assert bm.hash_to_block_id == {} and bm.prefix_cache_queries == 0
+
+
+# ---------------------------------------------------------------------------- sliding-window layers
+
+def run_step(bm: BlockManager, seq: Sequence, n: int) -> None:
+    """A step computing seq's next n tokens, as the scheduler, the executor and postprocess do it."""
+    bm.append_slots(seq, seq.num_computed_tokens + n)
+    seq.num_computed_tokens += n
+    bm.cache_blocks(seq)
+
+
+def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
+    seq.append_token(token)
+    assert bm.can_append(seq)
+    bm.append_slot(seq)
+    run_step(bm, seq, 1)
+
+
+def held(table: list[int]) -> list[int]:
+    return [b for b in table if b >= 0]
+
+
+def test_windowed_blocks_behind_the_window_go_back_and_the_sequence_runs_in_a_small_pool():
+    # window 8, blocks of 4, steps of at most 4 tokens: a sequence holds at most ceil((8 - 1 + 4) / 4) + 1 = 4
+    # blocks, so a pool of 4 runs one of 36 tokens (9 blocks' worth); a second cannot be admitted beside it.
+    bm = BlockManager(num_blocks=4, block_size=4, windows=(8,), max_step_tokens=4)
+    a = Sequence("a", list(range(6)), SamplingParams(max_tokens=30))
+    assert bm.can_allocate(a)
+    bm.allocate(a)
+    assert a.block_table == [] and bm.reserved[a] == 4
+    assert not bm.can_allocate(Sequence("b", [1, 2], SamplingParams(max_tokens=2)))
+    run_step(bm, a, 4)
+    run_step(bm, a, 2)
+    assert a.block_table == [0, 1]
+    for token in range(100, 129):
+        decode(bm, a, token)
+        # a query at the next position sees its last 8 positions: every block before that is given back
+        first = max(0, a.num_computed_tokens - 7) // 4
+        assert a.block_table[:first] == [-1] * first and -1 not in a.block_table[first:]
+        assert len(held(a.block_table)) <= 8 // 4 + 1
+    assert a.num_tokens == 35 and len(a.block_table) == 9
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.reserved == {} and bm.usage == 0.0
+
+
+def test_full_layers_keep_every_block_beside_a_windowed_pool():
+    bm = BlockManager(num_blocks=(16, 4), block_size=4, windows=(0, 8), max_step_tokens=4)
+    a = Sequence("a", list(range(10)), SamplingParams(max_tokens=20))
+    bm.allocate(a)
+    assert a.block_table == [0, 1, 2] and a.window_block_table == []  # full: all at once; windowed: per step
+    for n in (4, 4, 2):
+        run_step(bm, a, n)
+    for token in range(19):
+        decode(bm, a, token)
+    assert a.block_table == list(range(8)) and bm.num_free_blocks == 8
+    assert a.window_block_table[:5] == [-1] * 5 and len(held(a.window_block_table)) <= 3
+    assert bm.tables(a) == [a.block_table, a.window_block_table]
+
+
+def test_a_windowed_prefix_hit_needs_only_the_blocks_under_the_window():
+    bm = BlockManager(num_blocks=16, block_size=4, windows=(8,), max_step_tokens=16)
+    a = make_seq(range(17), "a")
+    bm.allocate(a)
+    run_step(bm, a, 16)
+    assert a.block_table == [-1, -1, 2, 3]  # positions 0-7 lie behind the window of a query at 16
+    bm.free(a)
+    b = make_seq(list(range(16)) + [99, 98], "b")
+    bm.allocate(b)
+    # blocks 2 and 3 (positions 8-15) are all a query at 16 sees: a hit of 16 tokens, with -1 before them
+    assert b.num_cached_tokens == 16 and b.block_table == [-1, -1, 2, 3]
+    c = make_seq(list(range(12)) + [7, 7, 7, 7, 7], "c")
+    bm.allocate(c)
+    # a query at 12 sees positions 5-11: block 1, given back by a but still cached, and block 2 (b holds it)
+    assert c.num_cached_tokens == 12 and c.block_table == [-1, 1, 2]
+    assert [bm.blocks[i].ref_count for i in (1, 2, 3)] == [1, 2, 1]
+
+
+def test_a_hand_off_sequence_keeps_its_windowed_blocks_to_be_read_out():
+    bm = BlockManager(num_blocks=8, block_size=4, windows=(8,), max_step_tokens=16)
+    a = Sequence("a", list(range(20)), SamplingParams(max_tokens=1))
+    a.hand_off = True
+    bm.allocate(a)
+    assert bm.reserved[a] == 5  # every block of its prompt
+    run_step(bm, a, 16)
+    run_step(bm, a, 4)
+    assert a.block_table == [0, 1, 2, 3, 4]
+
+
+def test_a_request_longer_than_the_windowed_pool_is_named():
+    bm = BlockManager(num_blocks=(32, 2), block_size=4, windows=(0, 8), max_step_tokens=4)
+    seq = Sequence("a", list(range(6)), SamplingParams(max_tokens=30))
+    assert bm.problem(seq, 36) == "needs 4 KV blocks of the 8-token window layers' pool of 4 tokens, but the cache " \
+                                  "has only 2"
+    assert BlockManager(num_blocks=4, block_size=4).problem(seq, 36) == \
+        "needs 9 KV blocks of 4 tokens, but the cache has only 4"

@@ -127,7 +127,9 @@ def test_hugging_face_names_and_nested_text_configs_are_read(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
-                                                      "text_config": {**load_shape_fields(), "head_dim": 128}}))
+                                                      "model_type": "gemma3",
+                                                      "text_config": {**load_shape_fields(), "head_dim": 128,
+                                                                      "model_type": "gemma3_text"}}))
     shape = load_shape(str(tmp_path))
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (62, 32, 16, 128)
     assert shape.parameters == load_shape("gemma-3-27b").parameters
