@@ -91,13 +91,11 @@ def pool_blocks(budget_bytes: float, full_bytes_per_token: int, window_bytes_per
     bs = sizing.block_size
     if len(windows) == 1:
         return (kv_blocks(budget_bytes, full_bytes_per_token + window_bytes_per_token, bs),)
-    most = sizing.max_batch_size * window_blocks_per_sequence(windows[1], bs, sizing.max_num_tokens,
-                                                              sizing.max_seq_len)
+    per_sequence = window_blocks_per_sequence(windows[1], bs, sizing.max_num_tokens, sizing.max_seq_len)
     if not full_bytes_per_token:
-        return 0, min(most, kv_blocks(budget_bytes, window_bytes_per_token, bs))
+        return 0, min(sizing.max_batch_size * per_sequence, kv_blocks(budget_bytes, window_bytes_per_token, bs))
     if not window_bytes_per_token:
         return kv_blocks(budget_bytes, full_bytes_per_token, bs), 0
-    per_sequence = most // sizing.max_batch_size
     sequence_bytes = bs * (blocks_for(sizing.max_seq_len, bs) * full_bytes_per_token + per_sequence * window_bytes_per_token)
     sequences = min(sizing.max_batch_size, max(1, int(max(budget_bytes, 0) // sequence_bytes)))
     window_pool = sequences * per_sequence
