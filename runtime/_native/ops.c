@@ -122,23 +122,18 @@ static int run_add_rms_norm(const void *p) {
     return 0;
 }
 
-static int run_silu_mul(const void *p) {
-    const RowArgs *a = p;
+/* act(gate) * up over rows of gate_up [rows, 2n] = gate | up, act one row at a time. */
+static int run_gated(const RowArgs *a, void (*act_mul_row)(float *, const float *, const float *, int)) {
     Py_ssize_t n = a->n;
     #pragma omp parallel for num_threads(live_threads(a->threads)) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
     for (Py_ssize_t r = 0; r < a->rows; r++)
-        silu_mul_row(a->out + r * n, a->x + 2 * r * n, a->x + 2 * r * n + n, (int)n);
+        act_mul_row(a->out + r * n, a->x + 2 * r * n, a->x + 2 * r * n + n, (int)n);
     return 0;
 }
 
-static int run_gelu_tanh_mul(const void *p) {
-    const RowArgs *a = p;
-    Py_ssize_t n = a->n;
-    #pragma omp parallel for num_threads(live_threads(a->threads)) if (a->rows * n >= PARALLEL_ELEMENTS) schedule(static)
-    for (Py_ssize_t r = 0; r < a->rows; r++)
-        gelu_tanh_mul_row(a->out + r * n, a->x + 2 * r * n, a->x + 2 * r * n + n, (int)n);
-    return 0;
-}
+static int run_silu_mul(const void *p) { return run_gated(p, silu_mul_row); }
+
+static int run_gelu_tanh_mul(const void *p) { return run_gated(p, gelu_tanh_mul_row); }
 
 static int run_scale(const void *p) {
     const RowArgs *a = p;

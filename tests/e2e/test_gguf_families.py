@@ -102,11 +102,16 @@ def test_every_block_type_dequantizes_as_transformers_does(qwen2_gguf):
         assert torch.equal(spec.load(name), state[key]), name
 
 
+def _qwen2_engine(gguf, tmp_path_factory, method: str):
+    """The mixed-block Qwen2 GGUF built with the exact plan and this [quant] method."""
+    out = tmp_path_factory.mktemp("qwen2_gguf_engine") / method
+    build_engine(str(gguf), exact_plan(method=method), out, show_progress=False)
+    return out
+
+
 @pytest.fixture(scope="module")
 def float_engine(qwen2_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen2_gguf_engine") / "none"
-    build_engine(str(qwen2_gguf), exact_plan(method="none"), out, show_progress=False)
-    return out
+    return _qwen2_engine(qwen2_gguf, tmp_path_factory, "none")
 
 
 def test_k_quant_gguf_logits_match_transformers_at_every_position(qwen2_gguf, float_engine):
@@ -125,9 +130,7 @@ def test_k_quant_gguf_greedy_tokens_and_chat_template(qwen2_gguf, qwen2_dir, flo
 
 @pytest.fixture(scope="module")
 def source_engine(qwen2_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen2_gguf_engine") / "source"
-    build_engine(str(qwen2_gguf), exact_plan(method="source"), out, show_progress=False)
-    return out
+    return _qwen2_engine(qwen2_gguf, tmp_path_factory, "source")
 
 
 def test_source_method_keeps_exact_blocks_bit_for_bit(qwen2_gguf, source_engine):
