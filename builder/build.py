@@ -14,12 +14,12 @@ from builder.calibration import model_tokenizer
 from builder.errors import KilnError
 from builder.lazy_tensors import LazyTensors
 from builder.model import load_model
-from builder.pipeline import PipelineOptions, build_pipeline, run_pipeline
-from builder.plan import Plan, load_devices
+from builder.pipeline import PipelineOptions, build_pipeline
+from builder.plan import Plan
+from builder.targets import target
 from builder.trace import trace
 from passes.context import PassContext
 from runtime import __version__
-from runtime._native import required_cpu_flags
 from runtime.engine_format import manifest_header
 
 
@@ -42,10 +42,8 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     pipeline = build_pipeline(plan, calibration_text)
     passes = [step.record() for step in pipeline]
     build_id = emit.build_id(identity, plan.to_dict(), passes + ([{"name": "onnx_only"}] if onnx_only else []))
-    if plan.target == "tensorrt" and not onnx_only:
-        from builder.tensorrt_compile import find_toolchain
-
-        find_toolchain(load_devices()[plan.device].compute_capability)  # before any work: can it be compiled here?
+    kind = target(plan.target)
+    kind.prepare(plan, onnx_only)  # before any work: can this host finish the build?
     if emit.is_up_to_date(out, build_id):
         return BuildResult(out, json.loads((out / "manifest.json").read_text()), True)
     emit.check_output_dir(out, force)
@@ -54,17 +52,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     # Weights are read from the source when a pass or the emitter needs them, never all at once.
     graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
     ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text, show_progress=show_progress)
-    write_ranks = None
-    if plan.target == "tensorrt":
-        # The whole program before sharding is the reference each rank's ONNX is verified against.
-        first = next(i for i, step in enumerate(pipeline) if step.per_rank)
-        [whole] = run_pipeline(graph, ctx, pipeline[:first], options)
-        graphs = run_pipeline(whole, ctx, pipeline[first:], options)
-        from builder.tensorrt_target import TensorRTBuild
-
-        write_ranks = TensorRTBuild(plan, whole, onnx_only, model.config.vocab_size).write_ranks
-    else:
-        graphs = run_pipeline(graph, ctx, pipeline, options)
+    graphs, write_ranks = kind.run(pipeline, graph, ctx, options, onnx_only)
     # The figures go into the manifest and report, not into every rank's program.
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
 
@@ -74,7 +62,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
         "model": dict(identity, source=str(model.source)),
         "plan": plan.to_dict(),
         "passes": passes,
-        "target": _target_requirements(plan),
+        "target": kind.requirements(plan),
         "world_size": plan.world_size,
         "quantization": _quantization_summary(plan, graphs[0]),
     }
@@ -112,11 +100,3 @@ def _quantization_summary(plan: Plan, graph) -> dict:
         summary["fp8"] = ("stored as e4m3 with f32 scales, computed in f32 on the cpu target; "
                           "the tensorrt target runs it as FP8 Q/DQ on FP8 tensor cores")
     return summary
-
-
-def _target_requirements(plan: Plan) -> dict:
-    if plan.target == "cpu":
-        return {"name": "cpu", "requires": {"cpu_flags": required_cpu_flags()}}
-    from builder.tensorrt_target import manifest_target
-
-    return manifest_target(plan)

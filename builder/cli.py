@@ -204,7 +204,7 @@ def compile(
 ):
     """Compile an --onnx-only tensorrt engine's verified ONNX into TensorRT engines, in place (on a host
     whose TensorRT targets the plan's GPU)."""
-    from builder.tensorrt_target import compile_engine
+    from builder.targets.tensorrt.build import compile_engine
 
     doc = compile_engine(engine)
     trt = doc["tensorrt"]
@@ -247,7 +247,7 @@ def _ir_rank_file(engine: Path, manifest: dict, rank: int) -> Path:
     ranks = manifest["ranks"]
     if not 0 <= rank < len(ranks):
         raise KilnError(f"--rank {rank}: the engine has ranks 0..{len(ranks) - 1}")
-    if manifest["target"]["name"] != "cpu":
+    if manifest["target"]["name"] == "tensorrt":
         raise KilnError(f"--ir: the ranks of a {manifest['target']['name']} engine hold ONNX segments, not the IR; "
                         f"rank {rank}'s steps are in {ranks[rank].get('onnx', {}).get('dir')}/program.json "
                         "(`engine-build build --dump-ir DIR` writes the IR)")
@@ -276,7 +276,7 @@ def verify(
         check_files(engine, manifest)     # every file the manifest lists (rank files, ONNX), by sha256
     except EngineError as exc:
         raise KilnError(str(exc)) from None
-    if manifest.target != "cpu":
+    if manifest.target not in ("cpu", "cuda"):
         raise KilnError(f"verify: {engine}: its files match the manifest, but the reference interpreter runs cpu "
                         f"engines and this is a {manifest.target} engine; its build verified the ONNX against the "
                         "cpu engine (`engine-build inspect` shows the record)")

@@ -20,6 +20,7 @@ from builder.calibration import KV_MAX, shipped_text
 from builder.errors import KilnError
 from builder.ir import Graph, IRError, verify
 from builder.plan import Plan
+from builder.targets import target
 from passes.calibrate_kv_scales import calibrate_kv_scales
 from passes.canonicalize import canonicalize
 from passes.clip_awq_weights import clip_awq_weights
@@ -30,7 +31,6 @@ from passes.fuse_gate_up import fuse_gate_up
 from passes.fuse_qkv import fuse_qkv
 from passes.keep_source_quant import keep_source_quant
 from passes.measure_accuracy import measure_accuracy
-from passes.pack_weights import LAYOUTS, pack_weights
 from passes.plan_memory import plan_memory
 from passes.quantize_fp8 import quantize_fp8
 from passes.quantize_int4 import quantize_int4
@@ -105,9 +105,10 @@ def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass
         # Both run on one rank too: they record the rank's place (mapping, stage, share) in the program.
         (True, Pass("split_pipeline_stages", split_pipeline_stages, sharding, per_rank=True)),
         (True, Pass("shard_tensor_parallel", shard_tensor_parallel, sharding, per_rank=True)),
-        # Phase 5: kernel layouts of the cpu target. After sharding, which slices the logical [N, K]
-        # operands; before plan_memory, which counts the packed bytes.
-        (plan.target == "cpu", Pass("pack_weights", pack_weights, {"layouts": dict(LAYOUTS)}, per_rank=True)),
+        # Phase 5: the target's kernel layouts (builder/targets: the cpu target's panels, the cuda target's
+        # nibbles). After sharding, which slices the logical [N, K] operands; before plan_memory, which counts
+        # the packed bytes.
+        *((True, step) for step in target(plan.target).layout_passes(plan)),
         # Phase 6: analysis of each rank's final program.
         (True, Pass("plan_memory", plan_memory, {"device": plan.device, "kv_cache": plan.to_dict()["kv_cache"]},
                     per_rank=True)),

@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
+import tomllib
+
 from builder.errors import KilnError
+from builder.targets import TARGETS
+from builder.targets import target as target_of
 from runtime.engine_format import KV_CACHE_DTYPES
 
-TARGETS = ("cpu", "tensorrt")
-BUILDABLE_TARGETS = ("cpu", "tensorrt")
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
 ACTIVATIONS = ("f32", "int16", "int8", "f16", "bf16")
-# What each target takes where it differs: integer activations and an int8 KV cache are cpu kernel paths;
-# TensorRT computes in f16/bf16 (f32 for reference) and keeps its KV cache in a float type. An fp8
-# cache waits for the PagedAttention plugin: the node's reference body gathers keys with GatherND and
-# ScatterND, which ONNX (opset 21) does not define for float8.
-TARGET_ACTIVATIONS = {"cpu": ("f32", "int16", "int8"), "tensorrt": ("f16", "bf16", "f32")}
-DEFAULT_ACTIVATIONS = {"cpu": "f32", "tensorrt": "f16"}
-TARGET_KV_DTYPES = {"cpu": KV_DTYPES, "tensorrt": ("f16", "bf16", "f32")}
-TARGET_QUANT_METHODS = {"cpu": QUANT_METHODS, "tensorrt": ("none", "source", "int8", "int4", "int4-awq", "fp8")}
+# What each target takes (activations, KV dtypes, quant methods) is the target's own: builder/targets.
 BF16_MIN_CC = (8, 0)  # bf16 tensor cores: Ampere or newer
 FP8_MIN_CC = (8, 9)   # FP8 tensor cores: Ada, Hopper or newer
 ROUNDINGS = ("gptq", "nearest")
@@ -141,11 +135,7 @@ def load_plan(path: str | Path | None = None) -> Plan:
         doc = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise PlanError(f"plan {path}: not valid TOML: {exc}") from None
-    plan = plan_from_dict(doc, str(path))
-    if plan.target not in BUILDABLE_TARGETS:
-        raise PlanError(f"plan {path}: target {plan.target!r} cannot be built yet (nothing emits it); "
-                        f"use one of {', '.join(BUILDABLE_TARGETS)}")
-    return plan
+    return plan_from_dict(doc, str(path))
 
 
 def plan_from_dict(doc: dict, origin: str) -> Plan:
@@ -156,8 +146,8 @@ def plan_from_dict(doc: dict, origin: str) -> Plan:
         if not isinstance(value, dict):
             raise PlanError(f"plan {origin}: [{key}] must be a table")
         top[key] = cls(**_take(cls, value, origin, f"[{key}] "))
-    if "activations" not in doc.get("quant", {}) and top.get("target") in DEFAULT_ACTIVATIONS:
-        top["quant"] = dataclasses.replace(top["quant"], activations=DEFAULT_ACTIVATIONS[top["target"]])
+    if "activations" not in doc.get("quant", {}) and top.get("target") in TARGETS:  # the target's first choice
+        top["quant"] = dataclasses.replace(top["quant"], activations=target_of(top["target"]).ACTIVATIONS[0])
     plan = Plan(**top)
     _validate(plan, origin)
     return plan
@@ -211,10 +201,10 @@ def _validate(plan: Plan, origin: str) -> None:
     if plan.device not in devices:
         fail("device", f"{plan.device!r} is not in the catalog (known: {', '.join(devices)})")
     device = devices[plan.device]
-    if plan.target == "cpu" and device.kind != "cpu":
-        fail("device", f"{plan.device!r} is a GPU; the cpu target needs device = \"cpu\"")
-    if plan.target == "tensorrt" and device.kind != "gpu":
-        fail("device", "the tensorrt target needs a GPU device from the catalog")
+    target = target_of(plan.target)
+    if device.kind != target.DEVICE_KIND:
+        needs = "a GPU device from the catalog" if target.DEVICE_KIND == "gpu" else 'device = "cpu"'
+        fail("device", f"{plan.device!r} is a {device.kind.upper()}; the {plan.target} target needs {needs}")
     if device.kind == "gpu" and device.cc is None:
         fail("device", f"{plan.device} has no compute_capability in plans/devices.toml")
     for key in ("tp", "pp"):
@@ -226,16 +216,16 @@ def _validate(plan: Plan, origin: str) -> None:
     if plan.limits.max_num_tokens < plan.limits.max_batch_size:
         fail("[limits] max_num_tokens", "must be at least max_batch_size (one decode token per sequence)")
     kv = plan.kv_cache
-    target = plan.target
     gpu = device.kind == "gpu"
     cc = f"{plan.device} is {device.compute_capability}"
     if kv.dtype not in KV_DTYPES:
         fail("[kv_cache] dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv.dtype!r}")
-    if kv.dtype not in TARGET_KV_DTYPES[target]:
-        why = ("its reference attention body has no float8 form in ONNX until the PagedAttention plugin lands"
-               if kv.dtype == "fp8" else "it is a cpu-only KV cache")
-        fail("[kv_cache] dtype", f"{kv.dtype} cannot be built for the {target} target ({why}); it takes "
-                                 f"{', '.join(TARGET_KV_DTYPES[target])}: use dtype = \"f16\"")
+    target.check_plan(plan, device, fail)  # the target's own constraints, with its reasons, before the generic ones
+    if kv.dtype not in target.KV_DTYPES:
+        takers = [name for name in TARGETS if kv.dtype in target_of(name).KV_DTYPES]
+        why = f" (a {' and '.join(takers)}-only KV cache)" if takers else ""
+        fail("[kv_cache] dtype", f"{kv.dtype} cannot be built for the {plan.target} target{why}; it takes "
+                                 f"{', '.join(target.KV_DTYPES)}: use dtype = \"{target.KV_DTYPES[0]}\"")
     if kv.block_size < 1 or kv.block_size & (kv.block_size - 1):
         fail("[kv_cache] block_size", f"must be a power of two, got {kv.block_size}")
     if not 0 < kv.memory_fraction <= 1:
@@ -243,9 +233,9 @@ def _validate(plan: Plan, origin: str) -> None:
     q = plan.quant
     if q.method not in QUANT_METHODS:
         fail("[quant] method", f"must be one of {', '.join(QUANT_METHODS)}, got {q.method!r}")
-    if q.method not in TARGET_QUANT_METHODS[target]:
-        fail("[quant] method", f"{q.method} is not available on the {target} target "
-                               f"(it takes {', '.join(TARGET_QUANT_METHODS[target])})")
+    if q.method not in target.QUANT_METHODS:
+        fail("[quant] method", f"{q.method} is not available on the {plan.target} target "
+                               f"(it takes {', '.join(target.QUANT_METHODS)})")
     if q.group_size not in GROUP_SIZES:
         fail("[quant] group_size", f"must be one of {GROUP_SIZES}, got {q.group_size}")
     if gpu:  # the tensorrt target computes FP8 on tensor cores: storing it is not enough
@@ -262,13 +252,10 @@ def _validate(plan: Plan, origin: str) -> None:
             fail("[kv_cache] dtype", f"fp8 needs a device with FP8 (Ada/Hopper or newer); {plan.device} has none")
     if q.activations not in ACTIVATIONS:
         fail("[quant] activations", f"must be one of {', '.join(ACTIVATIONS)}, got {q.activations!r}")
-    if q.activations not in TARGET_ACTIVATIONS[target]:
-        takes = " or ".join(TARGET_ACTIVATIONS[target])
-        if target == "cpu":
-            fail("[quant] activations", f"{q.activations} is not a cpu kernel path; the cpu target takes {takes}: "
-                                        f"use activations = \"f32\" (exact)")
+    if q.activations not in target.ACTIVATIONS:
+        takes = " or ".join(target.ACTIVATIONS)
         fail("[quant] activations", f"{q.activations} is a cpu kernel path (integer activations per token); the "
-                                    f"{target} target takes {takes}: use activations = \"f16\"")
+                                    f"{plan.target} target takes {takes}: use activations = \"{target.ACTIVATIONS[0]}\"")
     if q.activations == "bf16" and gpu and device.cc < BF16_MIN_CC:
         fail("[quant] activations", f"bf16 needs compute capability 8.0+; {cc}: use activations = \"f16\"")
     if q.rounding not in ROUNDINGS:

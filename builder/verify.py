@@ -23,7 +23,8 @@ DEFAULT_PROMPTS = (
 
 # Without --tolerance, an engine on integer activations passes when its top-1 token is the reference's on
 # every prompt and its logits are within this share of the largest reference logit.
-INTEGER_ACTIVATION_TOLERANCE = {"int16": 0.01, "int8": 0.05}
+# The cuda target's f16 and bf16 activations round every op's output the same way (10 and 7 fraction bits).
+INTEGER_ACTIVATION_TOLERANCE = {"int16": 0.01, "int8": 0.05, "f16": 0.02, "bf16": 0.05}
 
 
 @dataclass
@@ -66,14 +67,22 @@ def verify_engine(engine: Path, model_source: str | None, prompts: list[str] | N
         program, tensors = map_rank_file(engine / manifest.ranks[0].file)
     except EngineError as exc:
         raise KilnError(str(exc)) from None
-    interpreter = Interpreter(program, tensors)
-    modes = {n["attrs"].get("act", "f32") for n in json.loads(program)["nodes"]}
-    report = VerifyReport(activations=next((m for m in INTEGER_ACTIVATIONS if m in modes), "f32"))
+    if manifest.target == "cuda":  # the engine's own kernels, not the reference interpreter
+        from builder.targets.cuda.verify import cuda_logits, kernel_coverage
+
+        report = VerifyReport(activations=manifest.activations, lines=[kernel_coverage(engine, manifest)])
+        logits, where = cuda_logits(engine, manifest)
+        report.lines.append(f"logits computed by the cuda backend {where}")
+    else:
+        interpreter = Interpreter(program, tensors)
+        modes = {n["attrs"].get("act", "f32") for n in json.loads(program)["nodes"]}
+        report = VerifyReport(activations=next((m for m in INTEGER_ACTIVATIONS if m in modes), "f32"))
+        logits = lambda ids: interpreter.logits(ids)[-1]  # noqa: E731
     reference = load_transformers_model(model_source or manifest.model_source)
     tokenizer, special = load_tokenizer(engine, manifest)
     for text in prompts or DEFAULT_PROMPTS:
         ids = special.apply(tokenizer.encode(text, add_special_tokens=False).ids)
-        ours = interpreter.logits(ids)[-1]
+        ours = logits(ids)
         theirs = reference(torch.tensor([ids])).logits[0, -1].float()
         diff = (ours - theirs).abs().max().item()
         same_top = int(ours.argmax()) == int(theirs.argmax())

@@ -39,40 +39,19 @@ class Executor(Protocol):
         return handle
 
 
-# The onnxruntime backend runs a GPU plan's engine on this machine's memory: without --kv-cache-gib
-# its pools hold 1 GiB, not the GPU memory plan's blocks.
-ONNXRUNTIME_KV_GIB = 1.0
-
-
-def kv_budget(backend: str, kv_cache_gib: float | None) -> float | None:
-    return ONNXRUNTIME_KV_GIB if backend == "onnxruntime" and kv_cache_gib is None else kv_cache_gib
-
-
-# The backends that give sliding-window layers a KV pool of their own (runtime/kv_groups.py); the others
-# read every layer through one block table.
-WINDOWED_POOLS = ("cpu",)
-
-
 def kv_groups(manifest, backend: str, kv_cache_gib: float | None) -> KVGroups:
-    """The KV pools an engine runs with on this backend."""
-    return manifest.kv_groups(kv_budget(backend, kv_cache_gib), windowed=backend in WINDOWED_POOLS)
+    """The KV pools an engine runs with on this backend (runtime/backends: its default budget and whether it
+    gives sliding-window layers a pool of their own)."""
+    from runtime.backends import backend as backend_module
+
+    module = backend_module(backend)
+    budget = module.DEFAULT_KV_GIB if kv_cache_gib is None else kv_cache_gib
+    return manifest.kv_groups(budget, windowed=module.WINDOWED_POOLS)
 
 
 def create_executor(engine, rank: int, pools: KVGroups, backend: str, num_threads: int | None = None,
                     collectives: dict | None = None) -> Executor:
     """The executor of one rank of `engine` (an EngineDir) for a backend check_target accepted."""
-    manifest = engine.manifest
-    num_blocks = pools.num_blocks[0]
-    if backend == "onnxruntime":
-        from runtime.onnx_executor import OnnxExecutor
+    from runtime.backends import backend as backend_module
 
-        return OnnxExecutor(engine.path / manifest.ranks[rank].onnx_dir, num_blocks, num_threads, collectives)
-    if backend == "tensorrt":  # check_target refused it already where no GPU is present
-        from runtime.tensorrt_executor import TensorRTExecutor, rank_device
-
-        return TensorRTExecutor(engine.path / manifest.ranks[rank].file, manifest.tensorrt["flavour"], num_blocks,
-                                collectives, rank_device(rank))
-    from runtime.executor import CpuExecutor
-
-    return CpuExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype,
-                       collectives=collectives)
+    return backend_module(backend).create_executor(engine, rank, pools, num_threads, collectives)

@@ -121,6 +121,7 @@ class Manifest:
     model_config: dict                # the model's shapes (builder.model.ModelConfig.to_dict)
     activations: str                  # the plan's [quant] activations
     special_tokens: SpecialTokens | None = None  # BOS/EOS around raw text; None: an engine built before the rule
+    cuda: dict | None = None          # cuda target: its compiled kernels (runtime/backends/cuda/kernel_index.py)
 
     @staticmethod
     def read(path: Path) -> Manifest:
@@ -168,7 +169,8 @@ class Manifest:
                                     int(m.get("kv_window_bytes_per_token", 0)), "kv_window_bytes_per_token" in m)
                          for m in doc["memory"]["ranks"]),
             model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"),
-            special_tokens=SpecialTokens.from_dict(model["special_tokens"]) if "special_tokens" in model else None)
+            special_tokens=SpecialTokens.from_dict(model["special_tokens"]) if "special_tokens" in model else None,
+            cuda=doc.get("cuda"))
 
     def kv_groups(self, kv_cache_gib: float | None, windowed: bool = True) -> KVGroups:
         """The KV pools every rank allocates (the scheduler hands out one block id space per group): the build's
@@ -217,15 +219,12 @@ class EngineDir:
         return map_rank_file(self.path / self.manifest.ranks[rank].file)
 
 
-BACKENDS = {"cpu": ("cpu",), "tensorrt": ("onnxruntime", "tensorrt")}  # target -> the backends that run it
-
-
 def open_engine(path: str | Path, world_size: int | None = None, check_hashes: bool = True,
                 backend: str | None = None) -> EngineDir:
     """Open an engine directory for this runtime: format, target, world size and rank files checked.
 
-    backend: what runs it (None: the target's own, "cpu" for cpu engines, "tensorrt" for tensorrt
-    ones); "onnxruntime" runs a tensorrt engine's ONNX on the CPU, and checks those files instead."""
+    backend: what runs it (runtime/backends; None: the target's own, e.g. "cpu" for cpu engines); "onnxruntime"
+    runs a tensorrt engine's ONNX on the CPU, and checks those files instead."""
     path = Path(path)
     if not path.is_dir():
         raise EngineError(f"{path}: no such engine directory (build one with `engine-build build --out {path}`)")
@@ -240,16 +239,14 @@ def open_engine(path: str | Path, world_size: int | None = None, check_hashes: b
 
 
 def check_files(path: Path, manifest: Manifest, backend: str | None = None, check_hashes: bool = True) -> None:
-    """The files `backend` reads are there and, with check_hashes, match the manifest's sha256: the rank
-    files ("cpu", "tensorrt"), a tensorrt engine's ONNX ("onnxruntime"), or every file listed (None)."""
+    """The files `backend` reads are there and, with check_hashes, match the manifest's sha256; every file the
+    manifest lists with backend None."""
+    from runtime.backends import backend as backend_module
+    from runtime.backends import backends_for
+
+    names = [backend] if backend else backends_for(manifest.target)
     for entry in manifest.ranks:
-        onnx = [(path / entry.onnx_dir / name, digest) for name, digest in entry.onnx_files]
-        if backend == "onnxruntime":
-            files = onnx
-        elif backend is None:
-            files = onnx + ([] if entry.file is None else [(path / entry.file, entry.sha256)])
-        else:
-            files = [(path / entry.file, entry.sha256)]
+        files = dict.fromkeys(f for name in names for f in backend_module(name).rank_files(path, entry))
         for file, digest in files:
             if not file.is_file():
                 raise EngineError(f"{path}: rank {entry.rank} file {file.relative_to(path)} is missing; "
@@ -261,61 +258,18 @@ def check_files(path: Path, manifest: Manifest, backend: str | None = None, chec
 
 def check_target(path: Path, manifest: Manifest, backend: str | None = None) -> str:
     """The backend that runs this engine here (EngineError, in one line, when none can)."""
-    allowed = BACKENDS.get(manifest.target)
-    if allowed is None:
+    from runtime.backends import backend as backend_module
+    from runtime.backends import backends_for
+
+    allowed = backends_for(manifest.target)
+    if not allowed:
         raise EngineError(f"{path}: built for the {manifest.target!r} target, which this runtime does not run")
     backend = backend or allowed[-1]
     if backend not in allowed:
         raise EngineError(f"{path}: a {manifest.target} engine runs with --backend {' or '.join(allowed)}, "
                           f"not {backend}")
-    if backend == "tensorrt":
-        _check_gpu(path, manifest)
-    if backend == "onnxruntime" and not all(r.onnx_dir for r in manifest.ranks):
-        raise EngineError(f"{path}: the manifest lists no ONNX for some rank; rebuild the engine")
-    if manifest.target != "cpu":
-        return backend
-    missing = sorted(set(manifest.cpu_flags) - cpu_flags())
-    if missing:
-        raise EngineError(f"{path}: this CPU lacks {', '.join(missing)}, which the engine's kernels need; "
-                          "run it on a CPU that has them")
+    backend_module(backend).check_host(path, manifest)
     return backend
-
-
-def gpu_mismatch(compiled_for: str, flavour: str, gpu: str) -> str | None:
-    """Why an engine compiled by `flavour` for compute capability `compiled_for` cannot run on a GPU of
-    compute capability `gpu`, with what to do instead; None when it can."""
-    if gpu == compiled_for:
-        return None
-    if flavour == "tensorrt-rtx" and gpu not in TENSORRT_RTX_TARGETS:
-        return (f"compiled by TensorRT for RTX for compute capability {compiled_for}; this GPU is {gpu}, which "
-                f"TensorRT for RTX does not run on (it runs on {', '.join(TENSORRT_RTX_TARGETS)}): build the "
-                "plan with --onnx-only and run `engine-build compile DIR` on this host with datacenter TensorRT")
-    return f"compiled for compute capability {compiled_for}, this GPU is {gpu}; rebuild the engine for it"
-
-
-def _check_gpu(path: Path, manifest: Manifest) -> None:
-    """A tensorrt engine needs its compiled rank files, a CUDA GPU of its compute capability and the
-    TensorRT that compiled it."""
-    if manifest.tensorrt is None or any(r.file is None for r in manifest.ranks):
-        raise EngineError(f"{path}: built with --onnx-only, no TensorRT engines yet; run `engine-build compile "
-                          f"{path}` on a GPU host, or --backend onnxruntime to run its ONNX on the CPU")
-    if not torch.cuda.is_available():
-        raise EngineError(f"{path}: a tensorrt engine needs an NVIDIA GPU of compute capability "
-                          f"{manifest.compute_capability} and this machine has none; run its ONNX on the CPU "
-                          "with --backend onnxruntime")
-    major, minor = torch.cuda.get_device_capability()
-    flavour, version = manifest.tensorrt["flavour"], manifest.tensorrt["version"]
-    mismatch = gpu_mismatch(manifest.compute_capability, flavour, f"{major}.{minor}")
-    if mismatch:
-        raise EngineError(f"{path}: {mismatch}")
-    module = "tensorrt" if flavour == "tensorrt" else "tensorrt_rtx_bindings"
-    try:
-        installed = __import__(module).__version__
-    except ImportError:
-        raise EngineError(f"{path}: compiled by {flavour} {version}, which is not installed here") from None
-    if installed != version:
-        raise EngineError(f"{path}: compiled by {flavour} {version}, this host has {installed}; rebuild the engine "
-                          "or install that version")
 
 
 def cpu_flags() -> set[str]:

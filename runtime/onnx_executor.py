@@ -1,6 +1,6 @@
 """The onnxruntime backend: a tensorrt-target engine's per-rank ONNX run on the CPU with ONNX Runtime.
 
-A rank's `program.json` (written by builder/lower_onnx.py) lists its segments and the exchanges
+A rank's `program.json` (written by builder/targets/tensorrt/lower_onnx.py) lists its segments and the exchanges
 between them. `OnnxRank` runs one step of it: the segments through ONNX Runtime sessions, the
 exchanges through a callable the caller supplies (torch.distributed in rank processes, an
 in-process group when the builder verifies every rank in one process). `OnnxExecutor` is the

@@ -73,12 +73,16 @@ Observer = Callable[[int, Call, dict], bool]
 
 
 class Program:
-    def __init__(self, program: dict, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False):
-        """reuse_outputs: nodes keep their output buffers from step to step (runtime.ops.tape.Outputs), so a
+    def __init__(self, program: dict, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False,
+                 binders: dict | None = None):
+        """binders: op -> binder, for a runner with kernels of its own (the cuda backend); default BINDERS.
+
+        reuse_outputs: nodes keep their output buffers from step to step (runtime.ops.tape.Outputs), so a
         value is valid until its node runs again; for runners that consume each step's values within
         the step (the executor), never for callers that keep them (calibration)."""
         self.doc = program
         self.reuse_outputs = reuse_outputs
+        self.binders = binders or BINDERS
         self.weight_names = {w["name"] for w in program["weights"]}
         self.outputs = program["outputs"]
         nodes = program["nodes"]
@@ -201,12 +205,12 @@ class Program:
         return Call(attention["name"], fn, [*sources, rope["inputs"][2]], attention["outputs"])
 
     def _bind(self, node: dict, tensors: dict, hooks: Hooks) -> Call:
-        if node["op"] not in BINDERS:
+        if node["op"] not in self.binders:
             raise ValueError(f"program: op {node['op']!r} of node {node['name']!r} has no kernel")
         inputs = node["inputs"]
         site = Site(node, node["attrs"], [tensors[i] for i in inputs if i in self.weight_names], tensors, hooks,
                     self.reuse_outputs and not set(node["outputs"]) & set(self.outputs))
-        fn = BINDERS[node["op"]](site)
+        fn = self.binders[node["op"]](site)
         if fn is None:
             raise ValueError(f"program: node {node['name']!r} ({node['op']}) needs a multi-rank runner")
         return Call(node["name"], fn, [i for i in inputs if i not in self.weight_names], node["outputs"])

@@ -6,7 +6,7 @@ execute_async_v3) and the engine contract that the onnxruntime backend runs and 
 the CPU. tests/e2e/test_tensorrt_gpu.py runs it where a GPU and TensorRT are present.
 
 A rank file holds one serialized TensorRT engine per ONNX segment (`segmentNN`, u8) and the rank's
-program (builder/lower_onnx.py): segments in order, with exchanges (all_reduce, all_gather, send,
+program (builder/targets/tensorrt/lower_onnx.py): segments in order, with exchanges (all_reduce, all_gather, send,
 recv) between them. A step binds the step metadata and each layer's KV pools, enqueues the segments
 on one CUDA stream and runs the exchanges through torch.distributed (NCCL for CUDA tensors).
 
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 
 import torch
 
 from runtime.backend import Executor
 from runtime.engine_format import EngineError, map_rank_file
-from runtime.step import StepMetadata
 from runtime.kv_groups import KVGroups
+from runtime.step import StepMetadata
 
 _STEP_INPUTS = ("tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
                 "logits_indices")
@@ -169,9 +168,3 @@ class _Blocks:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.groups = KVGroups((0,), (num_blocks,))  # one pool: every layer reads the one block table
-
-
-def rank_device(rank: int) -> torch.device:
-    """The GPU of a rank process: LOCAL_RANK where a launcher sets it, else the rank modulo the GPUs."""
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    return torch.device("cuda", local % max(1, torch.cuda.device_count()))

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.backend import create_executor, kv_groups
+from runtime.backends import backend as backend_module
+from runtime.backends.gpus import rank_device
 from runtime.engine_format import EngineDir, EngineError, check_target, open_engine
 from runtime.mapping import Mapping
 from runtime.ranks.collectives import Collectives, broadcast_step, receive_step
@@ -62,9 +64,7 @@ class Rank:
         stage_ranks = mapping.tp_groups()
         stages = [dist.new_group(ranks) for ranks in stage_ranks]
         device = None
-        if self.backend == "tensorrt":  # NCCL needs each rank's GPU chosen before its first collective
-            from runtime.tensorrt_executor import rank_device
-
+        if backend_module(self.backend).GPU:  # NCCL needs each rank's GPU chosen before its first collective
             device = rank_device(self.rank)
             torch.cuda.set_device(device)
         self.collectives = Collectives(self.rank, mapping.tp_group(), stages[mapping.pp_rank], device)

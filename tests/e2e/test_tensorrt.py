@@ -192,7 +192,7 @@ def test_a_tampered_onnx_file_is_refused(built, tmp_path):
 def test_lint_rejects_an_op_the_parser_lacks(tiny_llama_dir):
     import onnx
 
-    from builder.onnx_lint import lint_model, load_op_table
+    from builder.targets.tensorrt.onnx_lint import lint_model, load_op_table
 
     model = onnx.helper.make_model(onnx.helper.make_graph(
         [onnx.helper.make_node("DFT", ["x"], ["y"], name="spectrum")], "g",
@@ -204,7 +204,7 @@ def test_lint_rejects_an_op_the_parser_lacks(tiny_llama_dir):
 
 
 def test_a_failing_verification_writes_nothing(tiny_llama_dir, tmp_path, monkeypatch):
-    import builder.tensorrt_target as target
+    import builder.targets.tensorrt.build as target
 
     monkeypatch.setattr(target, "F32_TOLERANCE", 0.0)  # any difference at all now fails the build
     monkeypatch.setattr(target, "HALF_KV_TOLERANCE", 0.0)

@@ -23,7 +23,7 @@ def local_gpu_device() -> tuple[str | None, str]:
     major, minor = torch.cuda.get_device_capability()
     cc = f"{major}.{minor}"
     from builder.errors import KilnError
-    from builder.tensorrt_compile import find_toolchain
+    from builder.targets.tensorrt.compile import find_toolchain
 
     try:
         find_toolchain(cc)

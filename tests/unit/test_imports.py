@@ -7,7 +7,8 @@ inside functions too), so that each layer stands on the ones below it only:
                    build on. May import runtime; never imports passes.
   passes/          one compiler pass per file. Imports builder's lower layer (and runtime), never
                    the build drivers.
-  build drivers    builder.pipeline, build, emit, verify, cli: they assemble and run the passes,
+  build drivers    builder.pipeline, build, emit, verify, cli and the targets (builder/targets: each
+                   owns its passes): they assemble and run the passes,
                    and are the only builder modules that import passes.
 """
 
@@ -20,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("builder", "passes", "runtime")
-DRIVERS = ("builder.pipeline", "builder.build", "builder.emit", "builder.verify", "builder.cli")
+DRIVERS = ("builder.pipeline", "builder.build", "builder.emit", "builder.verify", "builder.cli", "builder.targets")
 
 
 def module_name(path: Path) -> str:

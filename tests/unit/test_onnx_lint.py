@@ -1,4 +1,4 @@
-"""builder.onnx_lint on real ONNX models: a clean one passes (and runs in ONNX Runtime), each rule fails.
+"""builder.targets.tensorrt.onnx_lint on real ONNX models: a clean one passes (and runs in ONNX Runtime), each rule fails.
 
 The clean model is what the tensorrt target emits in miniature: x @ dequantize(block-INT4 weight),
 then a `kiln::Scale2` node whose local function is the reference body and whose plugin attributes
@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from builder.errors import KilnError
-from builder.onnx_lint import lint_model, load_op_table
+from builder.targets.tensorrt.onnx_lint import lint_model, load_op_table
 
 K, N, BLOCK = 64, 32, 32
 TRT = load_op_table("tensorrt", "10.14.1")

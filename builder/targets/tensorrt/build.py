@@ -1,10 +1,10 @@
 """The tensorrt target's emission: per-rank ONNX, the checks that need no GPU, and TensorRT engines.
 
-For every rank: lower the program to ONNX segments (builder/lower_onnx.py), check each with
+For every rank: lower the program to ONNX segments (builder/targets/tensorrt/lower_onnx.py), check each with
 onnx.checker (shape inference included) and lint it against the ONNX operators the chosen TensorRT
-parser supports (builder/onnx_lint.py). Then verify every rank under ONNX Runtime against Kiln's cpu
-engine of the same quantized program (builder/verify_onnx.py), and compile each segment with
-TensorRT (builder/tensorrt_compile.py) into `rank{r}.engine`: a Kiln rank file whose tensors are
+parser supports (builder/targets/tensorrt/onnx_lint.py). Then verify every rank under ONNX Runtime against Kiln's cpu
+engine of the same quantized program (builder/targets/tensorrt/verify_onnx.py), and compile each segment with
+TensorRT (builder/targets/tensorrt/compile.py) into `rank{r}.engine`: a Kiln rank file whose tensors are
 the serialized segment engines and whose program is the rank's program.json. A failing check
 stops the build; nothing is written.
 """
@@ -23,12 +23,12 @@ import torch
 
 from builder.errors import KilnError
 from builder.ir import Graph
-from builder.lower_onnx import PROGRAM_FILE, lower_rank
-from builder.onnx_attention import DOMAIN, OP, PLUGIN_VERSION
-from builder.onnx_lint import lint_model, load_op_table
 from builder.plan import Plan, load_devices
-from builder.tensorrt_compile import RTX_TARGETS, Profile, Toolchain, compile_segments, find_toolchain
-from builder.verify_onnx import cpu_reference, verify_ranks
+from builder.targets.tensorrt.compile import RTX_TARGETS, Profile, Toolchain, compile_segments, find_toolchain
+from builder.targets.tensorrt.lower_onnx import PROGRAM_FILE, lower_rank
+from builder.targets.tensorrt.onnx_attention import DOMAIN, OP, PLUGIN_VERSION
+from builder.targets.tensorrt.onnx_lint import lint_model, load_op_table
+from builder.targets.tensorrt.verify_onnx import cpu_reference, verify_ranks
 from runtime.engine_format import EngineError, sha256_file, write_rank_file
 
 # |logit difference| a build accepts against the cpu engine: f32 activations compute the same math

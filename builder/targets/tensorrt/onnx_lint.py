@@ -16,12 +16,12 @@ tensor), the op and the TensorRT version; an empty list means the model should p
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 
 import numpy as np
 import onnx
+import tomllib
 from onnx import AttributeProto, TensorProto, numpy_helper
 
 from builder.errors import KilnError

@@ -42,7 +42,7 @@ from onnx import TensorProto, helper
 
 from builder.errors import KilnError
 from builder.ir import Graph, Node
-from builder.onnx_attention import DOMAIN, paged_attention_function, paged_attention_node
+from builder.targets.tensorrt.onnx_attention import DOMAIN, paged_attention_function, paged_attention_node
 from runtime.ops.reference import RopeTable
 from runtime.weights import fp8, int4, int5, int6, int8
 

@@ -1,0 +1,140 @@
+"""Ahead-of-time kernels of a cuda build: which variants the ranks launch, compiled by Triton into cubins.
+
+The variants are found by running the cuda executor itself over `meta` tensors with a RecordingLauncher: a
+prefill chunk (long enough to take the GEMM kernels) beside a decode, then a decode alone. Nothing is computed
+and no GPU is needed; the variants are exactly those the executor asks for at serving time, since every kernel
+specialises on the model's constants, never on a step's token count. Each is then compiled for the plan's
+compute capability (Triton's cross-compiler: no GPU here either) and written into the engine with its hash.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from builder.errors import KilnError
+from builder.ir import TORCH_DTYPES, Graph
+from builder.plan import Plan, load_devices
+from runtime.engine_format import RankFile, sha256_file
+from runtime.kv_groups import KVGroups
+from runtime.step import StepMetadata
+
+
+def find_triton():
+    """Triton, which compiles the kernels (the gpu extra), or a KilnError saying how to get it."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to keep it quiet
+    try:
+        import triton
+    except ImportError:
+        raise KilnError("the cuda target compiles its kernels with Triton, which is not installed: "
+                        "pip install -e '.[gpu]'") from None
+    return triton
+
+
+def kernel_writer(plan: Plan, graphs: list[Graph], show_progress: bool):
+    """emit's write_ranks for the cuda target: each rank's file, then the kernels every rank launches."""
+
+    def write_ranks(tmp: Path, graphs: list[Graph]) -> tuple[list[dict], dict]:
+        from builder.emit import _write_rank
+        from runtime.backends.cuda.kernel_index import INDEX, write_index
+
+        ranks = []
+        for rank, graph in enumerate(tqdm(graphs, desc="writing ranks", unit="rank", disable=not show_progress)):
+            path = tmp / f"rank{rank}.engine"
+            _write_rank(path, rank, graph)
+            ranks.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+        triton = find_triton()
+        cc = load_devices()[plan.device].compute_capability
+        variants = {}
+        for graph in graphs:
+            variants.update(record_variants(graph, plan))
+        started = time.perf_counter()
+        compiled = [compile_variant(kernel, variant, cc)
+                    for kernel, variant in tqdm(variants.values(), desc=f"compiling kernels for {cc}", unit="kernel",
+                                                disable=not show_progress)]
+        seconds = time.perf_counter() - started
+        from builder.targets.cuda import ARCHES
+
+        header = {"arch": ARCHES[cc], "compute_capability": cc, "triton": triton.__version__}
+        digest = write_index(tmp, header, compiled)
+        section = dict(header, index=INDEX, index_sha256=digest, kernels=len(compiled),
+                       compile_seconds=round(seconds, 1),
+                       cubin_bytes=sum(len(c.cubin) for c in compiled),
+                       widened=sorted({n for g in graphs for n in g.meta.get("cuda_weights", {}).get("widened", [])}))
+        return ranks, {"cuda": section}
+
+    return write_ranks
+
+
+def record_variants(graph: Graph, plan: Plan) -> dict:
+    """variant key -> (Kernel, Variant) of every kernel one rank's executor launches."""
+    from runtime.backends.cuda.executor import CudaExecutor
+    from runtime.backends.cuda.launch import RecordingLauncher
+
+    tensors = {name: torch.empty(w.shape, dtype=TORCH_DTYPES[w.dtype], device="meta")
+               for name, w in graph.weights.items()}
+    launcher = RecordingLauncher()
+    limits = plan.limits
+    executor = CudaExecutor(RankFile(graph.to_json(), tensors), KVGroups((0,), (4,)), plan.kv_cache.block_size,
+                            plan.kv_cache.dtype, plan.quant.activations, limits.max_seq_len, launcher,
+                            collectives=_meta_collectives())
+    chunk = max(1, min(64, limits.max_num_tokens - 1, limits.max_seq_len - 1))
+    for lens in ([chunk, 1], [1]):
+        executor.run_meta(_step(lens, plan.kv_cache.block_size))
+    return {key: (launcher.kernels[key], v) for key, v in launcher.seen.items()}
+
+
+def _step(query_lens: list[int], block_size: int) -> StepMetadata:
+    """A step whose sequences have these query lengths (values are placeholders: only shapes reach the kernels)."""
+    total = sum(query_lens)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    widest = -(-max(query_lens) // block_size)
+    return StepMetadata(torch.zeros(total, dtype=torch.int64), torch.arange(total), torch.arange(total),
+                        torch.zeros(len(query_lens), widest, dtype=torch.int32),
+                        torch.tensor(query_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                        torch.tensor([s - 1 for s in starts[1:]]))
+
+
+def _meta_collectives() -> dict:
+    """Shape-only stand-ins for the collectives of a dry run (the values are never read)."""
+    return {"all_reduce": lambda x, attrs: x, "all_gather": lambda x, attrs: x,
+            "send": lambda x, attrs: None,
+            "recv": lambda attrs: torch.empty([1 if isinstance(d, str) else d for d in attrs["shape"]],
+                                              device="meta")}
+
+
+def compile_variant(kernel, variant, compute_capability: str):
+    """One variant compiled by Triton for a compute capability: a CompiledKernel holding its cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    from runtime.backends.cuda.launch import CompiledKernel
+
+    major, minor = (int(x) for x in compute_capability.split("."))
+    runtime = dict(variant.signature)
+    constexprs = dict(variant.constexprs)
+    names = kernel.arg_names()
+    signature = {n: ("constexpr" if n in constexprs else runtime[n]) for n in names}
+    # every pointer 16-byte aligned: the launchers check it (runtime/backends/cuda/launch.py)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
+    source = triton.compiler.ASTSource(JITFunction(kernel.fn), signature, constexprs, attrs)
+    try:
+        out = triton.compile(source, target=GPUTarget("cuda", major * 10 + minor, 32),
+                             options={"num_warps": variant.num_warps, "num_stages": variant.num_stages})
+    except Exception as exc:  # noqa: BLE001 - Triton's compile errors are many types; name the kernel
+        raise KilnError(f"compiling kernel {variant.name} {constexprs} for {compute_capability}: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    md = out.metadata
+    ptx = out.asm["ptx"]
+    entry = ptx[ptx.index(f".entry {md.name}("):]
+    num_params = len(re.findall(r"\.param\s", entry[:entry.index(")")]))
+    return CompiledKernel(variant, md.name, md.num_warps, md.shared, num_params, md.global_scratch_size,
+                          out.asm["cubin"])

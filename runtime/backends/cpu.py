@@ -1,0 +1,30 @@
+"""The cpu backend: Kiln's C kernels run a cpu engine's ranks on this host's cores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.engine_format import EngineError, cpu_flags
+
+TARGETS = ("cpu",)
+WINDOWED_POOLS = True
+DEFAULT_KV_GIB = None
+GPU = False
+
+
+def rank_files(path: Path, entry) -> list[tuple[Path, str]]:
+    return [(path / entry.file, entry.sha256)]
+
+
+def check_host(path: Path, manifest) -> None:
+    missing = sorted(set(manifest.cpu_flags) - cpu_flags())
+    if missing:
+        raise EngineError(f"{path}: this CPU lacks {', '.join(missing)}, which the engine's kernels need; "
+                          "run it on a CPU that has them")
+
+
+def create_executor(engine, rank: int, pools, num_threads: int | None = None, collectives: dict | None = None):
+    from runtime.executor import CpuExecutor
+
+    manifest = engine.manifest
+    return CpuExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype, collectives=collectives)

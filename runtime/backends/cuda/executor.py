@@ -1,0 +1,186 @@
+"""CudaExecutor: one rank's program on a GPU (or, for tests, in Triton's interpreter on the CPU), with the KV
+pools in device memory, updated in place, and decode steps replayed as CUDA graphs (runtime/backends/cuda/graphs.py).
+
+Weights are copied once from the memory-mapped rank file to the device. A step's metadata is copied to the
+device once (DeviceStep) and every kernel reads it there; the logits come back to the host as f32 for the
+sampler.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from runtime.backend import Executor
+from runtime.backends.cuda.graphs import DecodeGraphs
+from runtime.backends.cuda.kernels import attention, rows
+from runtime.backends.cuda.launch import ALIGNMENT, Launcher
+from runtime.backends.cuda.ops import OpContext, make_binders
+from runtime.engine_format import KV_CACHE_DTYPES, RankFile
+from runtime.kv_groups import KVGroups
+from runtime.ops import reference
+from runtime.program import Hooks, Program, attention_layers
+from runtime.ranks.collectives import DTYPES
+from runtime.step import StepMetadata
+
+ACTIVATION_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class DeviceStep:
+    """A step's inputs on the device, in the types the kernels take."""
+
+    token_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int32
+    slot_mapping: torch.Tensor     # [T] int32, -1: write nothing (a padded row)
+    block_tables: torch.Tensor     # [S, W] int32
+    context_lens: torch.Tensor     # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    logits_indices: torch.Tensor   # [N] int64
+    max_query_len: int             # host-side: the attention grid's second dimension
+
+    @staticmethod
+    def of(meta: StepMetadata, device: torch.device) -> DeviceStep:
+        qsl = meta.query_start_loc
+        longest = int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0
+        to = lambda t, dtype: t.to(device=device, dtype=dtype, non_blocking=True)  # noqa: E731
+        return DeviceStep(to(meta.token_ids, torch.int64), to(meta.positions, torch.int32),
+                          to(meta.slot_mapping, torch.int32), to(meta.block_tables, torch.int32),
+                          to(meta.context_lens, torch.int32), to(qsl, torch.int32),
+                          to(meta.logits_indices, torch.int64), longest)
+
+
+class DeviceKVCache:
+    """K and V of every attention layer: [num_blocks, block_size, num_kv_heads, head_dim] on the device, one pool
+    (the cuda backend reads sliding-window layers through the full block table and masks by position)."""
+
+    def __init__(self, layers: list[dict], groups: KVGroups, block_size: int, dtype: str, device: torch.device):
+        if dtype not in ("f32", "f16", "bf16", "fp8"):
+            raise ValueError(f"kv cache dtype {dtype!r} has no cuda kernels (f32, f16, bf16, fp8)")
+        self.groups, self.num_blocks, self.block_size = groups, groups.num_blocks[0], block_size
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for a in layers:
+            shape = (self.num_blocks, block_size, a["num_kv_heads"], a["head_dim"])
+            self.k[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype], device=device)
+            self.v[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype], device=device)
+
+
+def _placed(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A weight on the device; where that is the host (the interpreter), a copy when the mapped file's 8-byte
+    alignment is short of the kernels' 16 (device allocations are always aligned)."""
+    if t.device == device or device.type == "meta" and t.device.type == "meta":
+        return t.clone() if t.device.type == "cpu" and t.data_ptr() % ALIGNMENT else t
+    return t.to(device)
+
+
+class CudaExecutor(Executor):
+    max_in_flight = 1
+
+    def __init__(self, rank_file: RankFile, pools: KVGroups, block_size: int, kv_dtype: str, activations: str,
+                 max_seq_len: int, launcher: Launcher, collectives: dict | None = None, max_graph_batch: int = 0):
+        """max_graph_batch: decode steps of up to this many sequences replay CUDA graphs (0: none)."""
+        doc = json.loads(rank_file.program)
+        self.launcher, self.device = launcher, launcher.device
+        self.dtype = ACTIVATION_DTYPES[activations]
+        self.kv_quantized = kv_dtype == "fp8"
+        self.max_positions = max_seq_len
+        tensors = {name: _placed(t, self.device) for name, t in rank_file.tensors.items()}  # weights: copied once
+        self.cache = DeviceKVCache(attention_layers(doc), pools, block_size, kv_dtype, self.device)
+        self.rope_tables: dict[tuple, torch.Tensor] = {}   # one per distinct rope, shared by its layers
+        self.step: DeviceStep | None = None
+        hooks = Hooks(attention=self._attention, gather_last=self._gather_last, qkv_attention=self._qkv_attention,
+                      **self._collectives(collectives or {}))
+        self.program = Program(doc, tensors, hooks, binders=make_binders(OpContext(launcher, self.dtype,
+                                                                                   self._rope_table)))
+        self.graphs = DecodeGraphs(self, max_graph_batch, -(-max_seq_len // block_size)) if max_graph_batch else None
+
+    @torch.inference_mode()
+    def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        if meta.positions.numel() and int(meta.positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(meta.positions.max())} is past the engine's max_seq_len "
+                             f"{self.max_positions}")
+        if self.graphs is not None and not inputs and self.graphs.takes(meta):
+            logits = self.graphs.run(meta)
+        else:
+            logits = self.run(DeviceStep.of(meta, self.device), inputs)
+        return None if logits is None else logits.float().cpu()
+
+    def run_meta(self, meta: StepMetadata) -> None:
+        """A step over meta tensors: what a build's dry run records (builder/targets/cuda/compile.py)."""
+        self.run(DeviceStep.of(meta, self.device))
+
+    def run(self, step: DeviceStep, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The program over a step already on the device; its logits stay there."""
+        self.step = step
+        env = {"tokens": step.token_ids, "positions": step.positions}
+        if inputs:
+            env.update(inputs)
+        try:
+            outputs = self.program.run(env)
+        finally:
+            self.step = None
+        return outputs[0] if outputs else None
+
+    # ------------------------------------------------------------------ hooks
+
+    def _rope_table(self, attrs: dict) -> torch.Tensor:
+        """cos | sin rows [max_seq_len, head_dim] of a rope, on the device (built once: graphs read it in place)."""
+        scaling = attrs.get("scaling")
+        key = (attrs["head_dim"], float(attrs["theta"]), reference.scaling_key(scaling))
+        if key not in self.rope_tables:
+            table = reference.RopeTable(attrs["head_dim"], attrs["theta"], scaling)
+            table.ensure(self.max_positions)
+            self.rope_tables[key] = table.packed[:self.max_positions].contiguous().to(self.device)
+        return self.rope_tables[key]
+
+    def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, self.step.logits_indices)
+
+    def _kv_scale(self, attrs: dict) -> float:
+        return float(attrs.get("kv_scale", 1.0)) if self.kv_quantized else 1.0
+
+    def _attend(self, attrs: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's k and v into the layer's pool, then attend q over the pool."""
+        step, layer, kv_scale = self.step, attrs["layer"], self._kv_scale(attrs)
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        attention.kv_write(self.launcher, k, v, k_cache, v_cache, step.slot_mapping, kv_scale)
+        out = torch.empty(q.shape[0], attrs["num_heads"] * attrs["head_dim"], dtype=self.dtype, device=self.device)
+        attention.paged_attention(self.launcher, out, q, k_cache, v_cache, step.block_tables, step.context_lens,
+                                  step.query_start_loc, attrs["scale"], num_heads=attrs["num_heads"],
+                                  kv_scale=kv_scale, window=attrs.get("window", 0), max_query_len=step.max_query_len)
+        return out
+
+    def _attention(self, attrs: dict):
+        return lambda q, k, v: self._attend(attrs, q, k, v)
+
+    def _qkv_attention(self, rope: dict, attrs: dict, qk_norm: tuple | None = None):
+        """split (+ Gemma's q/k norms) + rope + KV write + attention over the fused projection (or q, k, v)."""
+        table = self._rope_table(rope)
+        nh, nkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+        norms = None if qk_norm is None else (qk_norm[0].to(self.device), qk_norm[1].to(self.device), qk_norm[2])
+
+        def run(*inputs: torch.Tensor) -> torch.Tensor:
+            positions = inputs[-1]
+            if len(inputs) == 2:  # [T, (nh + 2 nkv) hd]: column views, read through their row stride
+                q, k, v = inputs[0].split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            else:
+                q, k, v = inputs[:3]
+            if norms is not None:
+                q = rows.head_rms_norm(self.launcher, q, norms[0], norms[2])
+                k = rows.head_rms_norm(self.launcher, k, norms[1], norms[2])
+            q, k = rows.rope(self.launcher, q, k, positions, table, nh, nkv, hd)
+            return self._attend(attrs, q, k, v)
+
+        return run
+
+    def _collectives(self, hooks: dict) -> dict:
+        """Sends and receives carry the IR's dtype between stages; this executor computes in its own."""
+        out = dict(hooks)
+        if "send" in hooks:
+            out["send"] = lambda x, attrs: hooks["send"](x.to(DTYPES[attrs["dtype"]]), attrs)
+        if "recv" in hooks:
+            out["recv"] = lambda attrs: hooks["recv"](attrs).to(self.dtype)
+        return out

@@ -1,0 +1,207 @@
+"""Paged attention and KV-cache writes as Triton kernels, with the host functions that launch them.
+
+The semantics are those of the C kernels in runtime/ops/attention.py: slot -1 skips a token, a block id -1
+marks a block given back behind a sliding window (never read), float8_e4m3fn caches store x / kv_scale.
+
+- `kv_write`: one program per (token, kv head) scatters a head's key and value rows into their cache slot.
+- `paged_attention`: one program per (sequence, kv head, tile of queries) runs an online softmax over the
+  sequence's keys, read through its block table. The rows of a query tile are (query, head) pairs of the
+  kv head's GQA group, so each K/V tile is loaded once per group and both products are tl.dot on at least
+  16 rows. Prefill chunks and decodes share one launch and one compiled variant: the grid's last axis is
+  the number of query tiles of the longest query (1 on a decode step, so a captured graph stays valid).
+
+Constexprs hold model constants and tile sizes only (never a token count or batch size), so the build can
+compile every variant ahead of time from one recording.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from runtime.backends.cuda.launch import Launcher, cdiv, kernel, next_power_of_2
+
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+# ---------------------------------------------------------------------------------------- KV write
+
+@kernel(num_warps=1, num_stages=1)
+def kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_row_stride, v_row_stride,
+                    num_kv_heads, kv_scale,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, QUANTIZED: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # a token whose KV is not kept (padding, or already cached)
+        return
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    in_head = d < HEAD_DIM
+    k = tl.load(k_ptr + token.to(tl.int64) * k_row_stride + head * HEAD_DIM + d, mask=in_head).to(tl.float32)
+    v = tl.load(v_ptr + token.to(tl.int64) * v_row_stride + head * HEAD_DIM + d, mask=in_head).to(tl.float32)
+    if QUANTIZED:  # saturate at float8_e4m3fn's largest finite value rather than overflow to NaN
+        k = tl.clamp(k / kv_scale, -448.0, 448.0)
+        v = tl.clamp(v / kv_scale, -448.0, 448.0)
+    dst = (slot * num_kv_heads + head) * HEAD_DIM + d  # caches [num_blocks * block_size, num_kv_heads, head_dim]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=in_head)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=in_head)
+
+
+def kv_write(launcher: Launcher, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, kv_scale: float = 1.0) -> None:
+    """Scatter k, v [T, num_kv_heads * head_dim] (rows may be strided, e.g. slices of a fused qkv) into caches
+    [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [T] int32 (-1: skip the token)."""
+    _, _, num_kv_heads, head_dim = _check_caches("kv_write", k_cache, v_cache, kv_scale)
+    for name, t in (("k", k), ("v", v)):
+        _check_rows("kv_write", name, t, num_kv_heads * head_dim)
+    if v.shape[0] != k.shape[0] or slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int32:
+        raise ValueError(f"kv_write: slot_mapping must be int32 [T] with T = {k.shape[0]} rows of k and v, got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)} and v {tuple(v.shape)}")
+    launcher.launch(kv_write_kernel, (k.shape[0], num_kv_heads),
+                    (k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), num_kv_heads, float(kv_scale)),
+                    HEAD_DIM=head_dim, HEAD_DIM_PADDED=_padded(head_dim),
+                    QUANTIZED=k_cache.dtype == torch.float8_e4m3fn)
+
+
+# ---------------------------------------------------------------------------------------- paged attention
+
+@kernel(num_warps=4, num_stages=2)
+def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                           query_start_loc_ptr, out_row_stride, q_row_stride, block_table_stride, num_kv_heads,
+                           scale, kv_scale, window,
+                           HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           WINDOWED: tl.constexpr, QUANTIZED: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    queries_per_tile: tl.constexpr = BLOCK_M // GROUP
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    tile_first = tl.program_id(2) * queries_per_tile  # first query of this tile, within the sequence
+    if tile_first >= q_len:  # the grid is sized for the longest query of the step
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    first_pos = context_len - q_len  # position of the sequence's query 0
+
+    # Rows are (query, head of the group) pairs: row r is query tile_first + r // GROUP, head r % GROUP.
+    r = tl.arange(0, BLOCK_M)
+    query = tile_first + r // GROUP
+    row_ok = (r < queries_per_tile * GROUP) & (query < q_len)
+    pos = first_pos + query  # [BLOCK_M]
+    head = kv_head * GROUP + r % GROUP
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    in_head = d < HEAD_DIM
+    token = (q_begin + query).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * q_row_stride + (head * HEAD_DIM)[:, None] + d[None, :],
+                mask=row_ok[:, None] & in_head[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PADDED]
+
+    # Keys this tile can see: up to its last query's position, from its first query's window start.
+    key_end = first_pos + tl.minimum(tile_first + queries_per_tile, q_len)
+    key_start = 0
+    if WINDOWED:  # whole tiles before the window are skipped; their blocks may have been given back
+        key_start = tl.maximum(first_pos + tile_first - window + 1, 0) // BLOCK_N * BLOCK_N
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    # tl.full, and tl.reduce with the standard combine functions, rather than tl.zeros, tl.max and tl.sum: those
+    # are @jit helpers, which InterpreterLauncher cannot call (it runs these combine functions as numpy).
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so a row with no key yet gives exp2(-inf - m) = 0
+    l = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PADDED], 0.0, tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for key0 in range(key_start, key_end, BLOCK_N):
+        key = key0 + tl.arange(0, BLOCK_N)
+        block = tl.load(table + key // BLOCK_SIZE, mask=key < key_end, other=-1)
+        key_ok = (key < key_end) & (block >= 0)  # never read a block given back (-1)
+        slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
+        at = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]  # int64: pools exceed 2^31
+        kv_mask = key_ok[:, None] & in_head[None, :]
+        k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PADDED]
+        v = tl.load(v_cache_ptr + at, mask=kv_mask, other=0.0)
+        if QUANTIZED:
+            k = k.to(tl.float32) * kv_scale
+            v = v.to(tl.float32) * kv_scale
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] f32
+        visible = key_ok[None, :] & (key[None, :] <= pos[:, None])
+        if WINDOWED:
+            visible = visible & (key[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
+        p = tl.exp2(s - m_new[:, None])
+        correction = tl.exp2(m - m_new)
+        l = l * correction + tl.reduce(p, 1, tl.standard._sum_combine)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    l = tl.where(row_ok, l, 1.0)  # rows past the tile's queries saw no key; they are not stored
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that see no key (graph padding: context 0) stay 0
+    tl.store(out_ptr + token[:, None] * out_row_stride + (head * HEAD_DIM)[:, None] + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & in_head[None, :])
+
+
+def paged_attention(launcher: Launcher, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, *, num_heads: int, kv_scale: float = 1.0,
+                    window: int = 0, max_query_len: int) -> torch.Tensor:
+    """Causal attention of packed queries q [T, num_heads * head_dim] through the paged caches into out (same
+    shape and dtype; rows of both may be strided), as runtime.ops.attention.paged_attention computes it.
+
+    block_tables [S, W], context_lens [S] and query_start_loc [S + 1] are int32; max_query_len is the longest
+    query_start_loc[s + 1] - query_start_loc[s] (1 on a decode step) and sizes the grid. window > 0: a query at
+    position p sees keys p - window + 1 .. p. Returns out.
+    """
+    fn = "paged_attention"
+    _, block_size, num_kv_heads, head_dim = _check_caches(fn, k_cache, v_cache, kv_scale)
+    if num_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"{fn}: num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    _check_rows(fn, "q", q, num_heads * head_dim)
+    _check_rows(fn, "out", out, num_heads * head_dim)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"{fn}: out must match q, got {out.dtype} {tuple(out.shape)} for {q.dtype} {tuple(q.shape)}")
+    num_seqs = context_lens.shape[0]
+    for name, t, shape in (("block_tables", block_tables, (num_seqs, block_tables.shape[-1])),
+                           ("context_lens", context_lens, (num_seqs,)),
+                           ("query_start_loc", query_start_loc, (num_seqs + 1,))):
+        if t.dtype != torch.int32 or t.shape != shape or not t.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous int32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    if window < 0 or max_query_len < 0:
+        raise ValueError(f"{fn}: window ({window}) and max_query_len ({max_query_len}) must be >= 0")
+    group = num_heads // num_kv_heads
+    block_m = max(16, next_power_of_2(group))  # tl.dot wants at least 16 rows
+    head_dim_padded = _padded(head_dim)
+    block_n = 32 if head_dim_padded <= 128 else 16  # keeps a K/V tile of f32 within the register file
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, block_m // group))
+    launcher.launch(paged_attention_kernel, grid,
+                    (out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out.stride(0), q.stride(0),
+                     block_tables.stride(0), num_kv_heads, float(scale), float(kv_scale), int(window)),
+                    HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size, GROUP=group,
+                    BLOCK_M=block_m, BLOCK_N=block_n, WINDOWED=window > 0,
+                    QUANTIZED=k_cache.dtype == torch.float8_e4m3fn)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+def _padded(head_dim: int) -> int:
+    """head_dim rounded up to a power of two (tl.arange needs one) and to 16 (tl.dot's smallest K)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def _check_caches(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: float) -> torch.Size:
+    if k_cache.dtype not in CACHE_DTYPES or k_cache.dim() != 4 or not k_cache.is_contiguous():
+        raise ValueError(f"{fn}: k_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] of "
+                         f"{', '.join(map(str, CACHE_DTYPES))}, got {k_cache.dtype} {tuple(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+        raise ValueError(f"{fn}: v_cache must be contiguous like k_cache {k_cache.dtype} {tuple(k_cache.shape)}, "
+                         f"got {v_cache.dtype} {tuple(v_cache.shape)}")
+    if not kv_scale > 0.0 or (k_cache.dtype != torch.float8_e4m3fn and kv_scale != 1.0):
+        raise ValueError(f"{fn}: kv_scale must be positive, and 1.0 unless the cache is float8_e4m3fn; "
+                         f"got {kv_scale} with a {k_cache.dtype} cache")
+    return k_cache.shape
+
+
+def _check_rows(fn: str, name: str, t: torch.Tensor, width: int) -> None:
+    """t: [T, width] of an activation dtype with unit column stride (its rows may be further apart)."""
+    if t.dtype not in ACTIVATION_DTYPES or t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1:
+        raise ValueError(f"{fn}: {name} must be [T, {width}] of float32/float16/bfloat16 with unit column stride, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")

@@ -1,0 +1,111 @@
+"""The cuda backend's kernel for each IR op: Program binders over device tensors (runtime/program.py).
+
+Norms, RoPE, gated activations and attention run Kiln's Triton kernels (runtime/backends/cuda/kernels/) through
+the executor's launcher; int4 and fp8 linears run the weight-only GEMV/GEMM kernels; float linears, the
+embedding gather, adds and the last-token gather use torch (cuBLAS on a GPU). Activations stay in the plan's
+dtype (bf16, f16 or f32) from the embedding to the logits, which leave as f32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.backends.cuda.kernels import gemm, rows
+from runtime.backends.cuda.launch import Launcher
+from runtime.ops import reference
+
+
+@dataclass(frozen=True)
+class OpContext:
+    launcher: Launcher
+    dtype: torch.dtype                            # activations
+    rope_table: Callable[[dict], torch.Tensor]    # a rope node's attrs -> its cos | sin rows on the device
+
+
+def make_binders(ctx: OpContext) -> dict:
+    """op -> binder (Site -> callable), as runtime.program.BINDERS, for device tensors."""
+    launcher = ctx.launcher
+
+    def bind_linear(site):
+        attrs, ops = site.attrs, site.operands()
+        bias = ops.get("bias")
+        bias = None if bias is None else bias.float()
+        quant = attrs.get("quant", "none")
+        if quant == "none":
+            weight = ops["weight"]
+            bias_cast = None if bias is None else bias.to(weight.dtype)
+            return lambda x: F.linear(x, weight, bias_cast)
+        if quant == "int4":
+            q, s, z, g = ops["qweight"], ops["scales"], ops["zeros"], attrs["group_size"]
+            return lambda x: gemm.linear_int4(launcher, x.contiguous(), q, s, z, g, bias)
+        if quant == "fp8":
+            q, s = ops["qweight"], ops["scales"]
+            return lambda x: gemm.linear_fp8(launcher, x.contiguous(), q, s, bias)
+        raise ValueError(f"program: {site.node['name']}: {quant} weights have no cuda kernel (the cuda target "
+                         "stores them as int4, fp8 or floats; rebuild the engine)")
+
+    def bind_logits(site):
+        run = bind_linear(site)
+        return lambda x: run(x).float()
+
+    def bind_embedding(site):
+        weight, scale = site.operands()["weight"], site.attrs.get("scale", 1.0)
+        if scale == 1.0:
+            return lambda tokens: weight.index_select(0, tokens)
+        return lambda tokens: weight.index_select(0, tokens) * scale
+
+    def bind_rms_norm(site):
+        weight, eps = site.weights[0].float().contiguous(), site.attrs["eps"]
+        return lambda x: rows.rms_norm(launcher, x, weight, eps)
+
+    def bind_add_rms_norm(site):
+        weight, eps = site.weights[0].float().contiguous(), site.attrs["eps"]
+        return lambda x, residual: rows.add_rms_norm(launcher, x, residual, weight, eps)
+
+    def bind_head_rms_norm(site):
+        weight, eps = site.weights[0].float().contiguous(), site.attrs["eps"]
+        return lambda x: rows.head_rms_norm(launcher, x, weight, eps)
+
+    def bind_gated(site):
+        act = site.attrs.get("act", "silu")
+        return lambda *xs: rows.gated_act(launcher, act, *xs)
+
+    def bind_split(site):
+        sizes = site.attrs["sizes"]
+        return lambda x: reference.split(x, sizes)
+
+    def bind_rope(site):
+        a = site.attrs
+        table = ctx.rope_table(a)
+        return lambda q, k, positions: rows.rope(launcher, q, k, positions, table, a["num_heads"], a["num_kv_heads"],
+                                                 a["head_dim"])
+
+    def collective(op: str):
+        def bind(site):
+            hook = getattr(site.hooks, op)
+            return hook and (lambda x: hook(x, site.attrs))
+        return bind
+
+    return {
+        "linear": bind_linear,
+        "logits": bind_logits,
+        "embedding": bind_embedding,
+        "rms_norm": bind_rms_norm,
+        "add_rms_norm": bind_add_rms_norm,
+        "head_rms_norm": bind_head_rms_norm,
+        "split": bind_split,
+        "rope": bind_rope,
+        "attention": lambda site: site.hooks.attention(site.attrs),
+        "silu_mul": bind_gated,
+        "add": lambda site: torch.add,
+        "gather_last": lambda site: site.hooks.gather_last,
+        "all_reduce": collective("all_reduce"),
+        "all_gather": collective("all_gather"),
+        "send": lambda site: lambda x: site.hooks.send(x, site.attrs),
+        "recv": lambda site: lambda: site.hooks.recv(site.attrs),
+    }
+
