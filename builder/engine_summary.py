@@ -211,6 +211,14 @@ def _requires(m: dict) -> list[str]:
         here = f"this CPU lacks {', '.join(missing)}" if missing else "this CPU has them"
         return [f"a CPU with {', '.join(flags)} ({here})" if flags else "any CPU"]
     lines = [f"an NVIDIA GPU of compute capability {requires['compute_capability']} ({requires['gpu_arch']})"]
+    if target["name"] == "cuda":
+        c = m["cuda"]
+        lines.append(f"cuda-python, which launches its {c['kernels']} kernels: cubins ({_size(c['cubin_bytes'])}) compiled "
+                     f"by Triton {c['triton']} (KILN_CUDA_INTERPRET=1: Triton's interpreter)")
+        if c["widened"]:
+            lines.append(f"widened to {m['plan']['quant']['activations']} (no GPU kernel for their format): "
+                         f"{len(c['widened'])} weight node(s)")
+        return lines
     trt = m.get("tensorrt", {})
     if trt.get("compiled"):
         lines.append(f"{trt['flavour']} {trt['version']}, which compiled it in {sum(trt['build_seconds']):.1f} s")

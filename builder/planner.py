@@ -40,7 +40,7 @@ TPS = (1, 2, 4, 8)
 PPS = (1, 2, 4, 8)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 INT4_GROUP = 128   # GPU plans: scales and zero points per 128 input channels
-SCALE_BYTES = 4    # int4: an f16 scale and an f16 zero point per group
+SCALE_BYTES = 8    # int4: an f32 scale and an f32 zero point per group (the cuda target's layout)
 
 
 class PlanningError(KilnError):
@@ -279,7 +279,9 @@ def candidate_plan(device: Device, tp: int, pp: int, weights: str, kv_dtype: str
     """The plan file this candidate would be, validated like one (PlanError if it is not buildable)."""
     gpu = device.kind == "gpu"
     max_seq = 1 << max(4, math.ceil(math.log2(workload.context)))
-    doc = {"target": "tensorrt" if gpu else "cpu", "device": device.name, "tp": tp, "pp": pp,
+    # GPUs: the cuda target (Kiln's kernels, compiled for the device; it serves on Hopper, which TensorRT for
+    # RTX refuses), priced in its bf16 activations
+    doc = {"target": "cuda" if gpu else "cpu", "device": device.name, "tp": tp, "pp": pp,
            "limits": {"max_batch_size": max_batch, "max_num_tokens": max(2048 if gpu else 512, max_batch),
                       "max_seq_len": max_seq},
            "kv_cache": {"dtype": kv_dtype, "block_size": 16, "memory_fraction": 0.9 if gpu else 0.5},
@@ -316,7 +318,7 @@ def _price_kv(c: Candidate, ranks: list[RankMemoryPlan], windows: tuple[int, ...
 def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, batches: list[int]) -> None:
     """Fill in the candidate's memory plan, roofline and (with users) sizing."""
     plan = c.plan
-    # The cpu runtime gives windowed layers a pool of their own; the tensorrt executors one pool for all.
+    # The cpu runtime gives windowed layers a pool of their own; the GPU backends one pool for all.
     windows = group_windows(model.layer_windows) if plan.target == "cpu" else (0,)
     float_bytes = 2.0 if device.kind == "gpu" else 4.0
     wbytes = bytes_per_weight(plan.quant.method, device, plan.quant.group_size)

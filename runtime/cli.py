@@ -67,9 +67,11 @@ MAX_SEQ = typer.Option(None, "--max-seq-len", help="Lower the plan's prompt + ou
 KV_GIB = typer.Option(None, "--kv-cache-gib", help="KV cache budget in GiB (default: the build's memory plan).")
 THREADS = typer.Option(None, "--threads", help="CPU threads per rank (default: all cores).")
 BACKEND = typer.Option(None, "--backend",
-                       help="What runs the engine: cpu (cpu engines), tensorrt (tensorrt engines, on their GPU), or "
-                            "onnxruntime (a tensorrt engine's verified ONNX on this CPU, KV budget 1 GiB unless "
-                            "--kv-cache-gib). Default: the engine target's own.")
+                       help="What runs the engine (runtime/backends): cpu (cpu engines), cuda (cuda engines, on a GPU "
+                            "of their compute capability; KILN_CUDA_INTERPRET=1 runs their kernels in Triton's "
+                            "interpreter, for tests), tensorrt (tensorrt engines, on their GPU), or onnxruntime (a "
+                            "tensorrt engine's verified ONNX on this CPU, KV budget 1 GiB unless --kv-cache-gib). "
+                            "Default: the engine target's own.")
 SPECULATIVE = typer.Option(None, "--speculative",
                             help="Speculative decoding: ngram (guess a sequence's next tokens from where its last "
                                  "few tokens occurred before in it: strong when answers copy their input), draft "

@@ -38,7 +38,7 @@ def test_seventy_b_on_h100s_table_json_picture_and_plan(tmp_path):
     assert "weights 131.42 GiB + workspace" in proc.stdout  # the tp=1 16-bit row says why it does not fit
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plan = load_plan(toml)
-    assert plan.device == "nvidia-h100-80gb" and plan.target == "tensorrt"
+    assert plan.device == "nvidia-h100-80gb" and plan.target == "cuda"
     report = json.loads(plan_cli("--model", "llama-3.1-70b", "--device", "nvidia-h100-80gb", "--json").stdout)
     rows = {(c["tp"], c["weights"]): c for c in report["candidates"] if c["pp"] == 1}
     assert rows[(1, "none")]["problem"] and rows[(2, "none")]["problem"] is None

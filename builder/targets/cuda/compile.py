@@ -57,13 +57,14 @@ def kernel_writer(plan: Plan, graphs: list[Graph], show_progress: bool):
         compiled = [compile_variant(kernel, variant, cc)
                     for kernel, variant in tqdm(variants.values(), desc=f"compiling kernels for {cc}", unit="kernel",
                                                 disable=not show_progress)]
-        seconds = time.perf_counter() - started
         from builder.targets.cuda import ARCHES
 
         header = {"arch": ARCHES[cc], "compute_capability": cc, "triton": triton.__version__}
+        if show_progress:  # printed, not recorded: a rebuild stays byte-identical
+            tqdm.write(f"compiled {len(compiled)} kernels for {ARCHES[cc]} with Triton {triton.__version__} in "
+                       f"{time.perf_counter() - started:.1f} s")
         digest = write_index(tmp, header, compiled)
         section = dict(header, index=INDEX, index_sha256=digest, kernels=len(compiled),
-                       compile_seconds=round(seconds, 1),
                        cubin_bytes=sum(len(c.cubin) for c in compiled),
                        widened=sorted({n for g in graphs for n in g.meta.get("cuda_weights", {}).get("widened", [])}))
         return ranks, {"cuda": section}
@@ -80,11 +81,13 @@ def record_variants(graph: Graph, plan: Plan) -> dict:
                for name, w in graph.weights.items()}
     launcher = RecordingLauncher()
     limits = plan.limits
+    sizes = {"T": 0, "N": 0}  # the running step's tokens and logits rows, for what a later stage receives
     executor = CudaExecutor(RankFile(graph.to_json(), tensors), KVGroups((0,), (4,)), plan.kv_cache.block_size,
                             plan.kv_cache.dtype, plan.quant.activations, limits.max_seq_len, launcher,
-                            collectives=_meta_collectives())
+                            collectives=_meta_collectives(sizes))
     chunk = max(1, min(64, limits.max_num_tokens - 1, limits.max_seq_len - 1))
     for lens in ([chunk, 1], [1]):
+        sizes.update(T=sum(lens), N=len(lens))
         executor.run_meta(_step(lens, plan.kv_cache.block_size))
     return {key: (launcher.kernels[key], v) for key, v in launcher.seen.items()}
 
@@ -102,11 +105,13 @@ def _step(query_lens: list[int], block_size: int) -> StepMetadata:
                         torch.tensor([s - 1 for s in starts[1:]]))
 
 
-def _meta_collectives() -> dict:
+def _meta_collectives(sizes: dict) -> dict:
     """Shape-only stand-ins for the collectives of a dry run (the values are never read)."""
+    from runtime.ranks.collectives import DTYPES
+
     return {"all_reduce": lambda x, attrs: x, "all_gather": lambda x, attrs: x,
             "send": lambda x, attrs: None,
-            "recv": lambda attrs: torch.empty([1 if isinstance(d, str) else d for d in attrs["shape"]],
+            "recv": lambda attrs: torch.empty([sizes.get(d, d) for d in attrs["shape"]], dtype=DTYPES[attrs["dtype"]],
                                               device="meta")}
 
 

@@ -22,7 +22,6 @@ from runtime.engine_format import KV_CACHE_DTYPES, RankFile
 from runtime.kv_groups import KVGroups
 from runtime.ops import reference
 from runtime.program import Hooks, Program, attention_layers
-from runtime.ranks.collectives import DTYPES
 from runtime.step import StepMetadata
 
 ACTIVATION_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -84,7 +83,7 @@ class CudaExecutor(Executor):
         """max_graph_batch: decode steps of up to this many sequences replay CUDA graphs (0: none)."""
         doc = json.loads(rank_file.program)
         self.launcher, self.device = launcher, launcher.device
-        self.dtype = ACTIVATION_DTYPES[activations]
+        self.activations, self.dtype = activations, ACTIVATION_DTYPES[activations]
         self.kv_quantized = kv_dtype == "fp8"
         self.max_positions = max_seq_len
         tensors = {name: _placed(t, self.device) for name, t in rank_file.tensors.items()}  # weights: copied once
@@ -177,10 +176,9 @@ class CudaExecutor(Executor):
         return run
 
     def _collectives(self, hooks: dict) -> dict:
-        """Sends and receives carry the IR's dtype between stages; this executor computes in its own."""
+        """Stages hand each other activations in this executor's dtype (the IR types them f32: the cpu
+        target's), so a bf16 engine sends half the bytes."""
         out = dict(hooks)
-        if "send" in hooks:
-            out["send"] = lambda x, attrs: hooks["send"](x.to(DTYPES[attrs["dtype"]]), attrs)
         if "recv" in hooks:
-            out["recv"] = lambda attrs: hooks["recv"](attrs).to(self.dtype)
+            out["recv"] = lambda attrs: hooks["recv"](dict(attrs, dtype=self.activations))
         return out

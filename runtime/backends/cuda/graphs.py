@@ -36,6 +36,9 @@ class DecodeGraphs:
         self.sizes = graph_sizes(max_batch)
         self.captured: dict[int, Captured] = {}
         self.capture = executor.device.type == "cuda"
+        # One memory pool for every size's graph: they replay one at a time and each step's logits are copied out
+        # before the next, so their activations may share memory (a graph per size would otherwise keep its own).
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def takes(self, meta: StepMetadata) -> bool:
         """A decode step this runner covers: one token and one logits row per sequence, within the sizes."""
@@ -72,7 +75,7 @@ class DecodeGraphs:
                 self.executor.run(step)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.pool):
                 entry.output = self.executor.run(step)
             entry.graph = graph
         self.captured[size] = entry

@@ -201,7 +201,8 @@ class InterpreterLauncher(Launcher):
 def _interpreted_library():
     """Let an interpreted kernel call Triton's own library functions (tl.sum, tl.max, ...).
 
-    Also works around the interpreter's bf16 dot (widened_dot). Triton decides at import whether `@triton.jit` functions are compiled or interpreted (TRITON_INTERPRET);
+    Also works around two interpreter faults the GPU does not have: its bf16 dot (widened_dot) and its float
+    narrowing (rounded). Triton decides at import whether `@triton.jit` functions are compiled or interpreted (TRITON_INTERPRET);
     Kiln imports it for compiling, so its library functions are JITFunctions, which refuse calls from Python.
     While a kernel is interpreted here they run as interpreted functions instead, so one process can both
     compile kernels (a build) and interpret them (its checks, the tests).
@@ -212,7 +213,20 @@ def _interpreted_library():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    original, dot = JITFunction.__call__, interpreter.InterpreterBuilder.create_dot
+    original, dot, convert = JITFunction.__call__, interpreter.InterpreterBuilder.create_dot, interpreter._convert_float
+    floats = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+              tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    bits = {32: torch.int32, 16: torch.int16, 8: torch.uint8}
+
+    def rounded(data, src, dst, rounding_mode):
+        """Float to float as the GPU's cvt.rn does it (round to nearest even, carrying into the exponent); the
+        interpreter's own conversion truncates to bf16 and loses fp8 carries (124.0 -> 64)."""
+        if src not in floats or dst not in floats:
+            return convert(data, src, dst, rounding_mode)
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.dtype(f"u{src.primitive_bitwidth // 8}")).copy())
+        value = raw.view(bits[src.primitive_bitwidth]).view(floats[src])
+        out = value.to(floats[dst]).view(bits[dst.primitive_bitwidth]).numpy()
+        return out.view(np.dtype(f"u{dst.primitive_bitwidth // 8}"))
 
     def widened_dot(self, a, b, *rest):
         """Triton 3.9's interpreter keeps bf16 as uint16 and multiplies those raw bits in tl.dot; widen them to f32
@@ -227,11 +241,13 @@ def _interpreted_library():
             interpreted = _INTERPRETED[self.fn] = InterpretedFunction(self.fn)
         return interpreted(*args, **kwargs)
 
-    JITFunction.__call__, interpreter.InterpreterBuilder.create_dot = call, widened_dot
+    JITFunction.__call__, interpreter.InterpreterBuilder.create_dot, interpreter._convert_float = (
+        call, widened_dot, rounded)
     try:
         yield
     finally:
-        JITFunction.__call__, interpreter.InterpreterBuilder.create_dot = original, dot
+        JITFunction.__call__, interpreter.InterpreterBuilder.create_dot, interpreter._convert_float = (
+            original, dot, convert)
 
 
 _INTERPRETED: dict[Callable, object] = {}

@@ -53,10 +53,17 @@ def make_binders(ctx: OpContext) -> dict:
         return lambda x: run(x).float()
 
     def bind_embedding(site):
-        weight, scale = site.operands()["weight"], site.attrs.get("scale", 1.0)
-        if scale == 1.0:
-            return lambda tokens: weight.index_select(0, tokens)
-        return lambda tokens: weight.index_select(0, tokens) * scale
+        a = site.attrs
+        weight, scale = site.operands()["weight"], a.get("scale", 1.0)
+        start, vocab = a.get("vocab_start", 0), a["vocab_size"]
+        if start == 0 and vocab == a.get("full_vocab_size", vocab):
+            rows = lambda tokens: weight.index_select(0, tokens)  # noqa: E731
+        else:  # this rank's rows of a vocabulary sharded over tp ranks: the others' tokens give 0 (all-reduced)
+            def rows(tokens):
+                local = tokens - start
+                inside = (local >= 0) & (local < vocab)
+                return weight.index_select(0, local.clamp(0, vocab - 1)) * inside[:, None]
+        return rows if scale == 1.0 else (lambda tokens: rows(tokens) * scale)
 
     def bind_rms_norm(site):
         weight, eps = site.weights[0].float().contiguous(), site.attrs["eps"]

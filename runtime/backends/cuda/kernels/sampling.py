@@ -8,13 +8,15 @@ program per row looping over the vocabulary in tiles of TILE, so any V works wit
 - sample: p = exp(logits / temperature - max), softmax's numerators (the kept set and the race's winner do
   not depend on the common 1 / sum); top-k and top-p keep the tokens with p >= a threshold found by
   bisection on the bits of a float32 (positive floats order as their bits), one pass over the row per step,
-  31 steps at most each; then the token is argmax(kept p / noise), noise ~ Exp(1).
+  30 steps at most each; then the token is argmax(kept p / noise), noise ~ Exp(1), ties to the lowest id.
 Ties at a cut are kept whole: top-k keeps every token as likely as the k-th (so more than k at a tie), top-p
 every token as likely as the last one it needs; the CPU sampler orders a tie by token id and cuts inside it.
 Noise is the host's [R, V] rows (HOST_NOISE: the CPU sampler's race_noise, so the same tokens), or drawn here
 with Philox as -log(rand(seed, position * V + token)): a function of the sequence's seed and output position
 only, never of its row in the batch. Logits may be float32, float16 or bfloat16; the math is float32, and
 the penalised logits are stored back in the logits' dtype.
+The kernels call builtins only (tl.full, tl.reduce with the standard combine functions, Philox written out):
+InterpreterLauncher cannot call @jit helpers such as tl.zeros, tl.max, tl.sum or tl.rand.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _sample_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, 
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
         t = mid.to(tl.float32, bitcast=True)
-        count = tl.zeros([TILE], tl.int32)
+        count = tl.full([TILE], 0, tl.int32)
         for start in range(0, V, TILE):
             offs = start + lanes
             x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -114,7 +116,7 @@ def _sample_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, 
     # top-p: a token stays while the kept mass strictly above its p is < top_p * kept total. That mass only
     # falls as p grows, so the kept set is p >= the smallest t with mass(> t) < top_p * total (hi holds).
     if top_p < 1.0:
-        total = tl.zeros([TILE], tl.float32)
+        total = tl.full([TILE], 0.0, tl.float32)
         for start in range(0, V, TILE):
             offs = start + lanes
             x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -126,7 +128,7 @@ def _sample_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, 
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
             t = mid.to(tl.float32, bitcast=True)
-            above = tl.zeros([TILE], tl.float32)
+            above = tl.full([TILE], 0.0, tl.float32)
             for start in range(0, V, TILE):
                 offs = start + lanes
                 x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)

@@ -1,0 +1,66 @@
+"""Random-weight checkpoints for benchmarks/gpu_check.py: a Llama-3.1-8B-shaped one (plans/models.toml's
+llama-3.1-8b, with Llama 3.1's rope scaling) saved in bf16 for the throughput section, and the unit tests' tiny
+llama (tests/conftest.py's recipe) for --interpret. Both are saved by transformers as Hugging Face directories,
+with a small byte-level BPE tokenizer and a chat template (throughput needs token ids, not words)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1,
+                  eos_token_id=2)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world! How are you today? I am fine, thank you.",
+          "user assistant system: you are a helpful assistant named Kiln.",
+          "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 2024; symbols ( ) [ ] { } < > = + - * / % # @ & ! ? , . : ;"] * 4
+
+
+def write_tokenizer(path: Path, vocab_size: int | None) -> None:
+    """tokenizer.json (a byte-level BPE trained on CORPUS; padded with reserved tokens to vocab_size if given)
+    and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab_size or 300, special_tokens=SPECIALS, min_frequency=1, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if vocab_size:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
+    (path / "tokenizer.json").write_text(tok.to_str())
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": SPECIALS[1], "eos_token": SPECIALS[2], "unk_token": SPECIALS[0], "chat_template": CHAT_TEMPLATE,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def random_llama(path: Path, config: dict, on_gpu: bool) -> None:
+    """A seeded random LlamaForCausalLM(config) saved at path: made on the GPU in bf16 (on_gpu: 16 GB for the
+    8B, initialised in seconds), else on the CPU in f32. The tokenizer is written last: its presence marks a
+    complete checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    if on_gpu:
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if on_gpu else "cpu"):
+            model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
+    del model
+    write_tokenizer(path, None if on_gpu else config["vocab_size"])
