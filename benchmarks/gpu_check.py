@@ -1,6 +1,7 @@
 """Kiln's cuda backend on a real GPU, in one run: kernels, agreement, throughput, speculation.
 
-    python benchmarks/gpu_check.py [--out gpu_check] [--work gpu_check_work] [--sections 1,2,3,4] [--quick]
+    python benchmarks/gpu_check.py [--out gpu_check] [--work engines/gpu_check_work] [--sections 1,2,3,4] [--quick]
+        [--models smollm2,8b-bf16,8b-fp8,8b-int4,transformers]
     python benchmarks/gpu_check.py --interpret        # sections 1-2 on a CPU host, kernels in Triton's interpreter
 
 Needs: an NVIDIA GPU of compute capability 8.0, 8.9 or 9.0 (H100/H200: 9.0), torch with CUDA, and this repo
@@ -16,6 +17,9 @@ random Llama-3.1-8B checkpoint (16 GB, kept and reused) and its bf16/fp8/int4 en
 3. throughput: decode tok/s at batch 1/8/64/256 and prefill tok/s at 512/2048 tokens, for SmolLM2 (bf16) and
    a random-weight Llama-3.1-8B-shaped checkpoint built bf16, fp8 and int4; batch-1 decode as a share of the
    measured device copy bandwidth; transformers' generate (static cache) at batch 1 and 8 beside it.
+   Decode: B requests of 128 random tokens, prefilled, 4 steps of warm-up (graph capture), then timed steps;
+   bandwidth share: (the manifest's weight_bytes, less an untied embedding table, which is looked up and not
+   read) / batch-1 step time / (2 * bytes / time of a 2 GiB device-to-device copy).
 4. speculative decoding at batch 1 (n-gram lookup; a draft engine: the cpu SmolLM2 f32 engine, since a draft
    must be a one-rank cpu engine with the target's tokenizer) on benchmarks/speculative_prompts.py.
 
@@ -23,7 +27,10 @@ Every build here skips the builder's measure_accuracy pass (it runs the float mo
 chat answers without a KV cache: minutes for SmolLM2, far more for 8B, and meaningless on random weights);
 section 2 measures agreement on the GPU instead. Each section runs on its own: a failure is reported and the
 others still run; the exit status is 1 if any section (or any engine of section 3) failed, not if a goal was
-missed. Progress lines carry the elapsed seconds. Results: OUT/gpu_check.json and OUT/gpu_check.md.
+missed. Progress lines carry the elapsed seconds. Results: OUT/gpu_check.json and OUT/gpu_check.md (rewritten
+after every section). Checkpoints and engines under --work are reused, so a run cut short can be split:
+`--sections 1,2,4`, then `--sections 3 --models 8b-bf16,8b-fp8,8b-int4` (builds), then `--sections 3` (goals
+are judged on the figures of one run only).
 """
 
 from __future__ import annotations
@@ -43,9 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
-from gpu_check_models import LLAMA_8B, TINY_LLAMA, random_llama  # noqa: E402
+from gpu_check_models import LLAMA_8B, TINY_LLAMA, copy_bandwidth, random_llama, transformers_decode  # noqa: E402
 
 T0 = time.perf_counter()
+
+
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
@@ -188,6 +197,7 @@ class Check:
         reference, seconds = self.answers(self.small("cpu-f32"), n, tokens)
         log(f"cpu f32 engine: {len(reference)} prompts in {seconds:.1f} s")
         rows, goals = [], []
+        model = "tiny random llama (--interpret)" if self.interpret else "SmolLM2-135M"
         for act in ("f32", "bf16"):
             got, seconds = self.answers(self.small(f"cuda-{act}"), n, tokens)
             same = sum(a == b for a, b in zip(got, reference))
@@ -198,26 +208,9 @@ class Check:
                          sum(lead) / len(lead), "tokens per answer": tokens, "cuda seconds": seconds})
             log(f"cuda {act}: {same}/{len(reference)} identical greedy answers")
             if act == "f32":
-                goals.append(goal("SmolLM2 greedy answers identical in f32 (cuda vs cpu)", same == len(reference),
+                goals.append(goal(f"{model} greedy answers identical in f32 (cuda vs cpu)", same == len(reference),
                                   f"{same}/{len(reference)}"))
-        model = "tiny random llama (--interpret)" if self.interpret else "SmolLM2-135M"
         return {"tables": [(f"greedy chat answers, {model}", rows, list(rows[0]))], "goals": goals}
-
-    def copy_bandwidth(self) -> float:
-        x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-        y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            y.copy_(x)
-        end.record()
-        end.synchronize()
-        bw = 2 * x.numel() * 20 / (start.elapsed_time(end) / 1e3)
-        del x, y
-        self.free()
-        return bw
 
     def throughput(self, path: Path, label: str, batches, lengths, steps: int) -> list[dict]:
         from runtime.sampling import SamplingParams
@@ -267,37 +260,11 @@ class Check:
         self.free()
         return rows
 
-    def hf_decode(self, path: Path, batches, new_tokens: int) -> list[dict]:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
-
-        def generate(ids: torch.Tensor, n: int) -> float:
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, cache_implementation="static", pad_token_id=0)
-            torch.cuda.synchronize()
-            return time.perf_counter() - started
-
-        rows = []
-        for b in batches:
-            ids = torch.randint(0, model.config.vocab_size, (b, 128), generator=torch.Generator().manual_seed(b))
-            ids = ids.cuda()
-            generate(ids, new_tokens)  # warm-up: transformers compiles the static-cache decode step here
-            full, one = generate(ids, new_tokens), generate(ids, 1)
-            rows.append({"engine": "transformers bf16 (static cache)", "mode": f"decode batch {b}",
-                         "tok/s": b * (new_tokens - 1) / (full - one),
-                         "step ms": 1e3 * (full - one) / (new_tokens - 1)})
-            log(f"transformers: decode batch {b}: {rows[-1]['tok/s']:.1f} tok/s")
-        model = None
-        self.free()
-        return rows
-
     def section_throughput(self) -> dict:
         quick = self.args.quick
         batches, lengths, steps = ((1, 8), (512,), 16) if quick else ((1, 8, 64, 256), (512, 2048), 48)
-        bw = self.copy_bandwidth()
+        bw = copy_bandwidth()
+        self.free()
         log(f"device copy bandwidth: {bw / 1e9:.0f} GB/s")
         rows, errors, rate = [], [], {}
 
@@ -312,16 +279,21 @@ class Check:
                 self.free()
 
         small = lambda: self.throughput(self.small("cuda-bf16"), "SmolLM2 bf16", batches, lengths, steps)  # noqa: E731
-        rows += attempt("SmolLM2 bf16", small) or []
-        ckpt = None if self.args.no_8b else attempt("8B checkpoint", lambda: str(self.hf_model(
-            "llama-3.1-8b-random", LLAMA_8B, True)))
-        if ckpt:
-            for method in ("none", "fp8", "int4"):
-                label = f"8B {'bf16' if method == 'none' else method}"
+        models = {m.strip() for m in self.args.models.split(",")}
+        if "smollm2" in models:
+            rows += attempt("SmolLM2 bf16", small) or []
+        ckpt = None
+        if models & {"8b-bf16", "8b-fp8", "8b-int4", "transformers"}:
+            ckpt = attempt("8B checkpoint", lambda: str(self.hf_model("llama-3.1-8b-random", LLAMA_8B, True)))
+        for method, label in (("none", "8B bf16"), ("fp8", "8B fp8"), ("int4", "8B int4")):
+            if ckpt and label.lower().replace(" ", "-") in models:
                 rows += attempt(label, lambda m=method, lb=label: self.throughput(
                     self.build(f"llama8b-{m}", ckpt, self.cuda_plan("bf16", "bf16", m)), lb, batches, lengths,
                     steps)) or []
-            rows += attempt("transformers", lambda: self.hf_decode(Path(ckpt), (1, 8), 64 if quick else 128)) or []
+        if ckpt and "transformers" in models:
+            rows += attempt("transformers", lambda: transformers_decode(Path(ckpt), (1, 8), 64 if quick else 128,
+                                                                         log)) or []
+            self.free()
         for r in rows:
             rate[(r["engine"], r["mode"])] = r["tok/s"]
             if r["mode"] == "decode batch 1" and "weight GB/step" in r:
@@ -421,8 +393,8 @@ class Check:
         all_goals = []
         for name, entry in self.report["sections"].items():
             parts.append(f"## {name}: {entry['status']} ({entry.get('seconds', '?')} s)\n")
-            for line in [entry.get("error") or entry.get("reason")] + entry.get("errors", []):
-                parts.append(f"- {line}\n" if line else "")
+            parts += [f"- {line}\n" for line in [entry.get("error") or entry.get("reason"), *entry.get("errors", [])]
+                      if line]
             for title, rows, columns in entry.get("tables", []):
                 parts.append(table(title, rows, columns))
             all_goals += entry.get("goals", [])
@@ -439,10 +411,13 @@ class Check:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check", help="where gpu_check.json and gpu_check.md go")
-    parser.add_argument("--work", default="gpu_check_work", help="checkpoints and engines (reused when present)")
+    parser.add_argument("--work", default="engines/gpu_check_work",
+                        help="checkpoints and engines, reused when present (engines/ is git-ignored)")
     parser.add_argument("--sections", default="1,2,3,4", help="a subset of 1,2,3,4")
     parser.add_argument("--quick", action="store_true", help="fewer prompts, batches 1 and 8, prefill 512 only")
-    parser.add_argument("--no-8b", action="store_true", help="section 3 without the Llama-3.1-8B-shaped model")
+    parser.add_argument("--models", default="smollm2,8b-bf16,8b-fp8,8b-int4,transformers",
+                        help="section 3's engines (8b-*: the random Llama-3.1-8B-shaped checkpoint; transformers: "
+                             "its generate beside them)")
     parser.add_argument("--interpret", action="store_true",
                         help="no GPU: sections 1-2 with a tiny random llama, kernels in Triton's interpreter")
     args = parser.parse_args()

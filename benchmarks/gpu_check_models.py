@@ -1,11 +1,14 @@
-"""Random-weight checkpoints for benchmarks/gpu_check.py: a Llama-3.1-8B-shaped one (plans/models.toml's
-llama-3.1-8b, with Llama 3.1's rope scaling) saved in bf16 for the throughput section, and the unit tests' tiny
-llama (tests/conftest.py's recipe) for --interpret. Both are saved by transformers as Hugging Face directories,
-with a small byte-level BPE tokenizer and a chat template (throughput needs token ids, not words)."""
+"""Section 3's models and yardsticks for benchmarks/gpu_check.py.
+
+Random-weight checkpoints: a Llama-3.1-8B-shaped one (plans/models.toml's llama-3.1-8b, with Llama 3.1's rope
+scaling) saved in bf16, and the unit tests' tiny llama (tests/conftest.py's recipe) for --interpret; both saved by
+transformers as Hugging Face directories with a small byte-level BPE tokenizer and a chat template (throughput
+needs token ids, not words). The device's copy bandwidth, and transformers' own decode speed on a checkpoint."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -64,3 +67,45 @@ def random_llama(path: Path, config: dict, on_gpu: bool) -> None:
     model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
     del model
     write_tokenizer(path, None if on_gpu else config["vocab_size"])
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy of 2 GiB (read + write: 2 * bytes / time), 20 copies after 3 of warm-up."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    return 2 * x.numel() * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def transformers_decode(path: Path, batches, new_tokens: int, log=print) -> list[dict]:
+    """transformers' generate on the GPU in bf16 with a static cache, greedy, 128-token random prompts: decode
+    tok/s = batch * (new_tokens - 1) / (time of new_tokens - time of 1), after a warm-up run (where transformers
+    compiles its static-cache decode step)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+
+    def generate(ids: torch.Tensor, n: int) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    rows = []
+    for b in batches:
+        ids = torch.randint(0, model.config.vocab_size, (b, 128), generator=torch.Generator().manual_seed(b)).cuda()
+        generate(ids, new_tokens)
+        full, one = generate(ids, new_tokens), generate(ids, 1)
+        rows.append({"engine": "transformers bf16 (static cache)", "mode": f"decode batch {b}",
+                     "tok/s": b * (new_tokens - 1) / (full - one), "step ms": 1e3 * (full - one) / (new_tokens - 1)})
+        log(f"transformers: decode batch {b}: {rows[-1]['tok/s']:.1f} tok/s")
+    return rows

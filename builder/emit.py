@@ -64,8 +64,8 @@ def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progre
         ranks, extras = [], {}
         if write_ranks is not None:
             ranks, extras = write_ranks(tmp, graphs)
-        for rank, graph in enumerate(tqdm(graphs if write_ranks is None else [], desc="writing ranks", unit="rank",
-                                          disable=not show_progress)):
+        for rank, graph in enumerate(tqdm(graphs, desc="writing ranks", unit="rank", disable=not show_progress)
+                                     if write_ranks is None else []):
             path = tmp / f"rank{rank}.engine"
             _write_rank(path, rank, graph)
             ranks.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size,
