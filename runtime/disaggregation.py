@@ -87,8 +87,8 @@ def _slots(block_table: list[int], block_size: int, start: int, stop: int) -> to
 def read_kv(cache, layout: KVLayout, tables: list[list[int]], num_tokens: int) -> tuple[list, list]:
     """K and V of positions [0, num_tokens) of a sequence holding `tables` (per layout layer), as byte arrays."""
     def gather(tensor: torch.Tensor, slots: torch.Tensor) -> np.ndarray:
-        rows = tensor.view(-1, *tensor.shape[2:])[slots]
-        return rows.contiguous().view(torch.uint8).numpy()
+        rows = tensor.view(-1, *tensor.shape[2:])[slots.to(tensor.device)]  # a GPU backend's pools: copied out
+        return rows.contiguous().view(torch.uint8).cpu().numpy()
 
     slots = [_slots(table, layout.block_size, 0, num_tokens) for table in tables]
     return ([gather(cache.k[layer], s) for layer, s in zip(layout.layers, slots)],
@@ -107,7 +107,7 @@ def write_kv(cache, layout: KVLayout, tables: list[list[int]], start: int, hando
         kept = slots >= 0
         for tensor, data in ((cache.k[layer], handoff.k[i]), (cache.v[layer], handoff.v[i])):
             rows = torch.from_numpy(data).view(dtype).view(stop, *tensor.shape[2:])
-            tensor.view(-1, *tensor.shape[2:])[slots[kept]] = rows[start:stop][kept]
+            tensor.view(-1, *tensor.shape[2:])[slots[kept].to(tensor.device)] = rows[start:stop][kept].to(tensor.device)
 
 
 def check_handoff(handoff: KVHandoff, layout: KVLayout, vocab_size: int) -> None:

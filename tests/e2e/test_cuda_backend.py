@@ -93,13 +93,13 @@ def test_without_a_gpu_a_cuda_engine_is_refused_in_one_line(engines, monkeypatch
     assert "\n" not in message and "compute capability 9.0" in message and "KILN_CUDA_INTERPRET=1" in message
 
 
-def run(path, prompts, **options) -> tuple[list[list[int]], LLMEngine]:
-    """Greedy tokens of prompts arriving two steps apart (in-flight batching, decode steps of several sizes)."""
+def run(path, prompts, params=GREEDY, **options) -> tuple[list[list[int]], LLMEngine]:
+    """Tokens of prompts arriving two steps apart (in-flight batching, decode steps of several sizes)."""
     llm = LLMEngine.from_dir(path, EngineOptions(**options))
     ids, pending, steps = {}, list(prompts), 0
     while pending or llm.has_unfinished():
         if pending and steps % 2 == 0:
-            ids[llm.add_request(pending.pop(0), GREEDY)] = None
+            ids[llm.add_request(pending.pop(0), params)] = None
         for out in llm.step():
             if out.finished:
                 ids[out.request_id] = out.token_ids
@@ -113,10 +113,16 @@ def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(engines, monkeypat
     got, llm = run(engines["nvidia-h100-80gb"].out, PROMPTS)
     assert got == expected
     executor = llm.executor
+    assert any(key.startswith("_greedy_kernel") for key in executor.launcher.launched)  # tokens chosen on the device
     graphs = executor.graphs.captured
     assert sum(e.replays for e in graphs.values()) > 0 and len(graphs) >= 2, graphs  # decode steps, padded sizes
     assert set(executor.launcher.launched) <= executor.launcher.allowed  # the engine's own variants only
     assert executor.cache.k[0].dtype.is_floating_point and executor.cache.num_blocks > 0
+    # sampled (seeded, top-p, a repetition penalty): the logits go to the host sampler, the cpu engine's draw
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=7, max_tokens=6,
+                             ignore_eos=True)
+    assert run(engines["nvidia-h100-80gb"].out, PROMPTS[:2], sampled)[0] == run(engines["cpu"].out, PROMPTS[:2],
+                                                                                  sampled)[0]
 
 
 @pytest.mark.parametrize("family", ["tiny_qwen2_dir", "tiny_mistral_dir", "tiny_phi3_longrope_dir", "tiny_gemma3_dir"])

@@ -84,7 +84,7 @@ def record_variants(graph: Graph, plan: Plan) -> dict:
     sizes = {"T": 0, "N": 0}  # the running step's tokens and logits rows, for what a later stage receives
     executor = CudaExecutor(RankFile(graph.to_json(), tensors), KVGroups((0,), (4,)), plan.kv_cache.block_size,
                             plan.kv_cache.dtype, plan.quant.activations, limits.max_seq_len, launcher,
-                            collectives=_meta_collectives(sizes))
+                            collectives=_meta_collectives(sizes), device_logits=plan.world_size == 1)
     chunk = max(1, min(64, limits.max_num_tokens - 1, limits.max_seq_len - 1))
     for lens in ([chunk, 1], [1]):
         sizes.update(T=sum(lens), N=len(lens))

@@ -61,7 +61,7 @@ def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]],
         meta = StepMetadata(torch.tensor(ids), torch.arange(n), torch.arange(n),
                             torch.arange(blocks, dtype=torch.int32).unsqueeze(0), torch.tensor([n], dtype=torch.int32),
                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([n - 1]))
-        return executor.execute(meta)[0]
+        return executor.execute(meta)[0].cpu()
 
     where = f"on this GPU ({manifest.cuda['arch']} cubins)" if gpu else "in Triton's interpreter (no GPU of its kind here)"
     return logits, where

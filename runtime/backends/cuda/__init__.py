@@ -81,4 +81,5 @@ def create_executor(engine, rank: int, pools, num_threads: int | None = None, co
         launcher = InterpreterLauncher(allowed=set(compiled))  # the engine's variants only, as on a GPU
     max_batch = min(GRAPH_BATCH, manifest.limits.max_batch_size) if manifest.world_size == 1 else 0
     return CudaExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype, manifest.activations,
-                        manifest.limits.max_seq_len, launcher, collectives, max_graph_batch=max_batch)
+                        manifest.limits.max_seq_len, launcher, collectives, max_graph_batch=max_batch,
+                        device_logits=manifest.world_size == 1)

@@ -15,9 +15,10 @@ import torch
 
 from runtime.backend import Executor
 from runtime.backends.cuda.graphs import DecodeGraphs
-from runtime.backends.cuda.kernels import attention, rows
+from runtime.backends.cuda.kernels import attention, rows, sampling
 from runtime.backends.cuda.launch import ALIGNMENT, Launcher
 from runtime.backends.cuda.ops import OpContext, make_binders
+from runtime.backends.cuda.sampler import DeviceSampler
 from runtime.engine_format import KV_CACHE_DTYPES, RankFile
 from runtime.kv_groups import KVGroups
 from runtime.ops import reference
@@ -79,8 +80,11 @@ class CudaExecutor(Executor):
     max_in_flight = 1
 
     def __init__(self, rank_file: RankFile, pools: KVGroups, block_size: int, kv_dtype: str, activations: str,
-                 max_seq_len: int, launcher: Launcher, collectives: dict | None = None, max_graph_batch: int = 0):
-        """max_graph_batch: decode steps of up to this many sequences replay CUDA graphs (0: none)."""
+                 max_seq_len: int, launcher: Launcher, collectives: dict | None = None, max_graph_batch: int = 0,
+                 device_logits: bool = False):
+        """max_graph_batch: decode steps of up to this many sequences replay CUDA graphs (0: none). device_logits:
+        execute() leaves the logits on the device for `self.sampler` (a one-rank engine's; ranks send theirs to
+        rank 0 as host tensors)."""
         doc = json.loads(rank_file.program)
         self.launcher, self.device = launcher, launcher.device
         self.activations, self.dtype = activations, ACTIVATION_DTYPES[activations]
@@ -95,6 +99,9 @@ class CudaExecutor(Executor):
         self.program = Program(doc, tensors, hooks, binders=make_binders(OpContext(launcher, self.dtype,
                                                                                    self._rope_table)))
         self.graphs = DecodeGraphs(self, max_graph_batch, -(-max_seq_len // block_size)) if max_graph_batch else None
+        self.device_logits = device_logits
+        if device_logits:
+            self.sampler = DeviceSampler(launcher)
 
     @torch.inference_mode()
     def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -105,11 +112,16 @@ class CudaExecutor(Executor):
             logits = self.graphs.run(meta)
         else:
             logits = self.run(DeviceStep.of(meta, self.device), inputs)
-        return None if logits is None else logits.float().cpu()
+        if logits is None:
+            return None
+        return logits.float() if self.device_logits else logits.float().cpu()
 
     def run_meta(self, meta: StepMetadata) -> None:
-        """A step over meta tensors: what a build's dry run records (builder/targets/cuda/compile.py)."""
-        self.run(DeviceStep.of(meta, self.device))
+        """A step over meta tensors, its greedy tokens too: what a build's dry run records
+        (builder/targets/cuda/compile.py)."""
+        logits = self.run(DeviceStep.of(meta, self.device))
+        if logits is not None and self.device_logits:
+            sampling.greedy(self.launcher, logits.float())
 
     def run(self, step: DeviceStep, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """The program over a step already on the device; its logits stay there."""
