@@ -132,3 +132,21 @@ def test_tensorrt_takes_the_float_kv_caches_and_every_quant_method():
 def test_targets_keep_their_devices():
     refused("device", "GPU", target="cpu")
     refused("device", "needs a GPU", device="cpu")
+
+
+def test_the_cuda_plan_and_what_the_cuda_target_takes():
+    plan = load_plan(PLANS / "h100-cuda.toml")
+    assert (plan.target, plan.device, plan.quant.method, plan.quant.group_size) == ("cuda", "nvidia-h100-80gb", "int4", 64)
+    assert plan.quant.activations == "bf16" and plan.kv_cache.dtype == "bf16"
+    cuda = {"target": "cuda", "device": "nvidia-h100-80gb"}
+    assert plan_from_dict(cuda, "test").quant.activations == "bf16"  # the target's first choice
+    assert plan_from_dict(dict(cuda, kv_cache={"dtype": "fp8"}), "test").kv_cache.dtype == "fp8"
+    for doc, key, fragment in (
+            (dict(cuda, quant={"method": "int8"}), "[quant] method", "not available on the cuda target"),
+            (dict(cuda, device="nvidia-t4"), "device", "the cuda target compiles for 8.0"),
+            (dict(cuda, device="cpu"), "device", "needs a GPU device"),
+            (dict(cuda, kv_cache={"dtype": "int8"}), "[kv_cache] dtype", "cpu-only KV cache"),
+            (dict(cuda, quant={"activations": "int16"}), "[quant] activations", 'use activations = "bf16"')):
+        with pytest.raises(PlanError) as info:
+            plan_from_dict(doc, "test")
+        assert f"plan test: {key} " in str(info.value) and fragment in str(info.value), str(info.value)

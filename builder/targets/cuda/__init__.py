@@ -22,10 +22,14 @@ def check_plan(plan, device, fail) -> None:
 
 def layout_passes(plan) -> list:
     from builder.pipeline import Pass
+    from builder.targets.cuda.compile import kernel_fingerprint
     from builder.targets.cuda.pack_weights import LAYOUTS, pack_cuda_weights
 
+    # The kernels' fingerprint rides on the layout pass: other kernels (or another Triton) mean another build id,
+    # so an engine whose cubins this Kiln would not compile the same is rebuilt, not reported up to date.
     return [Pass("pack_cuda_weights", pack_cuda_weights,
-                 {"activations": plan.quant.activations, "layouts": dict(LAYOUTS)}, per_rank=True)]
+                 {"activations": plan.quant.activations, "layouts": dict(LAYOUTS), "kernels": kernel_fingerprint()},
+                 per_rank=True)]
 
 
 def prepare(plan, onnx_only: bool) -> None:

@@ -36,6 +36,20 @@ def find_triton():
     return triton
 
 
+def kernel_fingerprint() -> str:
+    """sha256 of what decides a cuda engine's cubins: the backend's kernel and launch sources (the variants the
+    executor asks for follow from them) and Triton's version."""
+    import hashlib
+
+    import runtime.backends.cuda as backend
+
+    root = Path(backend.__file__).parent
+    digest = hashlib.sha256(find_triton().__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def kernel_writer(plan: Plan, graphs: list[Graph], show_progress: bool):
     """emit's write_ranks for the cuda target: each rank's file, then the kernels every rank launches."""
 
