@@ -136,7 +136,8 @@ def test_targets_keep_their_devices():
 
 def test_the_cuda_plan_and_what_the_cuda_target_takes():
     plan = load_plan(PLANS / "h100-cuda.toml")
-    assert (plan.target, plan.device, plan.quant.method, plan.quant.group_size) == ("cuda", "nvidia-h100-80gb", "int4", 64)
+    assert (plan.target, plan.device, plan.quant.method, plan.quant.group_size) == ("cuda", "nvidia-h100-80gb",
+                                                                                    "int4", 64)
     assert plan.quant.activations == "bf16" and plan.kv_cache.dtype == "bf16"
     cuda = {"target": "cuda", "device": "nvidia-h100-80gb"}
     assert plan_from_dict(cuda, "test").quant.activations == "bf16"  # the target's first choice

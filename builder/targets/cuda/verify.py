@@ -63,5 +63,6 @@ def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]],
                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([n - 1]))
         return executor.execute(meta)[0].cpu()
 
-    where = f"on this GPU ({manifest.cuda['arch']} cubins)" if gpu else "in Triton's interpreter (no GPU of its kind here)"
+    where = (f"on this GPU ({manifest.cuda['arch']} cubins)" if gpu
+             else "in Triton's interpreter (no GPU of its kind here)")
     return logits, where

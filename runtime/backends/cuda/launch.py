@@ -201,11 +201,11 @@ class InterpreterLauncher(Launcher):
 def _interpreted_library():
     """Let an interpreted kernel call Triton's own library functions (tl.sum, tl.max, ...).
 
-    Also works around two interpreter faults the GPU does not have: its bf16 dot (widened_dot) and its float
-    narrowing (rounded). Triton decides at import whether `@triton.jit` functions are compiled or interpreted (TRITON_INTERPRET);
-    Kiln imports it for compiling, so its library functions are JITFunctions, which refuse calls from Python.
-    While a kernel is interpreted here they run as interpreted functions instead, so one process can both
-    compile kernels (a build) and interpret them (its checks, the tests).
+    Triton decides at import whether `@triton.jit` functions are compiled or interpreted (TRITON_INTERPRET); Kiln
+    imports it for compiling, so its library functions are JITFunctions, which refuse calls from Python. While a
+    kernel is interpreted here they run as interpreted functions instead, so one process can both compile kernels
+    (a build) and interpret them (its checks, the tests). Also works around two interpreter faults the GPU does
+    not have: its bf16 dot (widened_dot) and its float narrowing (rounded).
     """
     import numpy as np
     import triton.language as tl

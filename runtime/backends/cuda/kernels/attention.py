@@ -102,10 +102,9 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table
     if WINDOWED:  # whole tiles before the window are skipped; their blocks may have been given back
         key_start = tl.maximum(first_pos + tile_first - window + 1, 0) // BLOCK_N * BLOCK_N
     qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
-    # tl.full, and tl.reduce with the standard combine functions, rather than tl.zeros, tl.max and tl.sum: those
-    # are @jit helpers, which InterpreterLauncher cannot call (it runs these combine functions as numpy).
+    # tl.full, and tl.reduce with the standard combine functions: what tl.zeros, tl.max and tl.sum compile to.
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so a row with no key yet gives exp2(-inf - m) = 0
-    l = tl.full([BLOCK_M], 0.0, tl.float32)
+    row_sum = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM_PADDED], 0.0, tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
     for key0 in range(key_start, key_end, BLOCK_N):
@@ -130,11 +129,11 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table
         m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
         p = tl.exp2(s - m_new[:, None])
         correction = tl.exp2(m - m_new)
-        l = l * correction + tl.reduce(p, 1, tl.standard._sum_combine)
+        row_sum = row_sum * correction + tl.reduce(p, 1, tl.standard._sum_combine)
         acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
-    l = tl.where(row_ok, l, 1.0)  # rows past the tile's queries saw no key; they are not stored
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that see no key (graph padding: context 0) stay 0
+    row_sum = tl.where(row_ok, row_sum, 1.0)  # rows past the tile's queries saw no key; they are not stored
+    o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # rows that see no key (graph padding: context 0) stay 0
     tl.store(out_ptr + token[:, None] * out_row_stride + (head * HEAD_DIM)[:, None] + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & in_head[None, :])
 

@@ -15,8 +15,9 @@ Noise is the host's [R, V] rows (HOST_NOISE: the CPU sampler's race_noise, so th
 with Philox as -log(rand(seed, position * V + token)): a function of the sequence's seed and output position
 only, never of its row in the batch. Logits may be float32, float16 or bfloat16; the math is float32, and
 the penalised logits are stored back in the logits' dtype.
-The kernels call builtins only (tl.full, tl.reduce with the standard combine functions, Philox written out):
-InterpreterLauncher cannot call @jit helpers such as tl.zeros, tl.max, tl.sum or tl.rand.
+The kernels call builtins only (tl.full, tl.reduce with the standard combine functions, Philox written out),
+which compile as tl.zeros, tl.max, tl.sum and tl.rand do; they were written before the interpreter launcher
+could run Triton's library functions (runtime/backends/cuda/launch.py).
 """
 
 from __future__ import annotations
