@@ -61,15 +61,10 @@ def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progre
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        ranks, extras = [], {}
-        if write_ranks is not None:
+        if write_ranks is None:
+            ranks, extras = write_rank_files(tmp, graphs, show_progress), {}
+        else:
             ranks, extras = write_ranks(tmp, graphs)
-        for rank, graph in enumerate(tqdm(graphs, desc="writing ranks", unit="rank", disable=not show_progress)
-                                     if write_ranks is None else []):
-            path = tmp / f"rank{rank}.engine"
-            _write_rank(path, rank, graph)
-            ranks.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size,
-                          "sha256": sha256_file(path)})
         model.write_tokenizer(tmp)
         manifest = dict(manifest_base, ranks=ranks, **extras)
         memory = [g.meta["memory"] for g in graphs if "memory" in g.meta]
@@ -91,6 +86,16 @@ def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progre
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def write_rank_files(tmp: Path, graphs: list[Graph], show_progress: bool) -> list[dict]:
+    """Each rank's program and weights into rank{r}.engine under tmp; the manifest's rank entries."""
+    ranks = []
+    for rank, graph in enumerate(tqdm(graphs, desc="writing ranks", unit="rank", disable=not show_progress)):
+        path = tmp / f"rank{rank}.engine"
+        _write_rank(path, rank, graph)
+        ranks.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+    return ranks
 
 
 def _rank_share(rank: int, graph: Graph) -> dict:

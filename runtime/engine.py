@@ -143,7 +143,7 @@ class LLMEngine:
             prefill_chunk=options.prefill_chunk, kv_windows=windows, window_blocks=pools[-1] if len(pools) > 1 else 0),
             self.eos_token_ids, self.speculator)
         self.scheduler.before_free = self._read_handoff
-        self.sampler = getattr(executor, "sampler", None) or Sampler()  # a GPU executor's samples on its device
+        self.sampler = getattr(executor, "sampler", None) or Sampler()  # a GPU executor may sample on its device
         self.requests: dict[str, _Request] = {}
         self.in_flight: deque[tuple[ScheduledBatch, object]] = deque()  # submitted batches, oldest first
         self.peak_in_flight = 0

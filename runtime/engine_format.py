@@ -246,7 +246,7 @@ def check_files(path: Path, manifest: Manifest, backend: str | None = None, chec
 
     names = [backend] if backend else backends_for(manifest.target)
     for entry in manifest.ranks:
-        files = dict.fromkeys(f for name in names for f in backend_module(name).rank_files(path, entry))
+        files = dict.fromkeys(f for name in names for f in backend_module(name).rank_files(path, manifest, entry))
         for file, digest in files:
             if not file.is_file():
                 raise EngineError(f"{path}: rank {entry.rank} file {file.relative_to(path)} is missing; "

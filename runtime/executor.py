@@ -58,7 +58,9 @@ class KVCacheStorage:
     """K and V of every attention layer on this rank: [num_blocks, block_size, num_kv_heads, head_dim], the
     num_blocks of the layer's KV group (runtime/kv_groups.py)."""
 
-    def __init__(self, layers: list[dict], groups: KVGroups, block_size: int, dtype: str):
+    def __init__(self, layers: list[dict], groups: KVGroups, block_size: int, dtype: str,
+                 device: torch.device | None = None):
+        """device: where the pools live (a GPU backend's memory; default the host)."""
         if dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype {dtype!r} is not supported by this runtime "
                              f"(supported: {', '.join(KV_CACHE_DTYPES)})")
@@ -70,8 +72,8 @@ class KVCacheStorage:
         self.v: dict[int, torch.Tensor] = {}
         for a in layers:
             shape = (groups.num_blocks[self.group[a["layer"]]], block_size, a["num_kv_heads"], a["head_dim"])
-            self.k[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype])
-            self.v[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype])
+            self.k[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype], device=device)
+            self.v[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype], device=device)
 
 
 @dataclass

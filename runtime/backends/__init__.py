@@ -6,7 +6,7 @@ A backend module (runtime/backends/<name>.py, or a package) provides:
     WINDOWED_POOLS   True when it gives sliding-window layers a KV pool of their own (runtime/kv_groups.py)
     DEFAULT_KV_GIB   the KV budget without --kv-cache-gib (None: the build's memory plan)
     GPU              True when each rank runs on its own GPU (chosen before the first NCCL collective)
-    rank_files(path, entry)                  the files of a rank it reads, as (path, sha256) pairs
+    rank_files(path, manifest, entry)        the files of a rank it reads, as (path, sha256) pairs
     check_host(path, manifest)               EngineError, in one line, when this host cannot run the engine
     create_executor(engine, rank, pools, num_threads, collectives)   one rank's Executor
 

@@ -12,7 +12,7 @@ DEFAULT_KV_GIB = None
 GPU = False
 
 
-def rank_files(path: Path, entry) -> list[tuple[Path, str]]:
+def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:
     return [(path / entry.file, entry.sha256)]
 
 

@@ -14,7 +14,7 @@ DEFAULT_KV_GIB = 1.0
 GPU = False
 
 
-def rank_files(path: Path, entry) -> list[tuple[Path, str]]:
+def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:
     return [(path / entry.onnx_dir / name, digest) for name, digest in entry.onnx_files]
 
 

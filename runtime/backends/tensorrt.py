@@ -14,7 +14,7 @@ DEFAULT_KV_GIB = None
 GPU = True
 
 
-def rank_files(path: Path, entry) -> list[tuple[Path, str]]:
+def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:
     return [] if entry.file is None else [(path / entry.file, entry.sha256)]  # none yet after --onnx-only
 
 

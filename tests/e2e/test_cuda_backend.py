@@ -18,8 +18,6 @@ from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import EngineError, Manifest, check_files
 from runtime.sampling import SamplingParams
 
-pytest.importorskip("triton", reason="the gpu extra (triton) is not installed")
-
 ARCHES = {"nvidia-a100-80gb": "sm_80", "nvidia-l40s": "sm_89", "nvidia-h100-80gb": "sm_90a"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 13, 2], [7, 7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [4, 8, 15, 16, 23, 42]]

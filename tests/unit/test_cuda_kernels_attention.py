@@ -4,8 +4,6 @@ the C kernels of runtime.ops.attention reading the same caches, and the variants
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="the gpu extra (triton) is not installed")
-
 from runtime.backends.cuda.kernels import attention as gpu
 from runtime.backends.cuda.launch import InterpreterLauncher, RecordingLauncher
 from runtime.ops import attention as native

@@ -4,9 +4,6 @@ against runtime.weights' dequantized weights in float64, and the variants the bu
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="the gpu extra (triton) is not installed")
-
-
 from runtime.backends.cuda.kernels import gemm
 from runtime.backends.cuda.launch import InterpreterLauncher, RecordingLauncher
 from runtime.weights import fp8, int4

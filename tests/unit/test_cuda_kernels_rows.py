@@ -11,8 +11,6 @@ cast truncates.
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="the gpu extra (triton) is not installed")
-
 from runtime.backends.cuda.kernels import rows
 from runtime.backends.cuda.launch import InterpreterLauncher, RecordingLauncher
 from runtime.ops import reference, rowops

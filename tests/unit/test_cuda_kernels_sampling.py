@@ -4,8 +4,6 @@ run with Triton's interpreter. Tiles of 128 over V of 300-1000 so every loop run
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="the gpu extra (triton) is not installed")
-
 from runtime.backends.cuda.kernels import sampling
 from runtime.backends.cuda.launch import InterpreterLauncher, RecordingLauncher
 from runtime.sampler import Sampler, _adjust, filter_top_k_top_p, race_noise

@@ -47,7 +47,7 @@ def run(pipeline, graph, ctx, options, onnx_only: bool):
     from builder.targets.cuda.compile import kernel_writer
 
     graphs = run_pipeline(graph, ctx, pipeline, options)
-    return graphs, kernel_writer(ctx.plan, graphs, ctx.show_progress)
+    return graphs, kernel_writer(ctx.plan, ctx.show_progress)
 
 
 def requirements(plan) -> dict:

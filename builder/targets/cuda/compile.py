@@ -20,7 +20,7 @@ from tqdm import tqdm
 from builder.errors import KilnError
 from builder.ir import TORCH_DTYPES, Graph
 from builder.plan import Plan, load_devices
-from runtime.engine_format import RankFile, sha256_file
+from runtime.engine_format import RankFile
 from runtime.kv_groups import KVGroups
 from runtime.step import StepMetadata
 
@@ -50,18 +50,14 @@ def kernel_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
-def kernel_writer(plan: Plan, graphs: list[Graph], show_progress: bool):
+def kernel_writer(plan: Plan, show_progress: bool):
     """emit's write_ranks for the cuda target: each rank's file, then the kernels every rank launches."""
 
     def write_ranks(tmp: Path, graphs: list[Graph]) -> tuple[list[dict], dict]:
-        from builder.emit import _write_rank
+        from builder.emit import write_rank_files
         from runtime.backends.cuda.kernel_index import INDEX, write_index
 
-        ranks = []
-        for rank, graph in enumerate(tqdm(graphs, desc="writing ranks", unit="rank", disable=not show_progress)):
-            path = tmp / f"rank{rank}.engine"
-            _write_rank(path, rank, graph)
-            ranks.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+        ranks = write_rank_files(tmp, graphs, show_progress)
         triton = find_triton()
         cc = load_devices()[plan.device].compute_capability
         variants = {}

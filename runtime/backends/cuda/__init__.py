@@ -31,12 +31,11 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def rank_files(path: Path, entry) -> list[tuple[Path, str]]:
+def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:
     from runtime.backends.cuda.kernel_index import files
-    from runtime.engine_format import Manifest
 
-    manifest = Manifest.read(path)
-    return [(path / entry.file, entry.sha256)] + (files(path, manifest.cuda) if manifest.cuda else [])
+    kernels = files(path, manifest.cuda) if manifest.cuda and entry.rank == 0 else []  # the ranks share them
+    return [(path / entry.file, entry.sha256)] + kernels
 
 
 def check_host(path: Path, manifest) -> None:

@@ -19,13 +19,15 @@ from runtime.backends.cuda.kernels import attention, rows, sampling
 from runtime.backends.cuda.launch import ALIGNMENT, Launcher
 from runtime.backends.cuda.ops import OpContext, make_binders
 from runtime.backends.cuda.sampler import DeviceSampler
-from runtime.engine_format import KV_CACHE_DTYPES, RankFile
+from runtime.engine_format import RankFile
+from runtime.executor import KVCacheStorage
 from runtime.kv_groups import KVGroups
 from runtime.ops import reference
 from runtime.program import Hooks, Program, attention_layers
 from runtime.step import StepMetadata
 
 ACTIVATION_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = ("f32", "f16", "bf16", "fp8")
 
 
 @dataclass
@@ -52,22 +54,6 @@ class DeviceStep:
                           to(meta.logits_indices, torch.int64), longest)
 
 
-class DeviceKVCache:
-    """K and V of every attention layer: [num_blocks, block_size, num_kv_heads, head_dim] on the device, one pool
-    (the cuda backend reads sliding-window layers through the full block table and masks by position)."""
-
-    def __init__(self, layers: list[dict], groups: KVGroups, block_size: int, dtype: str, device: torch.device):
-        if dtype not in ("f32", "f16", "bf16", "fp8"):
-            raise ValueError(f"kv cache dtype {dtype!r} has no cuda kernels (f32, f16, bf16, fp8)")
-        self.groups, self.num_blocks, self.block_size = groups, groups.num_blocks[0], block_size
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        for a in layers:
-            shape = (self.num_blocks, block_size, a["num_kv_heads"], a["head_dim"])
-            self.k[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype], device=device)
-            self.v[a["layer"]] = torch.empty(shape, dtype=KV_CACHE_DTYPES[dtype], device=device)
-
-
 def _placed(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A weight on the device; where that is the host (the interpreter), a copy when the mapped file's 8-byte
     alignment is short of the kernels' 16 (device allocations are always aligned)."""
@@ -91,7 +77,11 @@ class CudaExecutor(Executor):
         self.kv_quantized = kv_dtype == "fp8"
         self.max_positions = max_seq_len
         tensors = {name: _placed(t, self.device) for name, t in rank_file.tensors.items()}  # weights: copied once
-        self.cache = DeviceKVCache(attention_layers(doc), pools, block_size, kv_dtype, self.device)
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv cache dtype {kv_dtype!r} has no cuda kernels ({', '.join(KV_DTYPES)})")
+        # One pool (runtime/backends/cuda: WINDOWED_POOLS is False): windowed layers read the full block table
+        # and the attention kernel masks by position.
+        self.cache = KVCacheStorage(attention_layers(doc), pools, block_size, kv_dtype, self.device)
         self.rope_tables: dict[tuple, torch.Tensor] = {}   # one per distinct rope, shared by its layers
         self.step: DeviceStep | None = None
         hooks = Hooks(attention=self._attention, gather_last=self._gather_last, qkv_attention=self._qkv_attention,

@@ -9,6 +9,7 @@ interpreter) the same buffers and padding run the program eagerly, so the bookke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,15 @@ def graph_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+# The DeviceStep buffers a decode step fills (query_start_loc and logits_indices stay 0..B)
+STEP_BUFFERS = ("token_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+
+
 @dataclass
 class Captured:
     step: object                   # DeviceStep: the static buffers the graph reads
+    host: object                   # its host mirror (pinned), filled on the CPU and copied in one transfer a buffer;
+                                   # the step itself where the device is the host
     output: torch.Tensor | None    # [B, V]: the graph's logits buffer
     graph: object | None           # torch.cuda.CUDAGraph, None where steps run eagerly
     replays: int = 0
@@ -36,7 +43,7 @@ class DecodeGraphs:
         self.sizes = graph_sizes(max_batch)
         self.captured: dict[int, Captured] = {}
         self.capture = executor.device.type == "cuda"
-        # One memory pool for every size's graph: they replay one at a time and each step's logits are copied out
+        # One memory pool for every size's graph: they replay one at a time and each step's logits are sampled
         # before the next, so their activations may share memory (a graph per size would otherwise keep its own).
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -50,7 +57,10 @@ class DecodeGraphs:
         s = meta.context_lens.numel()
         size = next(b for b in self.sizes if b >= s)
         entry = self.captured.get(size) or self._make(size)
-        self._load(entry.step, meta)
+        self._load(entry.host, meta)
+        if entry.host is not entry.step:
+            for name in STEP_BUFFERS:
+                getattr(entry.step, name).copy_(getattr(entry.host, name), non_blocking=True)
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -67,7 +77,10 @@ class DecodeGraphs:
                           torch.full((size, self.max_blocks), -1, dtype=torch.int32, device=device), ints(size),
                           torch.arange(size + 1, dtype=torch.int32, device=device),
                           torch.arange(size, dtype=torch.int64, device=device), 1)
-        entry = Captured(step, None, None)
+        host = step
+        if self.capture:
+            host = dataclasses.replace(step, **{name: getattr(step, name).cpu().pin_memory() for name in STEP_BUFFERS})
+        entry = Captured(step, host, None, None)
         if self.capture:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -83,16 +96,11 @@ class DecodeGraphs:
 
     @staticmethod
     def _load(step, meta: StepMetadata) -> None:
-        """Copy a decode step into the static buffers; rows past it become padding."""
+        """Write a decode step into host-side buffers of the static shapes; rows past it become padding."""
         s, width = meta.context_lens.numel(), meta.block_tables.shape[1]
-        step.token_ids[:s].copy_(meta.token_ids, non_blocking=True)
-        step.token_ids[s:] = 0
-        step.positions[:s].copy_(meta.positions, non_blocking=True)
-        step.positions[s:] = 0
-        step.slot_mapping[:s].copy_(meta.slot_mapping, non_blocking=True)
-        step.slot_mapping[s:] = -1
-        step.context_lens[:s].copy_(meta.context_lens, non_blocking=True)
-        step.context_lens[s:] = 0
-        step.block_tables[:s, :width].copy_(meta.block_tables, non_blocking=True)
-        step.block_tables[:s, width:] = -1
-        step.block_tables[s:] = -1
+        step.token_ids[:s], step.token_ids[s:] = meta.token_ids, 0
+        step.positions[:s], step.positions[s:] = meta.positions, 0
+        step.slot_mapping[:s], step.slot_mapping[s:] = meta.slot_mapping, -1
+        step.context_lens[:s], step.context_lens[s:] = meta.context_lens, 0
+        step.block_tables.fill_(-1)
+        step.block_tables[:s, :width] = meta.block_tables

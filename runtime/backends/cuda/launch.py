@@ -309,7 +309,7 @@ class CubinLauncher(Launcher):
         values, types = [], []
         for a, (_, t) in zip(args, v.signature):
             if isinstance(a, torch.Tensor):
-                if a.device != self.device and not (a.device.type == "cuda" and self.device.type == "cuda"):
+                if a.device != self.device:
                     raise KernelError(f"{k.name}: a tensor on {a.device}, the kernel runs on {self.device}")
                 values.append(a.data_ptr()), types.append(ctypes.c_void_p)
             elif t == "fp32":
