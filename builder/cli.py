@@ -259,14 +259,21 @@ def _ir_rank_file(engine: Path, manifest: dict, rank: int) -> Path:
 def verify(
     engine: Path = typer.Argument(..., help="Engine directory."),
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Reference model source (default: the one the engine was built from)."),
+                                        help="Reference model source (default: the one the engine was built from; "
+                                             "a tensorrt engine needs that one, checked by its weights' sha256)."),
     tolerance: Optional[float] = typer.Option(
         None, "--tolerance", help="Largest allowed |logit difference| (default: 1e-3; for engines with int8 "
-                                  "activations, 5% of the largest reference logit and the same top-1 token)."),
-    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt to compare on (repeatable)."),
+                                  "activations, 5% of the largest reference logit and the same top-1 token; for "
+                                  "tensorrt engines, the build's tolerance)."),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt to compare on (repeatable; "
+                                                                      "cpu and cuda engines)."),
 ):
-    """Check the engine's format version and file hashes, then its logits against Hugging Face transformers
-    on a few prompts."""
+    """Check the engine's format version and file hashes, then its logits: a cpu or cuda engine's against Hugging
+    Face transformers on a few prompts; a tensorrt engine's ONNX, every rank under ONNX Runtime on this CPU, against
+    the cpu engine of the same quantized program (rebuilt from the model) on the build's prefill, decode and mixed
+    steps, as its build did (no GPU needed; its compiled TensorRT engines are not run). A tensorrt engine whose
+    manifest lists no ONNX, or with bf16 activations (no ONNX Runtime kernels on the CPU), can only have its file
+    hashes checked: it passes when they match, and the report says so."""
     from builder.verify import INTEGER_ACTIVATION_TOLERANCE, verify_engine
     from runtime.engine_format import EngineError, Manifest, check_files
 
@@ -276,10 +283,12 @@ def verify(
         check_files(engine, manifest)     # every file the manifest lists (rank files, ONNX), by sha256
     except EngineError as exc:
         raise KilnError(str(exc)) from None
-    if manifest.target not in ("cpu", "cuda"):
-        raise KilnError(f"verify: {engine}: its files match the manifest, but the reference interpreter runs cpu "
-                        f"engines and this is a {manifest.target} engine; its build verified the ONNX against the "
-                        "cpu engine (`engine-build inspect` shows the record)")
+    if manifest.target == "tensorrt":
+        if prompt:
+            raise KilnError("verify: --prompt: a tensorrt engine's ONNX is compared on the build's steps (random "
+                            "tokens over scattered KV blocks), not on prompts")
+        _verify_onnx(engine, manifest, model, tolerance)
+        return
     report = verify_engine(engine, model, prompt or None)
     for line in report.lines:
         typer.echo(line)
@@ -301,6 +310,36 @@ def verify(
                         f"--tolerance sets an absolute limit instead")
     typer.echo(f"ok ({report.activations} activations): top-1 the same on every prompt, max |logit difference| "
                f"{report.max_abs_diff:.3g} <= {limit:.3g} ({share:.1%} of the largest reference logit)")
+
+
+def _verify_onnx(engine: Path, manifest, model: Optional[str], tolerance: Optional[float]) -> None:
+    from builder.targets.tensorrt.build import tolerance as build_tolerance
+    from builder.verify import verify_onnx
+
+    typer.echo("files: every file the manifest lists matches its sha256")
+    if manifest.tensorrt is not None:
+        typer.echo(f"tensorrt engines: not run (they need a GPU of compute capability {manifest.compute_capability})")
+    verification, why_not = verify_onnx(engine, manifest, model)
+    if verification is None:
+        typer.echo(f"onnx parity: not checked: {why_not}")
+        typer.echo("ok: the file hashes are all that can be checked of this engine without a GPU, and they match")
+        return
+    typer.echo(f"onnx parity: {manifest.world_size} rank(s) under ONNX Runtime (CPU) against the cpu engine of the "
+               "same quantized program")
+    for step in verification.steps:
+        typer.echo(f"  {step['step']:8s}{step['tokens']:4d} tokens {step['sequences']} sequences  "
+                   f"max|Δ| {step['max_abs_logit_diff']:.3g}")
+    fp8_activations = any(p["name"] == "calibrate_fp8_activations" for p in
+                          json.loads((engine / "manifest.json").read_text()).get("passes", []))
+    limit = tolerance if tolerance is not None else \
+        build_tolerance(manifest.activations, manifest.kv_dtype, verification.max_abs_logit, fp8_activations)
+    if verification.max_abs_logit_diff > limit:
+        raise KilnError(f"verify: ONNX parity: max |logit difference| {verification.max_abs_logit_diff:.3g} from the "
+                        f"cpu engine exceeds the tolerance {limit:.3g} ({manifest.activations} activations, "
+                        f"{manifest.kv_dtype} KV cache)")
+    typer.echo(f"ok: ONNX parity: max |logit difference| {verification.max_abs_logit_diff:.3g} <= tolerance "
+               f"{limit:.3g} ({manifest.activations} activations, {manifest.kv_dtype} KV cache), top-1 agreement "
+               f"{verification.top1_agreement:.0%}")
 
 
 def _read_manifest(engine: Path) -> dict:

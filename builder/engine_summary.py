@@ -52,9 +52,13 @@ def tensorrt_lines(manifest: dict) -> list[str]:
              f"verified: ONNX Runtime against the cpu engine, max |logit difference| {v['max_abs_logit_diff']:.3g} "
              f"(tolerance {v['tolerance']:.3g}), top-1 agreement {v['top1_agreement']:.0%}"]
     if trt["compiled"]:
+        engines = [r["engine"] for r in manifest["ranks"] if r.get("engine")]
+        most = max(engines, key=lambda e: e["activation_bytes"] / e["workspace_bytes"])
         lines.append(f"compiled: {trt['flavour']} {trt['version']} for compute capability {trt['compute_capability']} "
-                     f"in {sum(trt['build_seconds']):.1f} s; kiln::PagedAttention has no plugin registered, so "
-                     "TensorRT compiled its reference body (correct, slow)")
+                     f"in {sum(trt['build_seconds']):.1f} s: one engine a rank, kiln::PagedAttention bound to its "
+                     f"{most['plugin_layers']} attention layers (KV written in place), {most['collectives']} "
+                     f"collectives inside it; TensorRT's activation memory {most['activation_bytes'] / 2**20:.1f} MiB "
+                     f"of {most['workspace_bytes'] / 2**20:.1f} MiB planned")
     else:
         lines.append("not compiled (--onnx-only): run `engine-build compile DIR` on a GPU host")
     return lines
@@ -228,8 +232,14 @@ def _requires(m: dict) -> list[str]:
     if trt.get("lint"):
         lines.append(f"lint: {trt['lint']}")
     for plugin in trt.get("plugins", []):
-        state = "registered" if plugin["registered"] else f"no plugin registered: {plugin['fallback']}"
-        lines.append(f"{plugin['namespace']}::{plugin['name']} v{plugin['version']}: {state}")
+        state = "bound to every attention node" if plugin["registered"] else "bound when the engine is compiled"
+        lines.append(f"{plugin['namespace']}::{plugin['name']} v{plugin['version']}: {state} (KV pools written in "
+                     f"place; {plugin['library']})")
+    for r in m["ranks"]:
+        if r.get("engine"):
+            e = r["engine"]
+            lines.append(f"rank {r['rank']}: one engine, {e['collectives']} collectives inside it, TensorRT activation "
+                         f"memory {_size(e['activation_bytes'])} of {_size(e['workspace_bytes'])} planned")
     v = m.get("verification")
     if v is not None:
         lines.append(_verification(v))

@@ -21,6 +21,7 @@ from builder.errors import KilnError
 from builder.ir import Graph, IRError, verify
 from builder.plan import Plan
 from builder.targets import target
+from passes.calibrate_fp8_activations import calibrate_fp8_activations
 from passes.calibrate_kv_scales import calibrate_kv_scales
 from passes.canonicalize import canonicalize
 from passes.clip_awq_weights import clip_awq_weights
@@ -90,6 +91,10 @@ def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass
         (True, Pass("fuse_qkv", fuse_qkv)),
         (True, Pass("fuse_gate_up", fuse_gate_up)),
         (True, Pass("fuse_add_rms_norm", fuse_add_rms_norm)),
+        # A target whose fp8 plans quantize activations too (tensorrt: Q/DQ for FP8 tensor cores) calibrates
+        # their scales on the fused program, before the accuracy measures, which then include them.
+        (quant.method == "fp8" and getattr(target(plan.target), "FP8_ACTIVATIONS", False),
+         Pass("calibrate_fp8_activations", calibrate_fp8_activations, calibrated)),
         # Analysis of the whole quantized program, before sharding splits it: perplexity, KL and
         # greedy chat agreement against the float model, and the max_ppl_increase and
         # min_greedy_agreement gates (a failing build writes nothing). A float build with an f32

@@ -355,7 +355,7 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
         memory = RankMemoryPlan(
             weight_bytes=int(stored), memory_bytes=device.memory_gib * GIB,
             workspace_bytes=workspace_bytes(plan.limits.max_num_tokens, widest, plan.limits.max_batch_size,
-                                            model.vocab_size),
+                                            model.vocab_size, plan.target),
             kv_bytes_per_token=model.kv_bytes_per_token(plan.kv_cache.dtype, layers, heads.kv.count),
             memory_fraction=plan.kv_cache.memory_fraction, block_size=plan.kv_cache.block_size,
             max_seq_len=plan.limits.max_seq_len, windows=windows,

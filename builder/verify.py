@@ -1,18 +1,26 @@
-"""engine-build verify: an engine's logits (reference interpreter) against Hugging Face transformers."""
+"""engine-build verify: an engine's logits against a reference. A cpu or cuda engine's (reference interpreter, or
+the engine's own kernels) against Hugging Face transformers; a tensorrt engine's ONNX under ONNX Runtime against
+the cpu engine of the same quantized program, rebuilt from the model, as its build verified it."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from builder.errors import KilnError
 from builder.interpret import Interpreter
+from builder.ir import Graph
 from builder.packing import INTEGER_ACTIVATIONS
 from runtime.engine_format import EngineError, Manifest, map_rank_file
 from runtime.special_tokens import from_tokenizer
+
+if TYPE_CHECKING:
+    from builder.targets.tensorrt.verify_onnx import Verification
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -91,3 +99,60 @@ def verify_engine(engine: Path, model_source: str | None, prompts: list[str] | N
         report.top1_same &= same_top
         report.lines.append(f"{len(ids):4d} tokens  max|Δ| {diff:.3g}  top-1 {'same' if same_top else 'DIFFERS'}  {text!r}")
     return report
+
+
+def verify_onnx(engine: Path, manifest: Manifest,
+                model_source: str | None) -> tuple[Verification | None, str | None]:
+    """A tensorrt engine's ONNX, every rank under ONNX Runtime stitched in one process, against the cpu engine of
+    the quantized program it was lowered from, on the build's steps (builder/targets/tensorrt/verify_onnx.py).
+    Returns (the Verification, None), or (None, why nothing can run here) for an engine without ONNX or with bf16
+    activations."""
+    from builder.targets.tensorrt.verify_onnx import cpu_reference, verify_ranks
+
+    missing = [r.rank for r in manifest.ranks if not r.onnx_dir]
+    if missing:
+        return None, f"the manifest lists no ONNX for rank(s) {', '.join(map(str, missing))}"
+    if manifest.activations == "bf16":
+        return None, "ONNX Runtime has no bf16 kernels on the CPU (the build checked and linted the ONNX, not ran it)"
+    doc = json.loads((engine / "manifest.json").read_text())
+    whole = quantized_program(model_source or manifest.model_source, doc)
+    reference = cpu_reference(whole, manifest.activations, manifest.kv_dtype, manifest.block_size)
+    try:
+        return verify_ranks(reference, [engine / r.onnx_dir for r in manifest.ranks], manifest.tp, manifest.pp,
+                            manifest.vocab_size, manifest.block_size), None
+    except EngineError as exc:
+        raise KilnError(f"verify: {exc}") from None
+
+
+def quantized_program(model_source: str, doc: dict) -> Graph:
+    """The whole program before sharding that the engine of manifest `doc` was built from: the model traced again
+    and run through the manifest's passes up to sharding (a KilnError when the model or the passes differ)."""
+    from builder.lazy_tensors import LazyTensors
+    from builder.model import load_model
+    from builder.pipeline import build_pipeline, run_pipeline
+    from builder.plan import plan_from_dict
+    from builder.trace import trace
+    from passes.context import PassContext
+
+    model = load_model(model_source)
+    if model.weights_sha256() != doc["model"]["weights_sha256"]:
+        raise KilnError(f"verify: {model_source} is not the model this engine was built from (its weights' sha256 "
+                        "differs from the manifest's); the ONNX is compared with that model's quantized program: "
+                        "--model names where it is")
+    plan = plan_from_dict(doc["plan"], "in the manifest")
+    try:
+        calibration = Path(plan.quant.calib).read_text(encoding="utf-8") if plan.quant.calib else None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KilnError(f"verify: [quant] calib {plan.quant.calib}: the build calibrated on this text, which cannot "
+                        f"be read ({exc})") from None
+    pipeline = build_pipeline(plan, calibration)
+    first = next(i for i, step in enumerate(pipeline) if step.per_rank)  # the passes before sharding
+    if [step.record() for step in pipeline[:first]] != doc["passes"][:first]:
+        raise KilnError("verify: this Kiln's passes for the engine's plan are not the ones that built it (another "
+                        "version, or another calibration text), so its quantized program cannot be rebuilt; "
+                        "rebuild the engine")
+    passes = [step for step in pipeline[:first] if step.name != "measure_accuracy"]  # it only measures, and gates
+    graph = trace(model)
+    graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
+    [whole] = run_pipeline(graph, PassContext(plan=plan, model=model, calibration_text=calibration), passes)
+    return whole

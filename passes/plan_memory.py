@@ -18,7 +18,14 @@ from runtime.memory_plan import RankMemoryPlan, workspace_bytes
 
 
 def plan_memory(graph: Graph, ctx: PassContext) -> Graph:
-    plan = ctx.plan
+    out = graph.replace()
+    out.meta["memory"] = memory_record(rank_memory(graph, ctx.plan, ctx.rank), ctx.rank)
+    return out
+
+
+def rank_memory(graph: Graph, plan, rank: int, workspace: int | None = None) -> RankMemoryPlan:
+    """The rank's memory plan, a KilnError naming what to change when it does not fit. workspace: the activation
+    memory the engine is known to need (a tensorrt engine's, from TensorRT) in place of the estimate."""
     device = load_devices()[plan.device]
     # From the weights' types, not their tensors: those load lazily, one at a time, when emitted.
     weight_bytes = sum(math.prod(w.shape) * TORCH_DTYPES[w.dtype].itemsize for w in graph.weights.values())
@@ -27,29 +34,33 @@ def plan_memory(graph: Graph, ctx: PassContext) -> Graph:
     # The cpu runtime gives sliding-window layers a pool of their own (runtime/kv_groups.py); the tensorrt
     # executors read every layer through one block table, so there they are priced as full layers.
     windows = group_windows(graph.meta["model"].get("layer_windows") or ()) if plan.target == "cpu" else (0,)
+    if workspace is None:
+        workspace = workspace_bytes(plan.limits.max_num_tokens, widest, plan.limits.max_batch_size,
+                                    graph.meta["model"]["vocab_size"], plan.target)
     memory = RankMemoryPlan(
-        weight_bytes=weight_bytes,
-        workspace_bytes=workspace_bytes(plan.limits.max_num_tokens, widest, plan.limits.max_batch_size,
-                                        graph.meta["model"]["vocab_size"]),
+        weight_bytes=weight_bytes, workspace_bytes=workspace,
         kv_bytes_per_token=kv_bytes_per_token(layers, plan.kv_cache.dtype),
         memory_bytes=device.memory_gib * GIB, memory_fraction=plan.kv_cache.memory_fraction,
         block_size=plan.kv_cache.block_size, max_seq_len=plan.limits.max_seq_len, windows=windows,
         window_bytes_per_token=kv_bytes_per_token([a for a in layers if a.get("window")], plan.kv_cache.dtype)
         if windows != (0,) else 0,
         max_batch_size=plan.limits.max_batch_size, max_num_tokens=plan.limits.max_num_tokens)
-    problem = memory.problem(plan.device, ctx.rank)
+    problem = memory.problem(plan.device, rank)
     if problem:
         raise KilnError(problem)
-    out = graph.replace()
-    out.meta["memory"] = {
-        "rank": ctx.rank,
-        "weight_bytes": weight_bytes,
+    return memory
+
+
+def memory_record(memory: RankMemoryPlan, rank: int) -> dict:
+    """The rank's memory plan as the graph's meta (and the manifest) record it."""
+    record = {
+        "rank": rank,
+        "weight_bytes": memory.weight_bytes,
         "workspace_bytes": memory.workspace_bytes,
         "kv_bytes_per_token": memory.kv_bytes_per_token,
         "kv_blocks": memory.kv_blocks,
         "max_concurrency": memory.max_concurrency,
     }
-    if windows != (0,):
-        out.meta["memory"].update(kv_window_blocks=memory.kv_window_blocks,
-                                  kv_window_bytes_per_token=memory.window_bytes_per_token)
-    return out
+    if memory.windows != (0,):
+        record.update(kv_window_blocks=memory.kv_window_blocks, kv_window_bytes_per_token=memory.window_bytes_per_token)
+    return record

@@ -122,6 +122,8 @@ class Manifest:
     activations: str                  # the plan's [quant] activations
     special_tokens: SpecialTokens | None = None  # BOS/EOS around raw text; None: an engine built before the rule
     cuda: dict | None = None          # cuda target: its compiled kernels (runtime/backends/cuda/kernel_index.py)
+    trt_plugin: dict | None = None    # tensorrt target: the PagedAttention plugin ({"library", "sha256", ...})
+    trt_kernels: dict | None = None   # tensorrt target: the plugin's compiled kernels (as `cuda`)
 
     @staticmethod
     def read(path: Path) -> Manifest:
@@ -170,7 +172,8 @@ class Manifest:
                          for m in doc["memory"]["ranks"]),
             model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"),
             special_tokens=SpecialTokens.from_dict(model["special_tokens"]) if "special_tokens" in model else None,
-            cuda=doc.get("cuda"))
+            cuda=doc.get("cuda"), trt_plugin=((doc.get("tensorrt") or {}).get("plugins") or [None])[0],
+            trt_kernels=(doc.get("tensorrt") or {}).get("kernels"))
 
     def kv_groups(self, kv_cache_gib: float | None, windowed: bool = True) -> KVGroups:
         """The KV pools every rank allocates (the scheduler hands out one block id space per group): the build's

@@ -15,11 +15,18 @@ from runtime.engine_format import GIB
 from runtime.kv_groups import PoolSizing, blocks_for, pool_blocks, window_blocks_per_sequence
 
 LIVE_ACTIVATIONS = 6  # [max_num_tokens, widest] float32 activations alive at once in a step
+# A tensorrt engine's activations are TensorRT's to place. This is the planner's estimate; the build reads
+# TensorRT's own figure for each engine and, where it is larger, prices the rank with it instead (fewer KV
+# blocks, or the memory plan's refusal): builder/targets/tensorrt/build.py. TensorRT-RTX 1.7 reported, in
+# [max_num_tokens, widest] f32 units: 2.8 and 3.1 for SmolLM2's two ranks at tp=2 (f16, 2048 tokens); 7 to 12
+# for a 64-wide test model, whose fixed costs weigh more.
+LIVE_ACTIVATIONS_TENSORRT = 8
 
 
-def workspace_bytes(max_num_tokens: int, widest: int, max_batch_size: int, vocab: int) -> int:
+def workspace_bytes(max_num_tokens: int, widest: int, max_batch_size: int, vocab: int, target: str = "cpu") -> int:
     """A handful of [max_num_tokens, widest] float32 activations alive at once, plus the logits rows."""
-    return 4 * (LIVE_ACTIVATIONS * max_num_tokens * widest + max_batch_size * vocab)
+    live = LIVE_ACTIVATIONS_TENSORRT if target == "tensorrt" else LIVE_ACTIVATIONS
+    return 4 * (live * max_num_tokens * widest + max_batch_size * vocab)
 
 
 @dataclass(frozen=True)

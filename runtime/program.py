@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.ops import linear, reference, rowops
+from runtime.weights import fp8
 
 
 def attention_layers(program: dict) -> list[dict]:
@@ -234,7 +235,13 @@ class Site:
 
 
 def _linear(site: Site):
-    return linear.bind_linear(site.attrs, site.operands(), site.reuse)
+    run = linear.bind_linear(site.attrs, site.operands(), site.reuse)
+    scale = site.attrs.get("act_scale")
+    if scale is None:
+        return run
+    # FP8 activations (a tensorrt fp8 plan: passes/calibrate_fp8_activations.py): the input as the engine's
+    # FP8 GEMM reads it, so the build's accuracy measures and verification see what the GPU computes.
+    return lambda x: run(fp8.fake_quantize(x, scale))
 
 
 def _silu_mul(site: Site):

@@ -12,10 +12,19 @@ TARGETS = ("tensorrt",)
 WINDOWED_POOLS = False
 DEFAULT_KV_GIB = None
 GPU = True
+GRAPH_BATCH = 64  # decode steps of up to this many sequences replay CUDA graphs (one-rank engines)
 
 
 def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:
-    return [] if entry.file is None else [(path / entry.file, entry.sha256)]  # none yet after --onnx-only
+    """The rank's engine (none yet after --onnx-only), and on rank 0 the plugin library and its kernels, which
+    the ranks share."""
+    from runtime.backends.cuda.kernel_index import files
+
+    own = [] if entry.file is None else [(path / entry.file, entry.sha256)]
+    if entry.rank != 0 or manifest.trt_plugin is None or "library" not in manifest.trt_plugin:
+        return own
+    return own + [(path / manifest.trt_plugin["library"], manifest.trt_plugin["sha256"])] + \
+        files(path, manifest.trt_kernels)
 
 
 def gpu_mismatch(compiled_for: str, flavour: str, gpu: str) -> str | None:
@@ -35,6 +44,9 @@ def check_host(path: Path, manifest) -> None:
     if manifest.tensorrt is None or any(r.file is None for r in manifest.ranks):
         raise EngineError(f"{path}: built with --onnx-only, no TensorRT engines yet; run `engine-build compile "
                           f"{path}` on a GPU host, or --backend onnxruntime to run its ONNX on the CPU")
+    if manifest.trt_plugin is None or "library" not in manifest.trt_plugin:
+        raise EngineError(f"{path}: built before tensorrt engines carried Kiln's PagedAttention plugin (its KV pools "
+                          "would be copied every step); rebuild it with this Kiln")
     if not torch.cuda.is_available():
         raise EngineError(f"{path}: a tensorrt engine needs an NVIDIA GPU of compute capability "
                           f"{manifest.compute_capability} and this machine has none; run its ONNX on the CPU "
@@ -55,9 +67,16 @@ def check_host(path: Path, manifest) -> None:
 
 
 def create_executor(engine, rank: int, pools, num_threads: int | None = None, collectives: dict | None = None):
+    from runtime.backends.cuda.kernel_index import load
     from runtime.backends.gpus import rank_device
     from runtime.tensorrt_executor import TensorRTExecutor
 
     manifest = engine.manifest
-    return TensorRTExecutor(engine.path / manifest.ranks[rank].file, manifest.tensorrt["flavour"],
-                            pools.num_blocks[0], collectives, rank_device(rank))
+    hooks = collectives or {}
+    tp_group = getattr(hooks.get("all_reduce"), "__self__", None)  # runtime.ranks.collectives.Collectives
+    one_rank = manifest.world_size == 1
+    return TensorRTExecutor(engine.path / manifest.ranks[rank].file, manifest.tensorrt["flavour"], pools,
+                            manifest.block_size, manifest.kv_dtype, engine.path / manifest.trt_plugin["library"],
+                            load(engine.path), hooks, tp_group.tp_group if manifest.tp > 1 and tp_group else None,
+                            rank_device(rank), max_graph_batch=min(GRAPH_BATCH, manifest.limits.max_batch_size)
+                            if one_rank else 0, device_logits=one_rank)

@@ -33,6 +33,13 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.double() * scales.double().reshape(-1, 1)).float()
 
 
+def fake_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as an FP8 e4m3 activation with one static scale reads it: e4m3(x / scale) * scale, saturated at +-448
+    (ONNX QuantizeLinear then DequantizeLinear, which TensorRT folds into an FP8 GEMM), in x's dtype."""
+    q = (x.float() / scale).clamp(-MAX, MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
 # ------------------------------------------------------------------------------------------ packing
 
 def pack(q: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """engine-build inspect and verify on real engines: the summary of a cpu and a tensorrt engine, the
-manifest as JSON, a newer format version warned about (inspect) or refused (verify), and a tampered
-rank or ONNX file refused by verify before any logits are computed."""
+manifest as JSON, a newer format version warned about (inspect) or refused (verify), a tampered
+rank or ONNX file refused by verify before any logits are computed, and a tensorrt engine's ONNX verified
+under ONNX Runtime against the cpu engine, as its build did."""
 
 from __future__ import annotations
 
@@ -141,11 +142,53 @@ def test_verify_refuses_a_newer_format_version(cpu_engine, tmp_path):
     assert proc.stdout == ""
 
 
-def test_verify_checks_a_tensorrt_engines_onnx_files(tensorrt_engine, tmp_path):
-    assert_one_line_error(engine_build("verify", tensorrt_engine),
-                          r"its files match the manifest, but the reference interpreter runs cpu engines")
-    engine = tmp_path / "tampered"
-    shutil.copytree(tensorrt_engine, engine)
-    flip_a_byte(engine / "onnx" / "rank1" / "weights.bin")
-    assert_one_line_error(engine_build("verify", engine),
-                          rf"{engine}/onnx/rank1/weights\.bin: sha256 does not match the manifest")
+def test_verify_runs_a_tensorrt_engines_onnx_against_the_cpu_engine(tensorrt_engine):
+    proc = engine_build("verify", tensorrt_engine)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["files: every file the manifest lists matches its sha256",
+                         "onnx parity: 2 rank(s) under ONNX Runtime (CPU) against the cpu engine of the same "
+                         "quantized program"]
+    assert [line.split()[0] for line in lines[2:-1]] == ["prefill", "decode", "mixed", "decode"]
+    recorded = json.loads((tensorrt_engine / "manifest.json").read_text())["verification"]
+    # the build's own check, run again: the same program and steps give the same figures
+    assert lines[-1] == (f"ok: ONNX parity: max |logit difference| {recorded['max_abs_logit_diff']:.3g} <= tolerance "
+                         f"{recorded['tolerance']:.3g} (f16 activations, f16 KV cache), top-1 agreement 100%")
+
+
+def test_verify_refuses_a_tensorrt_engines_missing_corrupt_or_wrong_onnx(tensorrt_engine, tmp_path):
+    from runtime.engine_format import sha256_file
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(tensorrt_engine, flipped)
+    flip_a_byte(flipped / "onnx" / "rank1" / "weights.bin")
+    assert_one_line_error(engine_build("verify", flipped),
+                          rf"{flipped}/onnx/rank1/weights\.bin: sha256 does not match the manifest")
+    missing = tmp_path / "missing"
+    shutil.copytree(tensorrt_engine, missing)
+    (missing / "onnx" / "rank1" / "segment00.onnx").unlink()
+    assert_one_line_error(engine_build("verify", missing), r"rank 1 file onnx/rank1/segment00\.onnx is missing")
+    # Other weights under a manifest that lists their hash: only running the ONNX finds them out.
+    wrong = tmp_path / "wrong"
+    shutil.copytree(tensorrt_engine, wrong)
+    weights = wrong / "onnx" / "rank1" / "weights.bin"
+    data = weights.read_bytes()
+    weights.write_bytes(bytes(len(data) // 2) + data[len(data) // 2:])
+    manifest = json.loads((wrong / "manifest.json").read_text())
+    manifest["ranks"][1]["onnx"]["files"]["weights.bin"] = sha256_file(weights)
+    (wrong / "manifest.json").write_text(json.dumps(manifest))
+    assert_one_line_error(engine_build("verify", wrong), r"verify: ONNX parity: max \|logit difference\| \S+ from the "
+                                                         r"cpu engine exceeds the tolerance \S+ \(f16 activations")
+
+
+def test_verify_checks_only_the_hashes_of_a_tensorrt_engine_without_onnx(tensorrt_engine, tmp_path):
+    ranks = json.loads((tensorrt_engine / "manifest.json").read_text())["ranks"]
+    engine = copy_with_manifest(tensorrt_engine, tmp_path / "no-onnx",
+                                ranks=[{k: v for k, v in r.items() if k != "onnx"} for r in ranks])
+    proc = engine_build("verify", engine)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1:] == [
+        "onnx parity: not checked: the manifest lists no ONNX for rank(s) 0, 1",
+        "ok: the file hashes are all that can be checked of this engine without a GPU, and they match"]
+    assert_one_line_error(engine_build("verify", tensorrt_engine, "--prompt", "hi"),
+                          r"--prompt: a tensorrt engine's ONNX is compared on the build's steps")

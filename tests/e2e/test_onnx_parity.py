@@ -4,7 +4,8 @@ Each build lowers a tiny Llama with 6 query / 3 KV heads (uneven over TP=2) and 
 runs it under ONNX Runtime, stitched across both ranks, against Kiln's cpu engine of the same
 quantized program on prefill, decode and mixed steps over scattered, partly filled KV blocks. The
 families: float linears, INT8 per-channel and FP8 weight DequantizeLinear, INT4 zero-point grids as
-a symmetric block DequantizeLinear plus the group-sum correction; attention in all three step kinds.
+a symmetric block DequantizeLinear plus the group-sum correction; attention in all three step kinds. And the
+onnxruntime backend's sessions dequantize no weight on every step.
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def test_the_weights_take_the_form_tensorrt_wants(family):
         assert dequantize in forms, (method, forms)
         # no other weight quantization slipped in (the embedding is dequantized to a float table)
         assert forms == {dequantize}, (method, forms)
+
+
+def test_onnx_runtime_dequantizes_the_weights_once_at_load(family, tmp_path):
+    """No weight DequantizeLinear is left to run on every step: ONNX Runtime folds int8 and fp8 ones into float
+    weights at load, and takes the block-INT4 ones into its n-bit kernel, which keeps them 4-bit."""
+    import onnxruntime
+
+    from runtime.onnx_executor import session_options
+
+    method, _, engine = family
+    ops, weight_dequantizers = set(), []
+    for path in sorted((engine / "onnx" / "rank0").glob("segment*.onnx")):
+        options = session_options(onnxruntime, path, 1)
+        options.optimized_model_filepath = str(tmp_path / path.name)  # the graph ONNX Runtime runs
+        onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(tmp_path / path.name, load_external_data=False).graph
+        weights = {init.name for init in graph.initializer}
+        ops |= {node.op_type for node in graph.node}
+        weight_dequantizers += [node.name for node in graph.node
+                                if node.op_type == "DequantizeLinear" and node.input[0] in weights]
+    assert weight_dequantizers == [] and "MatMul" in ops, (method, weight_dequantizers)
+    assert ("MatMulNBits" in ops) == (method == "int4"), method
 
 
 def test_sliding_window_attention_matches_the_cpu_engine(tiny_mistral_dir, tmp_path):

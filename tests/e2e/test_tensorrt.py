@@ -111,22 +111,101 @@ def test_f16_activations_stay_within_the_recorded_tolerance(built):
 
 
 @needs_tensorrt
-def test_a_real_tensorrt_build_writes_engines_and_a_complete_manifest(built):
+def test_a_real_tensorrt_build_writes_one_engine_a_rank_with_the_plugin_and_pools_in_place(built):
     import json
 
     engine = built(2, 1, onnx_only=False)
     manifest = json.loads((engine / "manifest.json").read_text())
     assert manifest["target"]["requires"]["compute_capability"] == "8.0"
     assert manifest["target"]["tensorrt"]["flavour"] == "tensorrt-rtx"
-    assert manifest["tensorrt"]["compiled"] and len(manifest["tensorrt"]["build_seconds"]) == 2
-    assert manifest["tensorrt"]["plugins"][0]["name"] == "PagedAttention"
+    trt = manifest["tensorrt"]
+    assert trt["compiled"] and len(trt["build_seconds"]) == 2 and trt["engines_per_rank"] == 1
+    plugin = trt["plugins"][0]
+    assert (plugin["name"], plugin["namespace"], plugin["registered"]) == ("PagedAttention", "kiln", True)
+    assert (engine / plugin["library"]).is_file() and trt["kernels"]["arch"] == "sm_80"
+    # the plugin's three kernels (the same for every layer here), no sampler on a two-rank engine
+    assert trt["kernels"]["kernels"] == 3 and len(list((engine / "kernels").glob("*.cubin"))) == 3
     for rank in manifest["ranks"]:
-        program, engines = map_rank_file(engine / rank["file"])
-        segments = json.loads(program)["steps"]
-        assert len(engines) == sum("segment" in s for s in segments) == rank["io"]["segments"]
-        assert all(e.numel() > 1000 for e in engines.values())  # serialized TensorRT plans, not placeholders
-        assert rank["io"]["exchanges"].count("all_reduce") == 2 * 4 + 1  # two per layer, and the embedding
+        program, tensors = map_rank_file(engine / rank["file"])
+        steps = json.loads(program)["steps"]
+        assert list(tensors) == ["engine"] and [s.get("engine") for s in steps] == ["engine"]
+        assert tensors["engine"].numel() > 10_000  # a serialized TensorRT plan, not a placeholder
+        e = rank["engine"]
+        # every collective inside the one engine: two all_reduces a layer, the embedding's, the logits' gather
+        assert e["collectives"] == len(rank["io"]["exchanges"]) == 2 * 4 + 2
+        assert e["plugin_layers"] == 4
+        assert 0 < e["activation_bytes"] <= e["workspace_bytes"]
+        assert e["io"]["aliases"] == {f"kv.{layer}.{kind}.out": f"kv.{layer}.{kind}" for layer in range(4)
+                                      for kind in "kv"}
         assert set(rank["onnx"]["files"]) >= {"program.json", "weights.bin", "segment00.onnx"}
+
+
+@needs_tensorrt
+def test_the_executor_binds_each_pool_and_its_output_to_one_buffer(built):
+    """pool_bindings is what the tensorrt executor binds (runtime/tensorrt_executor.py), here over a real
+    engine's I/O and pools of every planned block: an output pool that got its own buffer would fail this."""
+    import json
+
+    from runtime.engine_format import EngineError
+    from runtime.executor import KVCacheStorage
+    from runtime.kv_groups import KVGroups
+    from runtime.tensorrt_executor import pool_bindings, pool_layers
+
+    engine = built(2, 1, onnx_only=False)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    io = json.loads(map_rank_file(engine / manifest["ranks"][0]["file"])[0])["steps"][0]
+    shapes = {n: (-1, 16, 1, 16) for n in io["inputs"] if n.startswith("kv.")}  # 2 KV heads of 16, over tp=2
+    blocks = 37
+    cache = KVCacheStorage(pool_layers(io, shapes), KVGroups((0,), (blocks,)), 16, "f16")
+    bound = pool_bindings(io, cache)
+    pools = [n for n in io["inputs"] if n.startswith("kv.")]
+    assert len(pools) == 8 and all(bound[n].shape[0] == blocks for n in pools)  # every planned block, not half
+    for name in pools:
+        assert bound[f"{name}.out"].data_ptr() == bound[name].data_ptr()
+    assert len({bound[n].data_ptr() for n in pools}) == len(pools)  # and no two layers share one
+    broken = dict(io, aliases={k: v for k, v in io["aliases"].items() if k != "kv.2.v.out"})
+    with pytest.raises(EngineError, match="kv.2.v.out does not alias"):
+        pool_bindings(broken, cache)
+
+
+@needs_tensorrt
+@pytest.mark.parametrize("device,arch", [("nvidia-a10", "sm_86"), ("nvidia-l4", "sm_89"),
+                                         ("nvidia-rtx-5090", "sm_120")])
+def test_engines_build_for_each_rtx_compute_capability(tiny_llama_dir, tmp_path, device, arch):
+    import json
+
+    out = tmp_path / "e"
+    plan = tensorrt_plan(activations="f16").with_overrides(device=device)
+    build_engine(str(tiny_llama_dir), plan, out, show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tensorrt"]["kernels"]["arch"] == arch and manifest["tensorrt"]["plugins"][0]["registered"]
+    # one rank: the plugin's kernels and the greedy sampler's
+    assert manifest["tensorrt"]["kernels"]["kernels"] == 4
+    e = manifest["ranks"][0]["engine"]
+    assert e["plugin_layers"] == 4 and e["collectives"] == 0 and 0 < e["activation_bytes"] <= e["workspace_bytes"]
+
+
+@needs_tensorrt
+def test_fp8_plans_quantize_activations_for_fp8_gemms_and_measure_it(tiny_llama_dir, tmp_path):
+    """An fp8 plan puts Q/DQ with a calibrated scale on every fp8 linear's input; the cpu engine rounds the same
+    inputs the same way, so with f32 activations ONNX Runtime matches it as closely as without fp8."""
+    import json
+
+    import onnx
+
+    out = tmp_path / "fp8"
+    plan = load_plan(PLANS / "l40s-fp8.toml").with_overrides(device="nvidia-l4")
+    build_engine(str(tiny_llama_dir), plan.with_overrides("quant", activations="f32"), out, show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "calibrate_fp8_activations" in [p["name"] for p in manifest["passes"]]
+    assert manifest["verification"]["max_abs_logit_diff"] <= 1e-4
+    nodes = [n for path in sorted((out / "onnx" / "rank0").glob("segment*.onnx"))
+             for n in onnx.load(str(path), load_external_data=False).graph.node]
+    quantized = [n for n in nodes if n.op_type == "QuantizeLinear"]
+    # the four layers' qkv, o, gate_up and down projections (the embedding and lm_head are excluded)
+    assert len(quantized) == 4 * 4 and all(n.input[2].endswith(".act_zero") for n in quantized)
+    e = manifest["ranks"][0]["engine"]
+    assert e["plugin_layers"] == 4 and e["activation_bytes"] <= e["workspace_bytes"]
 
 
 def test_serve_with_the_onnxruntime_backend(built, cpu_tokens, tmp_path):

@@ -1,5 +1,6 @@
 """The tensorrt backend on a GPU: TensorRT engines of a tiny Llama give the onnxruntime backend's greedy
-text (f32 activations) in one process and across two rank processes.
+text (f32 activations) in one process and across two rank processes, and the executor holds one context
+whose KV pools are bound in place, every planned block of them.
 
 Skipped, with the reason, on a host without a CUDA GPU, a CUDA build of torch, and a TensorRT that
 builds for that GPU's compute capability. Kiln's development machines have none of these: this file
@@ -47,3 +48,24 @@ def test_tensorrt_backend_gives_the_onnxruntime_backends_greedy_text(tiny_llama_
     engine = tmp_path / "engine"
     build_engine(str(tiny_llama_dir), plan, engine, show_progress=False)
     assert greedy(engine, "tensorrt") == greedy(engine, "onnxruntime")
+
+
+def test_the_executor_binds_every_planned_block_in_place(tiny_llama_dir, tmp_path):
+    from runtime.engine import EngineOptions
+    from runtime.launcher import open_llm_engine
+
+    plan = tensorrt_plan().with_overrides(device=DEVICE)
+    engine = tmp_path / "engine"
+    build_engine(str(tiny_llama_dir), plan, engine, show_progress=False)
+    from runtime.backend import kv_groups
+    from runtime.engine_format import Manifest
+
+    planned = kv_groups(Manifest.read(engine), "tensorrt", 0.02).num_blocks[0]
+    with open_llm_engine(engine, EngineOptions(backend="tensorrt", kv_cache_gib=0.02)) as llm:
+        executor = llm.executor
+        assert executor.cache.num_blocks == planned  # all of them: no second buffer per pool
+        for name, pool in executor.pools.items():
+            if name.endswith(".out"):
+                assert pool.data_ptr() == executor.pools[name.removesuffix(".out")].data_ptr()
+        assert executor.scratch.numel() >= executor.engine.device_memory_size_v2
+

@@ -5,21 +5,41 @@ from __future__ import annotations
 
 DEVICE_KIND = "gpu"
 ACTIVATIONS = ("f16", "bf16", "f32")
-# An fp8 cache waits for the PagedAttention plugin: the node's reference body gathers keys with GatherND and
-# ScatterND, which ONNX (opset 21) does not define for float8. int8 caches are a cpu kernel path.
+# An fp8 cache: the PagedAttention plugin's kernels take one, but the node's reference body, which ONNX Runtime
+# runs to verify every build, writes and gathers the pools with ScatterND and GatherND, which ONNX (opset 21)
+# does not define for float8. int8 caches are a cpu kernel path.
 KV_DTYPES = ("f16", "bf16", "f32")
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
+# fp8 plans quantize each fp8 linear's input too, with a calibrated static scale (passes/
+# calibrate_fp8_activations.py), so TensorRT can choose FP8 tensor-core GEMMs.
+FP8_ACTIVATIONS = True
 
 
 def check_plan(plan, device, fail) -> None:
+    from builder.targets.cuda import ARCHES
+
     if plan.kv_cache.dtype == "fp8":
-        fail("[kv_cache] dtype", "fp8 cannot be built for the tensorrt target (its reference attention body has "
-                                 "no float8 form in ONNX until the PagedAttention plugin lands); it takes "
+        fail("[kv_cache] dtype", "fp8 cannot be built for the tensorrt target (the attention node's reference body, "
+                                 "which ONNX Runtime verifies, has no float8 form in ONNX); it takes "
                                  f"{', '.join(KV_DTYPES)}: use dtype = \"f16\"")
+    if device.compute_capability not in ARCHES:
+        fail("device", f"{plan.device} is compute capability {device.compute_capability}; the tensorrt target's "
+                       f"PagedAttention plugin runs Kiln's kernels, which compile for {', '.join(ARCHES)}")
 
 
 def layout_passes(plan) -> list:
-    return []  # the ONNX lowering reads the logical weights
+    """None that changes the graph (the ONNX lowering reads the logical weights); one that records what decides
+    the plugin's binary and kernels, so another plugin or kernel source means another build id."""
+    from builder.pipeline import Pass
+    from builder.targets.cuda.compile import kernel_fingerprint
+    from runtime.trt_plugin import source_digest
+
+    return [Pass("tensorrt_plugin", _unchanged, {"plugin": source_digest(), "kernels": kernel_fingerprint()},
+                 per_rank=True)]
+
+
+def _unchanged(graph, ctx):
+    return graph
 
 
 def prepare(plan, onnx_only: bool) -> None:

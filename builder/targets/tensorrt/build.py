@@ -3,10 +3,12 @@
 For every rank: lower the program to ONNX segments (builder/targets/tensorrt/lower_onnx.py), check each with
 onnx.checker (shape inference included) and lint it against the ONNX operators the chosen TensorRT
 parser supports (builder/targets/tensorrt/onnx_lint.py). Then verify every rank under ONNX Runtime against Kiln's cpu
-engine of the same quantized program (builder/targets/tensorrt/verify_onnx.py), and compile each segment with
-TensorRT (builder/targets/tensorrt/compile.py) into `rank{r}.engine`: a Kiln rank file whose tensors are
-the serialized segment engines and whose program is the rank's program.json. A failing check
-stops the build; nothing is written.
+engine of the same quantized program (builder/targets/tensorrt/verify_onnx.py); compile the PagedAttention
+plugin's kernels with Triton for the plan's GPU (`kernels/`) and the plugin library with g++ (`plugins/`); and
+compile each rank with TensorRT (builder/targets/tensorrt/compile.py) into one engine, `rank{r}.engine`: a Kiln
+rank file holding the serialized engine, whose program is the engine between a pipeline stage's recv and send.
+TensorRT's activation memory for each engine must fit the memory plan's workspace. A failing check stops the
+build; nothing is written.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import torch
 from builder.errors import KilnError
 from builder.ir import Graph
 from builder.plan import Plan, load_devices
-from builder.targets.tensorrt.compile import RTX_TARGETS, Profile, Toolchain, compile_segments, find_toolchain
+from builder.targets.tensorrt.compile import RTX_TARGETS, CompiledRank, Profile, Toolchain, compile_rank, find_toolchain
 from builder.targets.tensorrt.lower_onnx import PROGRAM_FILE, lower_rank
 from builder.targets.tensorrt.onnx_attention import DOMAIN, OP, PLUGIN_VERSION
 from builder.targets.tensorrt.onnx_lint import lint_model, load_op_table
 from builder.targets.tensorrt.verify_onnx import cpu_reference, verify_ranks
-from runtime.engine_format import EngineError, sha256_file, write_rank_file
+from runtime.engine_format import GIB, EngineError, sha256_file, write_rank_file
 
 # |logit difference| a build accepts against the cpu engine: f32 activations compute the same math
 # in another order; f16/bf16 activations round every activation (then: share of the largest logit).
@@ -40,6 +42,11 @@ from runtime.engine_format import EngineError, sha256_file, write_rank_file
 F32_TOLERANCE = 1e-3
 HALF_TOLERANCE = 0.05
 HALF_KV_TOLERANCE = 0.005
+# FP8 activations (fp8 plans): with f32 activations ONNX Runtime and the cpu engine round every input the same
+# way (measured: 1e-6 apart on a tiny Llama). With f16/bf16 activations an input a half-precision step away
+# from an e4m3 rounding boundary rounds to the neighbouring code, 1/8 of its value apart (three mantissa bits),
+# and later layers carry that on: measured 10% of the largest logit on the same model, so 15% is allowed.
+HALF_FP8_TOLERANCE = 0.15
 
 
 @dataclass
@@ -74,6 +81,8 @@ class TensorRTBuild:
             _check(result.directory, result.program, table, rank)
             lowered.append(result)
         record = self._verify(lowered)
+        kernels = write_kernels(tmp, lowered, cc, self.vocab_size if plan.world_size == 1 else None)
+        plugin = write_plugin(tmp)
         compile_record = {"compiled": False}
         for rank, result in enumerate(lowered):
             onnx_files = {name: sha256_file(result.directory / name) for name in result.files}
@@ -84,14 +93,16 @@ class TensorRTBuild:
                      "io": _io_contract(result.program)}
             ranks.append(entry)
         if chain is not None:
-            compile_record.update(self._compile(tmp, lowered, chain, ranks, graphs))
+            compile_record.update(self._compile(tmp, lowered, chain, ranks, graphs, plugin))
         target = manifest_target(plan)
         if chain is not None:
             target["tensorrt"] = chain.record()
         extras = {"target": target, "verification": record, "tensorrt": {
             **compile_record,
-            "plugins": [{"name": OP, "namespace": DOMAIN, "version": PLUGIN_VERSION, "registered": False,
-                         "fallback": "TensorRT compiles the node's reference body (gather-based: correct, slow)"}],
+            "plugins": [{"name": OP, "namespace": DOMAIN, "version": PLUGIN_VERSION, "registered": chain is not None,
+                         "library": plugin["file"], "sha256": plugin["sha256"],
+                         "kernels": "runtime/backends/cuda/kernels: rope, kv_write, paged_attention"}],
+            "kernels": kernels,
             "lint": f"{table.label}: no problems",
         }}
         return ranks, extras
@@ -109,7 +120,8 @@ class TensorRTBuild:
         except EngineError as exc:
             raise KilnError(f"verify: {exc}") from None
         record = verification.record()
-        limit = tolerance(plan.quant.activations, plan.kv_cache.dtype, verification.max_abs_logit)
+        limit = tolerance(plan.quant.activations, plan.kv_cache.dtype, verification.max_abs_logit,
+                          fp8_activations=any("act_scale" in n.attrs for n in self.whole.nodes))
         record["tolerance"] = round(limit, 6)
         if verification.max_abs_logit_diff > limit:
             raise KilnError(f"verify: ONNX Runtime's logits differ from the cpu engine's by "
@@ -117,16 +129,29 @@ class TensorRTBuild:
                             "activations); the lowering is wrong for this model: nothing was written")
         return record
 
-    def _compile(self, tmp: Path, lowered, chain: Toolchain, ranks: list[dict], graphs: list[Graph]) -> dict:
+    def _compile(self, tmp: Path, lowered, chain: Toolchain, ranks: list[dict], graphs: list[Graph],
+                 plugin: dict) -> dict:
+        from passes.plan_memory import memory_record, rank_memory
+
         blocks = max(1, min(_pool_blocks(self.plan, g) for g in graphs))
+
+        def fit(rank: int, needed: int) -> int:
+            """The memory plan with TensorRT's activation memory where it exceeds the estimate (fewer KV blocks),
+            or the memory plan's one-line refusal when the rank then does not fit."""
+            planned = int(graphs[rank].meta["memory"]["workspace_bytes"])
+            if needed <= planned:
+                return planned
+            graphs[rank].meta["memory"] = memory_record(rank_memory(graphs[rank], self.plan, rank, needed), rank)
+            return needed
+
         return compile_ranks(tmp, [r.directory for r in lowered], chain, self.compute_capability,
-                             profile_of(self.plan, blocks), ranks)
+                             profile_of(self.plan, blocks), ranks, self.plan.tp, tmp / plugin["file"], fit)
 
 
-def tolerance(activations: str, kv_dtype: str, max_abs_logit: float) -> float:
+def tolerance(activations: str, kv_dtype: str, max_abs_logit: float, fp8_activations: bool = False) -> float:
     """The largest |logit difference| from the cpu engine a build accepts (see F32_TOLERANCE)."""
     if activations != "f32":
-        return HALF_TOLERANCE * max_abs_logit
+        return (HALF_FP8_TOLERANCE if fp8_activations else HALF_TOLERANCE) * max_abs_logit
     return F32_TOLERANCE + (HALF_KV_TOLERANCE * max_abs_logit if kv_dtype != "f32" else 0.0)
 
 
@@ -136,23 +161,72 @@ def profile_of(plan: Plan, blocks: int) -> Profile:
 
 
 def compile_ranks(out: Path, onnx_dirs: list[Path], chain: Toolchain, cc: str, profile: Profile,
-                  ranks: list[dict]) -> dict:
-    """rank{r}.engine in `out` for each rank's ONNX; updates the rank entries; the compile record."""
-    cache = _timing_cache(chain, cc)
-    seconds = []
+                  ranks: list[dict], tp: int, plugin: Path, fit: Callable[[int, int], int]) -> dict:
+    """rank{r}.engine in `out` for each rank's ONNX (one engine a rank); updates the rank entries; the compile
+    record. fit(rank, TensorRT's activation bytes) -> the workspace the rank's memory plan now holds (a KilnError
+    when the rank no longer fits)."""
+    compiled = []
     for rank, directory in enumerate(onnx_dirs):
-        program = (directory / PROGRAM_FILE).read_text()
-        segments = [item["segment"] for item in json.loads(program)["steps"] if "segment" in item]
-        engines, times = compile_segments(directory, segments, chain, cc, profile, cache)
-        seconds.append(round(sum(times), 2))
+        result = compile_rank(directory, chain, cc, profile, tp, plugin, _timing_cache(chain, cc))
+        if result.activation_bytes is None:
+            raise KilnError(f"tensorrt: rank {rank}: TensorRT reported no activation memory, so the memory plan "
+                            "cannot count it; nothing was written")
+        workspace = fit(rank, result.activation_bytes)
+        doc = json.loads((directory / PROGRAM_FILE).read_text())
+        program = json.dumps(engine_program(doc, result), indent=1, sort_keys=True)
         path = out / f"rank{rank}.engine"
-        tensors = {f"segment{i:02d}": torch.frombuffer(bytearray(e), dtype=torch.uint8) for i, e in enumerate(engines)}
-        write_rank_file(path, rank, program, {n: ("u8", tuple(t.shape)) for n, t in tensors.items()},
-                        lambda name: tensors[name])
-        ranks[rank].update(file=path.name, bytes=path.stat().st_size, sha256=sha256_file(path))
-    return {"compiled": True, **chain.record(), "compute_capability": cc, "build_seconds": seconds,
+        blob = torch.frombuffer(bytearray(result.engine), dtype=torch.uint8)
+        write_rank_file(path, rank, program, {"engine": ("u8", tuple(blob.shape))}, lambda name: blob)
+        ranks[rank].update(file=path.name, bytes=path.stat().st_size, sha256=sha256_file(path),
+                           engine=dict(result.record(), workspace_bytes=workspace))
+        compiled.append(result)
+    return {"compiled": True, **chain.record(), "compute_capability": cc,
+            "build_seconds": [round(c.seconds, 2) for c in compiled], "engines_per_rank": 1,
             "profile": {"max_num_tokens": profile.max_num_tokens, "max_batch_size": profile.max_batch_size,
                         "max_seq_len": profile.max_seq_len, "max_kv_blocks": profile.max_blocks}}
+
+
+def engine_program(doc: dict, compiled: CompiledRank) -> dict:
+    """The rank file's program: the engine, between a pipeline stage's recv and send."""
+    around = {s["exchange"]: s for s in doc["steps"] if s.get("exchange") in ("send", "recv")}
+    steps = ([around["recv"]] if "recv" in around else []) + \
+        [{"engine": "engine", "inputs": compiled.inputs, "outputs": compiled.outputs, "aliases": compiled.aliases,
+          "activation_bytes": compiled.activation_bytes}] + ([around["send"]] if "send" in around else [])
+    return {"outputs": doc["outputs"], "steps": steps}
+
+
+def write_kernels(out: Path, lowered, cc: str, vocab_size: int | None) -> dict:
+    """The plugin's kernels, and with vocab_size (a one-rank engine) the greedy sampler's, compiled by Triton for
+    compute capability cc, as kernels/ (the cuda target's index)."""
+    from builder.targets.cuda import ARCHES
+    from builder.targets.cuda.compile import compile_variant, find_triton
+    from builder.targets.tensorrt.plugin_kernels import sampler_kernels
+    from runtime.backends.cuda.kernel_index import INDEX, write_index
+
+    triton = find_triton()
+    variants = sampler_kernels(vocab_size) if vocab_size else {}
+    for rank in lowered:
+        variants.update(rank.kernels)
+    compiled = [compile_variant(kernel, variant, cc) for kernel, variant in variants.values()]
+    for ck in compiled:
+        if ck.global_scratch:
+            raise KilnError(f"tensorrt: kernel {ck.variant.key} needs Triton's global scratch, which the "
+                            "PagedAttention plugin does not allocate")
+    header = {"arch": ARCHES[cc], "compute_capability": cc, "triton": triton.__version__}
+    digest = write_index(out, header, compiled)
+    return dict(header, index=INDEX, index_sha256=digest, kernels=len(compiled),
+                cubin_bytes=sum(len(c.cubin) for c in compiled))
+
+
+def write_plugin(out: Path) -> dict:
+    """The PagedAttention plugin library, compiled with g++ into plugins/; its manifest record."""
+    from runtime.trt_plugin import LIBRARY, PluginError, build_library, source_digest
+
+    try:
+        path = build_library(out / "plugins")
+    except PluginError as exc:
+        raise KilnError(f"tensorrt: {exc}") from None
+    return {"file": f"plugins/{LIBRARY}", "sha256": sha256_file(path), "source": source_digest()}
 
 
 def compile_engine(engine: Path) -> dict:
@@ -185,7 +259,8 @@ def compile_engine(engine: Path) -> dict:
     staging.mkdir(exist_ok=True)
     try:
         record = compile_ranks(staging, [engine / r.onnx_dir for r in manifest.ranks], chain, cc, profile,
-                               doc["ranks"])
+                               doc["ranks"], plan["tp"], engine / doc["tensorrt"]["plugins"][0]["library"],
+                               lambda rank, needed: _refit(doc, rank, needed))
         for path in staging.iterdir():
             path.chmod(0o644)
             path.rename(engine / path.name)
@@ -199,6 +274,27 @@ def compile_engine(engine: Path) -> dict:
     (engine / "manifest.json.tmp").rename(engine / "manifest.json")
     (engine / "report.md").write_text(render_report(doc))
     return doc
+
+
+def _refit(doc: dict, rank: int, needed: int) -> int:
+    """compile_ranks' fit for an engine compiled after its build: its manifest's memory plan re-priced."""
+    from runtime.memory_plan import RankMemoryPlan
+
+    entry, plan = doc["memory"]["ranks"][rank], doc["plan"]
+    if needed <= entry["workspace_bytes"]:
+        return entry["workspace_bytes"]
+    limits, kv = plan["limits"], plan["kv_cache"]
+    memory = RankMemoryPlan(weight_bytes=entry["weight_bytes"], workspace_bytes=needed,
+                            kv_bytes_per_token=entry["kv_bytes_per_token"],
+                            memory_bytes=load_devices()[plan["device"]].memory_gib * GIB,
+                            memory_fraction=kv["memory_fraction"], block_size=kv["block_size"],
+                            max_seq_len=limits["max_seq_len"], max_batch_size=limits["max_batch_size"],
+                            max_num_tokens=limits["max_num_tokens"])
+    problem = memory.problem(plan["device"], rank)
+    if problem:
+        raise KilnError(problem)
+    entry.update(workspace_bytes=needed, kv_blocks=memory.kv_blocks, max_concurrency=memory.max_concurrency)
+    return needed
 
 
 def _expected_parser(cc: str) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""Compile a rank's ONNX segments into TensorRT engines, ahead of time, with no GPU needed.
+"""Compile a rank's ONNX into one TensorRT engine, ahead of time, with no GPU needed.
 
 Datacenter TensorRT (`import tensorrt`) is used where it is importable; otherwise TensorRT for RTX
 (`import tensorrt_rtx_bindings`, PyPI tensorrt-rtx-cu13-*), which compiles for the compute
@@ -6,17 +6,30 @@ capabilities it lists (7.5, 8.0, 8.6, 8.9, 12.0, 12.1) on a machine without a CU
 whose GPU no installed TensorRT can target stops with one line naming what to install; `--onnx-only`
 then writes the verified ONNX, and `engine-build compile DIR` finishes the build on a GPU host.
 
-Every segment is parsed by TensorRT's ONNX parser into a strongly typed network (the ONNX types are
-the engine's types), given one optimization profile from the plan's limits, and built with a timing
-cache shared by the build's segments (datacenter TensorRT; TensorRT-RTX has none).
+A rank's segments are joined into one ONNX model (`rank_model`): values cross segments by name, and each
+collective between them becomes a graph output (its input) and a graph input (its result). TensorRT's ONNX
+parser turns that model into one strongly typed network (the ONNX types are the engine's types), with every
+`kiln::PagedAttention` node bound to Kiln's plugin (runtime/trt_plugin/); then each collective is put back
+inside the network as TensorRT's distributed collective layer (NCCL at run time, in the activations' dtype),
+and the network is built with one optimization profile from the plan's limits. A pipeline stage's recv and
+send stay outside, as the engine's first input and last output.
+
+The compile runs in a child process (compile_worker.py): TensorRT for RTX's parser needs a library path set
+before the process starts (runtime/trt_plugin/__init__.py says why), and an abort inside TensorRT then costs
+the build one line rather than the process.
 """
 
 from __future__ import annotations
 
+import json
 import math
-import time
+import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import onnx
 
 from builder.errors import KilnError
 from runtime.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
@@ -78,70 +91,143 @@ class Profile:
         return tuple(tuple(p[i] for p in picks) for i in range(3))
 
 
-def compile_segments(onnx_dir: Path, segments: list[str], chain: Toolchain, compute_capability: str,
-                     profile: Profile, timing_cache: Path | None = None) -> tuple[list[bytes], list[float]]:
-    """Serialized engines of the segments (in order) and each one's build time in seconds."""
-    trt = chain.module
-    logger = _logger(trt)
-    builder = trt.Builder(logger)
-    cache_bytes = timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else b""
-    engines, seconds = [], []
-    config_cache = None
-    for name in segments:
-        started = time.perf_counter()
-        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-        parser = trt.OnnxParser(network, logger)
-        if not parser.parse_from_file(str(onnx_dir / name)):
-            errors = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
-            raise KilnError(f"tensorrt: {chain.flavour} {chain.version} cannot parse {onnx_dir / name}: {errors}")
-        config = builder.create_builder_config()
-        if chain.targets is not None:
-            config.num_compute_capabilities = 1
-            config.set_compute_capability(getattr(trt.ComputeCapability, RTX_TARGETS[compute_capability]), 0)
-        if chain.flavour == "tensorrt":  # TensorRT-RTX has no timing cache (its calls are no-ops since 1.2)
-            if config_cache is None:
-                config_cache = config.create_timing_cache(cache_bytes)
-            config.set_timing_cache(config_cache, ignore_mismatch=False)
-        optimization = builder.create_optimization_profile()
-        for i in range(network.num_inputs):
-            tensor = network.get_input(i)
-            dims = _dims(onnx_dir / name, tensor.name)
-            optimization.set_shape(tensor.name, *profile.shape(dims))
-        config.add_optimization_profile(optimization)
-        serialized = builder.build_serialized_network(network, config)
-        if serialized is None:
-            said = "; ".join(logger.errors[-3:]) or "no message"
-            raise KilnError(f"tensorrt: {chain.flavour} {chain.version} could not build {onnx_dir / name} for "
-                            f"compute capability {compute_capability}: {said}")
-        engines.append(bytes(serialized))
-        seconds.append(time.perf_counter() - started)
-    if timing_cache is not None and config_cache is not None:
-        timing_cache.write_bytes(bytes(config_cache.serialize()))
-    return engines, seconds
+COLLECTIVES = ("all_reduce", "all_gather")
+ACTIVATION_MEMORY = re.compile(r"Total Activation Memory: (\d+) bytes")
 
 
-def _logger(trt):
-    """TensorRT's messages of error severity, kept for the one-line error; its complaint that no CUDA
-    driver is present is expected when compiling ahead of time and dropped."""
+@dataclass
+class CompiledRank:
+    """A rank's engine and what the build records about it."""
+
+    engine: bytes
+    seconds: float
+    activation_bytes: int          # TensorRT's own figure for the engine's activation memory (its build log)
+    plugin_layers: int             # kiln::PagedAttention nodes bound to the plugin
+    collectives: int               # collectives inside the engine
+    inputs: list[str]              # the engine's input tensors, in order
+    outputs: list[str]
+    aliases: dict[str, str]        # output -> the input whose buffer it is (the KV pools)
+
+    def record(self) -> dict:
+        return {"seconds": round(self.seconds, 2), "activation_bytes": self.activation_bytes,
+                "plugin_layers": self.plugin_layers, "collectives": self.collectives,
+                "io": {"inputs": self.inputs, "outputs": self.outputs, "aliases": self.aliases}}
+
+
+def rank_model(directory: Path, doc: dict) -> tuple[onnx.ModelProto, list[dict], list[dict]]:
+    """A rank's segments (program.json's doc) as one ONNX model for TensorRT; its collectives (exchange items,
+    each an Identity node in the model, from its input to its output, that the compile replaces by TensorRT's
+    collective); the steps the runtime runs around the engine (a pipeline stage's recv before, send after)."""
+    steps = doc["steps"]
+    kinds = [("segment" if "segment" in s else s["exchange"]) for s in steps]
+    for position, kind in enumerate(kinds):
+        if (kind == "recv" and position != 0) or (kind == "send" and position != len(kinds) - 1):
+            raise KilnError(f"tensorrt: {directory}: a {kind} inside the rank's program (only a pipeline stage's "
+                            "first and last step can be one); the engine cannot be one network")
+    nodes, initializers, functions, opsets = [], {}, {}, {}
+    inputs, outputs, infos, produced = {}, {}, {}, set()
+    for step in steps:
+        if step.get("exchange") in COLLECTIVES:  # a stand-in the compile replaces (compile_worker.py)
+            nodes.append(onnx.helper.make_node("Identity", [step["input"]], [step["output"]],
+                                               name=f"kiln.{step['exchange']}.{step['output']}"))
+            produced.add(step["output"])
+            continue
+        if "segment" not in step:
+            continue
+        model = onnx.load(str(directory / step["segment"]), load_external_data=False)
+        g = model.graph
+        for vi in list(g.input) + list(g.output):
+            infos.setdefault(vi.name, vi)
+        for vi in g.input:
+            if vi.name not in produced and vi.name not in inputs:
+                inputs[vi.name] = vi
+        nodes += list(g.node)
+        produced.update(o for n in g.node for o in n.output)
+        for init in g.initializer:
+            initializers.setdefault(init.name, init)
+        for f in model.functions:
+            functions.setdefault((f.domain, f.name), f)
+        for o in model.opset_import:
+            opsets[o.domain] = o
+        for vi in g.output:  # the KV pools after the step
+            if vi.name.startswith("kv.") and vi.name.endswith(".out"):
+                outputs[vi.name] = vi
+    collectives = [dict(s, input_dims=_dims(infos[s["input"]])) for s in steps if s.get("exchange") in COLLECTIVES]
+    around = [s for s in steps if s.get("exchange") in ("send", "recv")]
+    wanted = list(doc["outputs"]) + [s["input"] for s in around if s["exchange"] == "send"]
+    for item in collectives:  # the result is typed as the input, all_gather's as wide as every rank's piece
+        info = onnx.ValueInfoProto()
+        info.CopyFrom(infos[item["input"]])
+        info.name = item["output"]
+        if item["exchange"] == "all_gather":
+            last = info.type.tensor_type.shape.dim[-1]
+            last.Clear()
+            last.dim_value = sum(item["attrs"]["sizes"])
+        infos.setdefault(item["output"], info)
+    for name in wanted:
+        if name in produced and name not in outputs:
+            outputs[name] = infos[name]
+    graph = onnx.helper.make_graph(nodes, f"{directory.name}", list(inputs.values()), list(outputs.values()),
+                                   initializer=list(initializers.values()))
+    model = onnx.helper.make_model(graph, opset_imports=list(opsets.values()), functions=list(functions.values()),
+                                   producer_name="kiln")
+    model.ir_version = onnx.load(str(directory / next(s["segment"] for s in steps if "segment" in s)),
+                                 load_external_data=False).ir_version
+    return model, collectives, around
+
+
+def compile_rank(directory: Path, chain: Toolchain, compute_capability: str, profile: Profile, tp: int,
+                 plugin: Path, timing_cache: Path | None = None) -> CompiledRank:
+    """One engine for the rank whose ONNX is in `directory`, compiled in a child process (compile_worker);
+    timing_cache: kept between builds by datacenter TensorRT (TensorRT-RTX has none)."""
+    from runtime.trt_plugin import shim_env
+
+    request = {"directory": str(directory), "flavour": chain.flavour, "compute_capability": compute_capability,
+               "profile": profile.__dict__, "tp": tp, "plugin": str(plugin),
+               "timing_cache": str(timing_cache) if timing_cache else None}
+    out = directory.parent / f".{directory.name}.engine"
+    request["out"] = str(out)
+    done = subprocess.run([sys.executable, "-m", "builder.targets.tensorrt.compile_worker"],
+                          input=json.dumps(request), capture_output=True, text=True, env=shim_env())
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        said = json.loads(lines[-1]).get("error") if lines else None
+        if not said:
+            tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or [f"exit {done.returncode}"]
+            said = f"TensorRT stopped ({tail[0][:300]})"
+        raise KilnError(f"tensorrt: {chain.flavour} {chain.version} could not build {directory.name} for "
+                        f"compute capability {compute_capability}: {said}")
+    result = json.loads(lines[-1])
+    engine = out.read_bytes()
+    out.unlink()
+    return CompiledRank(engine, result["seconds"], result["activation_bytes"], result["plugin_layers"],
+                        result["collectives"], result["inputs"], result["outputs"], result["aliases"])
+
+
+def logger(trt):
+    """TensorRT's messages: errors kept for the one-line error (its complaint that no CUDA driver is present
+    is expected when compiling ahead of time and dropped), and its activation-memory figure."""
 
     class Logger(trt.ILogger):
         def __init__(self):
             trt.ILogger.__init__(self)
             self.errors: list[str] = []
+            self.activation_bytes: int | None = None
 
         def log(self, severity, message):
+            found = ACTIVATION_MEMORY.search(message)
+            if found:
+                self.activation_bytes = int(found.group(1))
             if severity <= trt.ILogger.Severity.ERROR and "CUDA driver version is insufficient" not in message:
                 self.errors.append(" ".join(message.split())[:300])
 
     return Logger()
 
 
-def _dims(path: Path, name: str) -> list:
-    """The ONNX dims of a graph input: ints, or the symbols the lowering uses (T, N, S, S1, B, blocks)."""
-    import onnx
+def model_dims(model: onnx.ModelProto) -> dict[str, list]:
+    """Each graph input's ONNX dims: ints, or the symbols the lowering uses (T, N, S, S1, B, blocks)."""
+    return {vi.name: _dims(vi) for vi in model.graph.input}
 
-    model = onnx.load(str(path), load_external_data=False)
-    for value in model.graph.input:
-        if value.name == name:
-            return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
-    raise KilnError(f"tensorrt: {path} has no input {name!r}")
+
+def _dims(info: onnx.ValueInfoProto) -> list:
+    return [d.dim_param or d.dim_value for d in info.type.tensor_type.shape.dim]

@@ -43,6 +43,7 @@ from onnx import TensorProto, helper
 from builder.errors import KilnError
 from builder.ir import Graph, Node
 from builder.targets.tensorrt.onnx_attention import DOMAIN, paged_attention_function, paged_attention_node
+from builder.targets.tensorrt.plugin_kernels import layer_kernels
 from runtime.ops.reference import RopeTable
 from runtime.weights import fp8, int4, int5, int6, int8
 
@@ -79,6 +80,7 @@ class LoweredRank:
     directory: Path
     program: list[dict]
     files: list[str]  # relative to directory, program.json included
+    kernels: dict = field(default_factory=dict)  # the plugin's kernels: variant key -> (Kernel, Variant)
 
 
 class _Weights:
@@ -125,19 +127,23 @@ def lower_rank(graph: Graph, out_dir: Path, *, activations: str, kv_dtype: str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = _Weights(out_dir / WEIGHTS_FILE)
     try:
-        lowerer = _Lowerer(graph, weights, ACT_TYPES[activations], CACHE_TYPES[kv_dtype], block_size, max_seq_len)
+        lowerer = _Lowerer(graph, weights, activations, kv_dtype, block_size, max_seq_len)
         program = lowerer.run(out_dir)
     finally:
         weights.close()
     doc = {"outputs": list(graph.outputs), "steps": program}
     (out_dir / PROGRAM_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     files = [item["segment"] for item in program if "segment" in item] + [WEIGHTS_FILE, PROGRAM_FILE]
-    return LoweredRank(out_dir, program, files)
+    return LoweredRank(out_dir, program, files, lowerer.kernels)
 
 
 class _Lowerer:
-    def __init__(self, graph: Graph, weights: _Weights, act: int, cache: int, block_size: int, max_seq_len: int):
-        self.graph, self.weights, self.act, self.cache = graph, weights, act, cache
+    def __init__(self, graph: Graph, weights: _Weights, activations: str, kv_dtype: str, block_size: int,
+                 max_seq_len: int):
+        self.graph, self.weights = graph, weights
+        self.activations, self.kv_dtype = activations, kv_dtype
+        self.act, self.cache = ACT_TYPES[activations], CACHE_TYPES[kv_dtype]
+        self.kernels: dict = {}  # the plugin's kernels, over every attention layer
         self.block_size, self.max_seq_len = block_size, max_seq_len
         self.layers: dict[int, dict] = {}  # attention layer -> its attrs (the KV pools' shapes)
         self.types: dict[str, int] = {name: t for name, (t, _) in STEP_INPUTS.items()}
@@ -332,6 +338,12 @@ class _Lowerer:
             s = self._tensor(roles["scales"]).reshape(-1)
             scales = self._float(f"{name}.scales", s if s.numel() > 1 else s.reshape(()), act)
             weight = self._emit("DequantizeLinear", [wq, scales], hint=name, **({"axis": 1} if s.numel() > 1 else {}))
+            if "act_scale" in a:  # FP8 activations (passes/calibrate_fp8_activations.py): Q/DQ for an FP8 GEMM
+                x_scale = self._float(f"{name}.act_scale", torch.tensor(float(a["act_scale"])), act)
+                zero = f"{name}.act_zero"  # a float8 zero point: the type QuantizeLinear produces
+                self.segment.initializers[zero] = helper.make_tensor(zero, TensorProto.FLOAT8E4M3FN, [], [0])
+                x = self._emit("DequantizeLinear", [self._emit("QuantizeLinear", [x, x_scale, zero], hint=name),
+                                                     x_scale], hint=name)
             y = self._emit("MatMul", [x, weight], hint=name)
         else:  # float, or int8 per group, int5, int6 (no TensorRT form): the dequantized weight
             weight = self._float(f"{name}.weight", _dequantized(node, self.graph), act, transpose=True)
@@ -419,32 +431,31 @@ class _Lowerer:
         if any(r is None for r in ropes) or ropes[0][0] is not ropes[1][0] or [r[1] for r in ropes] != [0, 1]:
             raise KilnError(f"lower_onnx: attention {node.name!r} must read the two outputs of one rope node")
         rope = ropes[0][0]
-        cos, sin = self._rope_table(rope.attrs)
+        table = self._rope_table(rope.attrs)
+        node_kernels, variants = layer_kernels(a, self.activations, self.kv_dtype, self.block_size)
+        self.kernels.update(variants)
         layer = a["layer"]
         k_in, v_in, k_out, v_out = kv_names(layer)
         scale = self._const(a.get("kv_scale", 1.0), np.float32) if self.cache in (TensorProto.INT8,
                                                                                 TensorProto.FLOAT8E4M3FN) \
             else self._const(1.0, np.float32)
-        inputs = [rope.inputs[0], rope.inputs[1], v, rope.inputs[2], cos, sin, k_in, v_in, "slot_mapping",
+        inputs = [rope.inputs[0], rope.inputs[1], v, rope.inputs[2], table, k_in, v_in, "slot_mapping",
                   "block_tables", "context_lens", "query_start_loc", scale]
         self.segment.nodes.append(paged_attention_node(node.name, inputs, [node.outputs[0], k_out, v_out], a["scale"],
-                                                      a.get("window", 0)))
+                                                      a.get("window", 0), node_kernels))
         self.segment.kv_layers.append(layer)
         self.layers[layer] = {**a, "block_size": self.block_size}
         self._define(node.outputs[0], self.act)
 
-    def _rope_table(self, attrs: dict) -> tuple[str, str]:
-        """cos and sin [max_seq_len, head_dim / 2] f32, the values of runtime.ops.reference.RopeTable."""
+    def _rope_table(self, attrs: dict) -> str:
+        """[max_seq_len, head_dim] f32: cos | sin of the first half by position, runtime.ops.reference.RopeTable's
+        packed rows (what Kiln's rope kernel reads)."""
         scaling = attrs.get("scaling")
         key = f"rope.{attrs['head_dim']}.{attrs['theta']:g}" + (".scaled" if scaling else "")
         table = RopeTable(attrs["head_dim"], attrs["theta"], scaling)
         table.ensure(self.max_seq_len)
-        half = attrs["head_dim"] // 2
-        cos = self._init(f"{key}.cos", TensorProto.FLOAT, table.cos[:self.max_seq_len, :half].contiguous().numpy(),
-                         (self.max_seq_len, half))
-        sin = self._init(f"{key}.sin", TensorProto.FLOAT, table.sin[:self.max_seq_len, :half].contiguous().numpy(),
-                         (self.max_seq_len, half))
-        return cos, sin
+        return self._init(f"{key}.table", TensorProto.FLOAT, table.packed[:self.max_seq_len].contiguous().numpy(),
+                          (self.max_seq_len, attrs["head_dim"]))
 
 
 def _pack_int4(codes: np.ndarray) -> bytes:

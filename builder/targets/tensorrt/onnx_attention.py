@@ -8,7 +8,7 @@ every token's keys through the block table).
 Inputs, packed token-major like the cpu target's step (runtime/step.py):
 
     q [T, nh*hd], k [T, nkv*hd], v [T, nkv*hd]         activations (the plan's dtype)
-    positions [T] i64, rope_cos, rope_sin [R, hd/2] f32 the rotary table by position
+    positions [T] i64, rope_table [R, hd] f32         the rotary table by position: cos | sin of the first half
     k_cache, v_cache [blocks, block_size, nkv, hd]      one layer's KV pools (the cache dtype)
     slot_mapping [T] i64, block_tables [S, B] i32, context_lens [S] i32, query_start_loc [S+1] i32
     kv_scale [] f32                                      int8/fp8 caches store k / kv_scale
@@ -27,8 +27,11 @@ from onnx import TensorProto, helper
 DOMAIN = "kiln"
 OP = "PagedAttention"
 PLUGIN_VERSION = "1"
-INPUTS = ("q", "k", "v", "positions", "rope_cos", "rope_sin", "k_cache", "v_cache", "slot_mapping",
-          "block_tables", "context_lens", "query_start_loc", "kv_scale")
+INPUTS = ("q", "k", "v", "positions", "rope_table", "k_cache", "v_cache", "slot_mapping", "block_tables",
+          "context_lens", "query_start_loc", "kv_scale")
+# Attributes beyond scale and window, for the plugin: its kernels by variant key (builder/targets/tensorrt/
+# plugin_kernels.py), the cache scale as a constant, and the queries one attention program covers.
+PLUGIN_ATTRIBUTES = ("kv_scale", "queries_per_tile", "rope_kernel", "kv_write_kernel", "attention_kernel")
 OUTPUTS = ("out", "k_cache_out", "v_cache_out")
 
 # The cache dtypes a pool is stored in: those written with a scale use Q/DQ, the rest Cast.
@@ -77,12 +80,13 @@ def paged_attention_function(act: int, cache: int) -> onnx.FunctionProto:
 
     # Rotary embedding of q and k (in f32), as runtime.ops.reference._rotate: halves (x1, x2) become
     # (x1 cos - x2 sin, x2 cos + x1 sin).
-    cos = b("Unsqueeze", b("Gather", "rope_cos", "positions", axis=0), one)  # [T, 1, hd/2]
-    sin = b("Unsqueeze", b("Gather", "rope_sin", "positions", axis=0), one)
+    rows = b("Gather", "rope_table", "positions", axis=0)                     # [T, hd]: cos | sin
+    half = b("Div", head_dim, b.const([2]))
+    cos = b("Unsqueeze", b("Slice", rows, zero, half, one), one)             # [T, 1, hd/2]
+    sin = b("Unsqueeze", b("Slice", rows, half, head_dim, one), one)
 
     def rotate(x: str) -> str:
         heads = b("Reshape", b("Cast", x, to=f32), b("Concat", tokens, b.const([-1]), head_dim, axis=0))
-        half = b("Div", head_dim, b.const([2]))
         x1 = b("Slice", heads, zero, half, b.const([2]))
         x2 = b("Slice", heads, half, head_dim, b.const([2]))
         first = b("Sub", b("Mul", x1, cos), b("Mul", x2, sin))
@@ -142,7 +146,9 @@ def paged_attention_function(act: int, cache: int) -> onnx.FunctionProto:
     flat = b("Reshape", attended, b("Concat", tokens, b.const([-1]), axis=0))
     b("Cast", flat, to=act, out="out")
     return helper.make_function(DOMAIN, OP, list(INPUTS), list(OUTPUTS), b.nodes,
-                                opset_imports=[helper.make_opsetid("", 21)], attributes=["scale", "window", "plugin_namespace", "plugin_version"])
+                                opset_imports=[helper.make_opsetid("", 21)],
+                                attributes=["scale", "window", "plugin_namespace", "plugin_version",
+                                            *PLUGIN_ATTRIBUTES])
 
 
 def _ref_attr(name: str, ref: str, kind: int) -> onnx.AttributeProto:
@@ -164,8 +170,10 @@ def _from_cache(b: _Body, x: str, cache: int) -> str:
     return b("Cast", x, to=TensorProto.FLOAT)
 
 
-def paged_attention_node(name: str, inputs: list[str], outputs: list[str], scale: float,
-                         window: int = 0) -> onnx.NodeProto:
-    """A `kiln::PagedAttention` node with the attributes TensorRT's parser maps to a plugin."""
+def paged_attention_node(name: str, inputs: list[str], outputs: list[str], scale: float, window: int,
+                         kernels: dict) -> onnx.NodeProto:
+    """A `kiln::PagedAttention` node with the attributes TensorRT's parser maps to the plugin's fields;
+    kernels: the PLUGIN_ATTRIBUTES (builder/targets/tensorrt/plugin_kernels.py's layer_kernels)."""
     return helper.make_node(OP, inputs, outputs, name=name, domain=DOMAIN, scale=float(scale), window=int(window),
-                            plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION)
+                            plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION,
+                            **{k: kernels[k] for k in PLUGIN_ATTRIBUTES})

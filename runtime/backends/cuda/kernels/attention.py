@@ -51,13 +51,14 @@ def kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_
 def kv_write(launcher: Launcher, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, kv_scale: float = 1.0) -> None:
     """Scatter k, v [T, num_kv_heads * head_dim] (rows may be strided, e.g. slices of a fused qkv) into caches
-    [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [T] int32 (-1: skip the token)."""
+    [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [T] int32 or int64 (-1: skip the token)."""
     _, _, num_kv_heads, head_dim = _check_caches("kv_write", k_cache, v_cache, kv_scale)
     for name, t in (("k", k), ("v", v)):
         _check_rows("kv_write", name, t, num_kv_heads * head_dim)
-    if v.shape[0] != k.shape[0] or slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int32:
-        raise ValueError(f"kv_write: slot_mapping must be int32 [T] with T = {k.shape[0]} rows of k and v, got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)} and v {tuple(v.shape)}")
+    if v.shape[0] != k.shape[0] or slot_mapping.shape != (k.shape[0],) or \
+            slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_write: slot_mapping must be int32 or int64 [T] with T = {k.shape[0]} rows of k and v, "
+                         f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)} and v {tuple(v.shape)}")
     launcher.launch(kv_write_kernel, (k.shape[0], num_kv_heads),
                     (k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), num_kv_heads, float(kv_scale)),
                     HEAD_DIM=head_dim, HEAD_DIM_PADDED=_padded(head_dim),
@@ -166,10 +167,10 @@ def paged_attention(launcher: Launcher, out: torch.Tensor, q: torch.Tensor, k_ca
     if window < 0 or max_query_len < 0:
         raise ValueError(f"{fn}: window ({window}) and max_query_len ({max_query_len}) must be >= 0")
     group = num_heads // num_kv_heads
-    block_m = max(16, next_power_of_2(group))  # tl.dot wants at least 16 rows
+    block_m = _block_m(group)
     head_dim_padded = _padded(head_dim)
     block_n = 32 if head_dim_padded <= 128 else 16  # keeps a K/V tile of f32 within the register file
-    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, block_m // group))
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, queries_per_tile(group)))
     launcher.launch(paged_attention_kernel, grid,
                     (out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out.stride(0), q.stride(0),
                      block_tables.stride(0), num_kv_heads, float(scale), float(kv_scale), int(window)),
@@ -177,6 +178,16 @@ def paged_attention(launcher: Launcher, out: torch.Tensor, q: torch.Tensor, k_ca
                     BLOCK_M=block_m, BLOCK_N=block_n, WINDOWED=window > 0,
                     QUANTIZED=k_cache.dtype == torch.float8_e4m3fn)
     return out
+
+
+def queries_per_tile(group: int) -> int:
+    """Queries one paged_attention program covers for a GQA group of `group` query heads per kv head (the grid's
+    last axis is the longest query over this)."""
+    return _block_m(group) // group
+
+
+def _block_m(group: int) -> int:
+    return max(16, next_power_of_2(group))  # rows of (query, head) pairs: tl.dot wants at least 16
 
 
 # ---------------------------------------------------------------------------------------- checks
