@@ -138,7 +138,7 @@ class Check:
         started, original = time.perf_counter(), pipeline.measure_accuracy
         pipeline.measure_accuracy = lambda graph, ctx: graph  # see the module doc
         try:
-            result = build_engine(source, plan, self.work / "engines" / name, show_progress=False)
+            result = build_engine(source, plan, self.work / "engines" / name, force=True, show_progress=False)
         finally:
             pipeline.measure_accuracy = original
         log(f"engine {name}: {'up to date' if result.up_to_date else 'built'} in "
@@ -172,7 +172,9 @@ class Check:
 
         rows = run_all(self.cc, self.interpret, log=log)
         failed = [r["kernel"] for r in rows if not r["ok"]]
-        return {"tables": [("kernels on the device vs the CPU references", rows,
+        return {"errors": [f"{name}: {next(r.get('error', 'outside its tolerance') for r in rows if r['kernel'] == name)}"
+                           for name in failed],
+                "tables": [("kernels on the device vs the CPU references", rows,
                             ["kernel", "ok", "max_err", "tolerance", "variants", "error"])],
                 "goals": [goal("every kernel within the unit tests' tolerance", not failed,
                                f"{len(rows) - len(failed)}/{len(rows)} pass" + (f" (failed: {', '.join(failed)})"
@@ -188,6 +190,9 @@ class Check:
         started = time.perf_counter()
         out = [r.token_ids for r in llm.generate(chat, SamplingParams(temperature=0.0, max_tokens=tokens))]
         seconds = time.perf_counter() - started
+        if not all(out):  # a failed step ends its requests with no tokens: an error, not a disagreement
+            raise RuntimeError(f"{path.name}: {sum(not o for o in out)} of {len(out)} answers are empty (a step "
+                               "failed: see the log above)")
         del llm
         self.free()
         return out, seconds
@@ -234,6 +239,9 @@ class Check:
             for _ in range(steps):
                 tokens += len(llm.step())
             elapsed = time.perf_counter() - started
+            if tokens < steps * b:
+                raise RuntimeError(f"{label}: decode batch {b}: {tokens} tokens from {steps} steps of {b} sequences "
+                                   "(a step failed: see the log above)")
             for r in ids:
                 llm.abort(r)
             rows.append({"engine": label, "mode": f"decode batch {b}", "tok/s": tokens / elapsed,
@@ -343,6 +351,9 @@ class Check:
                          for p in prompts]
                 off, on = [a for a, _ in pairs], [b for _, b in pairs]
                 s_off, s_on = summary(off, "decode_tok_s"), summary(on, "decode_tok_s")
+                if not (s_off["decode_tok_s"] and s_on["decode_tok_s"]):
+                    raise RuntimeError(f"speculative {proposer}, {name}: no tokens decoded (a step failed: see the log "
+                                       "above)")
                 rows.append({"proposer": proposer, "prompts": f"{name} ({len(prompts)})",
                              "off tok/s": s_off["decode_tok_s"], "on tok/s": s_on["decode_tok_s"],
                              "speedup": s_on["decode_tok_s"] / s_off["decode_tok_s"],

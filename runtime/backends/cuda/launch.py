@@ -275,6 +275,8 @@ class CubinLauncher(Launcher):
         except ImportError:
             raise KernelError("the cuda backend needs cuda-python on the serving host: "
                               "pip install 'kiln[gpu]'") from None
+        if device.type == "cuda" and device.index is None:  # tensors report cuda:N, never bare cuda
+            device = torch.device("cuda", torch.cuda.current_device())
         self.driver, self.device, self.compiled = driver, device, compiled
         self.allowed = set(compiled)
         self._functions: dict[str, object] = {}
@@ -323,7 +325,7 @@ class CubinLauncher(Launcher):
         if ck.global_scratch:
             scratch = torch.empty(ck.global_scratch * math.prod(grid), dtype=torch.uint8, device=self.device)
         for i in range(extra):
-            values.append(scratch.data_ptr() if (i == 0 and scratch is not None) else None)
+            values.append(scratch.data_ptr() if (i == 0 and scratch is not None) else 0)  # NULL: cuda-bindings 13 takes no None
             types.append(ctypes.c_void_p)
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch.cuda.current_stream(self.device).cuda_stream
