@@ -34,10 +34,10 @@ from runtime.step import StepMetadata
 from runtime.kv_groups import KVGroups
 
 # ONNX element type of the KV pools -> the numpy dtype of their zeroed storage (bit patterns for
-# the types numpy lacks: ONNX Runtime takes them with ortvalue_from_numpy_with_onnx_type)
-_POOL_STORAGE = {1: np.float32, 10: np.float16, 16: np.uint16, 3: np.int8, 17: np.uint8}
-_ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16, "tensor(int8)": 3,
-               "tensor(float8e4m3fn)": 17}
+# the types numpy lacks: ONNX Runtime takes them with ortvalue_from_numpy_with_onnx_type). An fp8 cache's pools
+# are int8, holding e4m3 bit patterns (builder/targets/tensorrt/onnx_attention.py).
+_POOL_STORAGE = {1: np.float32, 10: np.float16, 16: np.uint16, 3: np.int8}
+_ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16, "tensor(int8)": 3}
 _NUMPY_OF = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 # (op, attrs, array or None) -> the array the exchange gives back (None for send)

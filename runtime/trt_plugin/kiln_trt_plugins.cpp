@@ -297,7 +297,8 @@ public:
             case kK: case kV: return d.type == act;
             case kPositions: case kSlots: return d.type == DataType::kINT64;
             case kRopeTable: case kKvScale: return d.type == DataType::kFLOAT;
-            case kKCache: return isFloat(d.type) || d.type == DataType::kFP8;
+            // an fp8 cache arrives as int8 pools of e4m3 bit patterns (the ONNX has no float8 scatter)
+            case kKCache: return isFloat(d.type) || d.type == DataType::kFP8 || d.type == DataType::kINT8;
             case kVCache: return d.type == cache;
             case kBlockTables: case kContextLens: case kQueryStarts: return d.type == DataType::kINT32;
             default: break;

@@ -131,3 +131,23 @@ def test_gemma3_operators_match_the_cpu_engine(tiny_gemma3_dir, tmp_path):
     for step in verification["steps"]:
         assert step["max_abs_logit_diff"] <= F32_LIMIT, step
     assert verification["top1_agreement"] == 1.0 and verification["max_abs_logit"] > 0.1
+
+
+def test_an_fp8_cache_matches_the_cpu_engines_fp8_cache(tiny_llama_tied_dir, tmp_path):
+    """The pools hold e4m3 codes as int8 (ONNX has no float8 scatter): ONNX Runtime's body must store and read
+    what the cpu engine's fp8 cache does, over both ranks and every step kind. An encoding off by one code moves
+    a key by an eighth of its value and the logits far outside the build's tolerance."""
+    plan = load_plan(PLANS / "l40s-fp8.toml").with_overrides(tp=2)
+    plan = plan.with_overrides("quant", method="none", activations="f32").with_overrides("kv_cache", dtype="fp8")
+    build_engine(str(tiny_llama_tied_dir), plan, tmp_path / "e", show_progress=False, onnx_only=True)
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    verification = manifest["verification"]
+    assert {"prefill", "decode", "mixed"} <= {step["step"] for step in verification["steps"]}
+    assert verification["top1_agreement"] == 1.0 and verification["max_abs_logit"] > 0.1
+    assert verification["max_abs_logit_diff"] <= verification["tolerance"]
+    assert verification["max_abs_logit_diff"] <= 1e-3 * verification["max_abs_logit"]
+    for rank in manifest["ranks"]:
+        for path in sorted((tmp_path / "e" / rank["onnx"]["dir"]).glob("segment*.onnx")):
+            graph = onnx.load(path, load_external_data=False).graph
+            pools = [i for i in graph.input if i.name.startswith("kv.")]
+            assert all(p.type.tensor_type.elem_type == onnx.TensorProto.INT8 for p in pools)

@@ -206,6 +206,13 @@ def test_fp8_plans_quantize_activations_for_fp8_gemms_and_measure_it(tiny_llama_
     assert len(quantized) == 4 * 4 and all(n.input[2].endswith(".act_zero") for n in quantized)
     e = manifest["ranks"][0]["engine"]
     assert e["plugin_layers"] == 4 and e["activation_bytes"] <= e["workspace_bytes"]
+    # the plan's fp8 KV cache: int8 pools of e4m3 codes, bound in place, and the plugin's fp8 kernels
+    assert manifest["plan"]["kv_cache"]["dtype"] == "fp8" and len(e["io"]["aliases"]) == 8
+    pools = [i for path in sorted((out / "onnx" / "rank0").glob("segment*.onnx"))
+             for i in onnx.load(str(path), load_external_data=False).graph.input if i.name.startswith("kv.")]
+    assert len(pools) == 8 and all(p.type.tensor_type.elem_type == onnx.TensorProto.INT8 for p in pools)
+    index = json.loads((out / "kernels" / "index.json").read_text())
+    assert "fp8e4nv" in json.dumps(index)
 
 
 def test_serve_with_the_onnxruntime_backend(built, cpu_tokens, tmp_path):

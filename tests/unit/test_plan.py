@@ -35,7 +35,7 @@ def test_gpu_plans_load(name):
 
 def test_gpu_plan_figures():
     h100 = load_plan(PLANS / "h100-tp4-fp8.toml")
-    assert (h100.tp, h100.quant.method, h100.kv_cache.dtype, h100.quant.activations) == (4, "fp8", "f16", "f16")
+    assert (h100.tp, h100.quant.method, h100.kv_cache.dtype, h100.quant.activations) == (4, "fp8", "fp8", "f16")
     a100 = load_plan(PLANS / "a100-tp2-int4.toml")
     assert (a100.tp, a100.quant.method, a100.quant.group_size) == (2, "int4", 32)
     rtx = load_plan(PLANS / "rtx5090-int4.toml")
@@ -81,9 +81,10 @@ def test_fp8_weights_need_fp8_tensor_cores():
     assert gpu_plan(device="nvidia-l4", quant={"method": "fp8"}).quant.method == "fp8"
 
 
-def test_fp8_kv_cache_waits_for_the_attention_plugin():
-    refused("[kv_cache] dtype", "no float8 form in ONNX", 'use dtype = "f16"',
-            device="nvidia-b200", kv_cache={"dtype": "fp8"})
+def test_an_fp8_kv_cache_needs_compute_capability_8_9():
+    assert gpu_plan(device="nvidia-l4", kv_cache={"dtype": "fp8"}).kv_cache.dtype == "fp8"
+    refused("[kv_cache] dtype", "fp8 needs FP8 tensor cores (compute capability 8.9+)",
+            device="nvidia-a100-80gb", kv_cache={"dtype": "fp8"})
 
 
 def test_integer_activations_are_cpu_paths():

@@ -21,7 +21,7 @@ from runtime.trt_plugin import arg_letters, build_library
 
 NH, NKV, HD, BS, BLOCKS = 8, 2, 16, 4, 12
 # TensorRT's DataType codes, as the plugin reads them
-TRT_TYPES = {torch.float32: 0, torch.float16: 1, torch.int32: 3, torch.int64: 8, torch.bfloat16: 7}
+TRT_TYPES = {torch.float32: 0, torch.float16: 1, torch.int32: 3, torch.int64: 8, torch.bfloat16: 7, torch.int8: 2}
 POINTEE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32,
            "i64": torch.int64, "fp8e4nv": torch.float8_e4m3fn}
 HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
@@ -71,11 +71,12 @@ def reference(step: dict, attrs: dict) -> tuple[torch.Tensor, torch.Tensor, torc
     launcher = InterpreterLauncher()
     k_cache, v_cache = step["k_cache"].clone(), step["v_cache"].clone()
     q, k = rows.rope(launcher, step["q"], step["k"], step["positions"], step["rope_table"], NH, NKV, HD)
-    attention.kv_write(launcher, k, step["v"], k_cache, v_cache, step["slot_mapping"])
+    kv_scale = attrs.get("kv_scale", 1.0)
+    attention.kv_write(launcher, k, step["v"], k_cache, v_cache, step["slot_mapping"], kv_scale)
     out = torch.full_like(step["q"], float("nan"))
     attention.paged_attention(launcher, out, q, k_cache, v_cache, step["block_tables"], step["context_lens"],
-                              step["query_start_loc"], attrs["scale"], num_heads=NH, window=attrs.get("window", 0),
-                              max_query_len=5)
+                              step["query_start_loc"], attrs["scale"], num_heads=NH, kv_scale=kv_scale,
+                              window=attrs.get("window", 0), max_query_len=5)
     return out, k_cache, v_cache
 
 
@@ -160,6 +161,24 @@ def test_a_wrong_queries_per_tile_leaves_queries_unattended(library):
     expected, _, _ = reference(make_step(torch.float32), attrs)
     out, _ = run_plugin(library, step, attrs, dict(node, queries_per_tile=node["queries_per_tile"] * 2), variants)
     assert out[:1].equal(expected[:1]) and out.isnan().any()
+
+
+def test_an_fp8_cache_arrives_as_int8_codes_and_is_read_as_e4m3(library):
+    """The tensorrt target's fp8 pools are int8 tensors of e4m3 codes (the ONNX has no float8 scatter): the plugin
+    takes them with TensorRT's INT8 type and its fp8 kernels read and write the same bytes as the cuda backend's
+    float8 pools, with the layer's kv_scale."""
+    attrs = {"num_heads": NH, "num_kv_heads": NKV, "head_dim": HD, "scale": HD ** -0.5, "kv_scale": 0.5}
+    node, variants = layer_kernels(attrs, "f16", "fp8", BS)
+    assert node["kv_scale"] == 0.5
+    step = make_step(torch.float16)
+    for name in ("k_cache", "v_cache"):
+        step[name] = (step[name].float() / 0.5).to(torch.float8_e4m3fn)
+    expected, k_expected, v_expected = reference(step, attrs)
+    step.update(k_cache=step["k_cache"].view(torch.int8), v_cache=step["v_cache"].view(torch.int8))
+    out, launches = run_plugin(library, step, attrs, node, variants)
+    assert launches == 3 and torch.equal(out, expected)
+    assert torch.equal(step["k_cache"], k_expected.view(torch.int8))
+    assert torch.equal(step["v_cache"], v_expected.view(torch.int8))
 
 
 def _kv(act: torch.dtype) -> str:

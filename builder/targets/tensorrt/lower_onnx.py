@@ -42,7 +42,13 @@ from onnx import TensorProto, helper
 
 from builder.errors import KilnError
 from builder.ir import Graph, Node
-from builder.targets.tensorrt.onnx_attention import DOMAIN, paged_attention_function, paged_attention_node
+from builder.targets.tensorrt.onnx_attention import (
+    DOMAIN,
+    FP8_POOL,
+    SCALED_CACHES,
+    paged_attention_function,
+    paged_attention_node,
+)
 from builder.targets.tensorrt.plugin_kernels import layer_kernels
 from runtime.ops.reference import RopeTable
 from runtime.weights import fp8, int4, int5, int6, int8
@@ -51,7 +57,7 @@ OPSET = 21
 IR_VERSION = 10
 ACT_TYPES = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 CACHE_TYPES = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
-               "int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN}
+               "fp8": FP8_POOL}  # fp8: e4m3 bit patterns in int8 pools (onnx_attention.py)
 TORCH_OF = {TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.float16,
             TensorProto.BFLOAT16: torch.bfloat16}
 EXCHANGES = ("all_reduce", "all_gather", "send", "recv")
@@ -436,9 +442,7 @@ class _Lowerer:
         self.kernels.update(variants)
         layer = a["layer"]
         k_in, v_in, k_out, v_out = kv_names(layer)
-        scale = self._const(a.get("kv_scale", 1.0), np.float32) if self.cache in (TensorProto.INT8,
-                                                                                TensorProto.FLOAT8E4M3FN) \
-            else self._const(1.0, np.float32)
+        scale = self._const(a.get("kv_scale", 1.0) if self.cache in SCALED_CACHES else 1.0, np.float32)
         inputs = [rope.inputs[0], rope.inputs[1], v, rope.inputs[2], table, k_in, v_in, "slot_mapping",
                   "block_tables", "context_lens", "query_start_loc", scale]
         self.segment.nodes.append(paged_attention_node(node.name, inputs, [node.outputs[0], k_out, v_out], a["scale"],

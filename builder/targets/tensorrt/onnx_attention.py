@@ -13,6 +13,12 @@ Inputs, packed token-major like the cpu target's step (runtime/step.py):
     slot_mapping [T] i64, block_tables [S, B] i32, context_lens [S] i32, query_start_loc [S+1] i32
     kv_scale [] f32                                      int8/fp8 caches store k / kv_scale
 
+An fp8 (e4m3) cache is an int8 pool of e4m3 bit patterns: ONNX defines ScatterND and GatherND for no float8
+type, so the body writes and reads the codes as bytes (rounded by QuantizeLinear to e4m3, then numbered;
+decoded through a 256-entry table), and the plugin's kernels, which take the pool's address, read the same
+bytes as e4m3. (TensorRT takes uint8 tensors only as network inputs or from casts, so the bytes are int8; an
+int8 KV cache proper is a cpu kernel path, which the tensorrt target does not offer.)
+
 Outputs: out [T, nh*hd] (the activations' dtype) and k_cache_out, v_cache_out, the pools after
 this step's keys and values are written. A runtime binds each pool and its output to one buffer:
 ONNX Runtime's ScatterND then writes in place, and a plugin does the same by contract.
@@ -34,8 +40,10 @@ INPUTS = ("q", "k", "v", "positions", "rope_table", "k_cache", "v_cache", "slot_
 PLUGIN_ATTRIBUTES = ("kv_scale", "queries_per_tile", "rope_kernel", "kv_write_kernel", "attention_kernel")
 OUTPUTS = ("out", "k_cache_out", "v_cache_out")
 
-# The cache dtypes a pool is stored in: those written with a scale use Q/DQ, the rest Cast.
-SCALED_CACHES = (TensorProto.INT8, TensorProto.FLOAT8E4M3FN)
+# The ONNX type of an fp8 (e4m3) cache's pools: their bit patterns, one byte a value (see the module doc).
+FP8_POOL = TensorProto.INT8
+# The cache types written with a scale (fp8, through its codes); the rest are Cast.
+SCALED_CACHES = (FP8_POOL,)
 
 
 class _Body:
@@ -158,16 +166,34 @@ def _ref_attr(name: str, ref: str, kind: int) -> onnx.AttributeProto:
 
 
 def _to_cache(b: _Body, x: str, cache: int) -> str:
-    if cache in SCALED_CACHES:
-        zero_point = b("Constant", value=helper.make_tensor("zp", cache, [], [0]))
-        return b("QuantizeLinear", x, "kv_scale", zero_point)
+    if cache == FP8_POOL:
+        # x / kv_scale rounded to e4m3 (saturating, ties to even), then its code: the number of non-negative e4m3
+        # values below its magnitude (codes 0x00-0x7e count up in value), and the sign bit, which makes the byte
+        # code - 128 as an int8.
+        zero_point = b("Constant", value=helper.make_tensor("zp", TensorProto.FLOAT8E4M3FN, [], [0]))
+        rounded = b("Cast", b("QuantizeLinear", x, "kv_scale", zero_point), to=TensorProto.FLOAT)
+        below = b("Less", b.const(E4M3_VALUES[:0x7F], np.float32), b("Unsqueeze", b("Abs", rounded), b.const([-1])))
+        code = b("ReduceSum", b("Cast", below, to=TensorProto.INT64), b.const([-1]), keepdims=0)
+        sign = b("Mul", b("Cast", b("Less", rounded, b.const(0.0, np.float32)), to=TensorProto.INT64), b.const(0x80))
+        return b("Cast", b("Sub", code, sign), to=FP8_POOL)
     return b("Cast", x, to=cache)
 
 
 def _from_cache(b: _Body, x: str, cache: int) -> str:
-    if cache in SCALED_CACHES:
-        return b("DequantizeLinear", x, "kv_scale")
+    if cache == FP8_POOL:  # e4m3 codes -> their values, times the scale (DequantizeLinear's arithmetic)
+        byte = b("Mod", b("Add", b("Cast", x, to=TensorProto.INT64), b.const(0x100)), b.const(0x100))  # 0..255
+        return b("Mul", b("Gather", b.const(E4M3_VALUES, np.float32), byte, axis=0), "kv_scale")
     return b("Cast", x, to=TensorProto.FLOAT)
+
+
+def _e4m3_values() -> np.ndarray:
+    """The value of every e4m3fn code 0..255 (NaN at 0x7f and 0xff), as torch decodes them."""
+    import torch
+
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+E4M3_VALUES = _e4m3_values()
 
 
 def paged_attention_node(name: str, inputs: list[str], outputs: list[str], scale: float, window: int,
