@@ -313,7 +313,7 @@ def verify(
 
 
 def _verify_onnx(engine: Path, manifest, model: Optional[str], tolerance: Optional[float]) -> None:
-    from builder.targets.tensorrt.build import tolerance as build_tolerance
+    from builder.targets.tensorrt.build import judge
     from builder.verify import verify_onnx
 
     typer.echo("files: every file the manifest lists matches its sha256")
@@ -331,12 +331,9 @@ def _verify_onnx(engine: Path, manifest, model: Optional[str], tolerance: Option
                    f"max|Δ| {step['max_abs_logit_diff']:.3g}")
     fp8_activations = any(p["name"] == "calibrate_fp8_activations" for p in
                           json.loads((engine / "manifest.json").read_text()).get("passes", []))
-    limit = tolerance if tolerance is not None else \
-        build_tolerance(manifest.activations, manifest.kv_dtype, verification.max_abs_logit, fp8_activations)
-    if verification.max_abs_logit_diff > limit:
-        raise KilnError(f"verify: ONNX parity: max |logit difference| {verification.max_abs_logit_diff:.3g} from the "
-                        f"cpu engine exceeds the tolerance {limit:.3g} ({manifest.activations} activations, "
-                        f"{manifest.kv_dtype} KV cache)")
+    limit, problem = judge(verification, manifest.activations, manifest.kv_dtype, fp8_activations, tolerance)
+    if problem:
+        raise KilnError(f"verify: ONNX parity: {problem}")
     typer.echo(f"ok: ONNX parity: max |logit difference| {verification.max_abs_logit_diff:.3g} <= tolerance "
                f"{limit:.3g} ({manifest.activations} activations, {manifest.kv_dtype} KV cache), top-1 agreement "
                f"{verification.top1_agreement:.0%}")

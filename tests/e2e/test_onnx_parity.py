@@ -65,7 +65,10 @@ def test_every_step_kind_matches_the_cpu_engine(family):
     assert {"prefill", "decode", "mixed"} <= set(kinds), kinds
     for step in verification["steps"]:
         assert step["max_abs_logit_diff"] <= F32_LIMIT, (method, step)
-    assert verification["top1_agreement"] == 1.0 and verification["tolerance"] == 1e-3
+    # fp8 plans round activations to e4m3 (Q/DQ), whose flips cascade on real models: the build allows a share
+    # of the largest logit; on this model they stay within F32_LIMIT all the same
+    limit = 0.25 * verification["max_abs_logit"] if method == "fp8" else 1e-3
+    assert verification["top1_agreement"] == 1.0 and verification["tolerance"] == pytest.approx(limit, rel=1e-4)
     assert verification["max_abs_logit"] > 0.1  # the logits were compared, not zeros
 
 

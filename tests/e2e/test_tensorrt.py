@@ -141,6 +141,30 @@ def test_a_real_tensorrt_build_writes_one_engine_a_rank_with_the_plugin_and_pool
 
 
 @needs_tensorrt
+def test_smollm2_builds_one_engine_a_rank_within_its_memory_plan(tmp_path):
+    """The real model at the size CI affords: SmolLM2-135M at tp=2 for sm_80, its GGUF blocks kept exactly with an
+    f32 cache (so no accuracy measure runs), f16 activations. Each rank is one engine whose 30 attention layers are
+    the plugin, with every pool output aliasing its input, and whose 62 collectives are inside it; TensorRT's
+    activation memory is within the rank's memory plan, which prices the rank's KV blocks with it."""
+    import json
+
+    plan = load_plan(PLANS / "a100-tp2-int4.toml").with_overrides("quant", method="source")
+    build_engine("smollm2-135m", plan.with_overrides("kv_cache", dtype="f32"), tmp_path / "e", show_progress=False)
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    trt = manifest["tensorrt"]
+    assert trt["engines_per_rank"] == 1 and trt["plugins"][0]["registered"] and trt["kernels"]["arch"] == "sm_80"
+    assert manifest["accuracy"]["evaluated"] is False  # the GGUF's blocks kept: nothing to measure
+    for rank, memory in zip(manifest["ranks"], manifest["memory"]["ranks"]):
+        e = rank["engine"]
+        assert (e["plugin_layers"], e["collectives"]) == (30, 2 * 30 + 2)
+        assert e["io"]["aliases"] == {f"kv.{layer}.{kind}.out": f"kv.{layer}.{kind}" for layer in range(30)
+                                      for kind in "kv"}
+        assert 0 < e["activation_bytes"] <= e["workspace_bytes"] == memory["workspace_bytes"]
+        assert memory["kv_blocks"] > 0
+    assert manifest["verification"]["max_abs_logit_diff"] <= manifest["verification"]["tolerance"]
+
+
+@needs_tensorrt
 def test_the_executor_binds_each_pool_and_its_output_to_one_buffer(built):
     """pool_bindings is what the tensorrt executor binds (runtime/tensorrt_executor.py), here over a real
     engine's I/O and pools of every planned block: an output pool that got its own buffer would fail this."""

@@ -42,11 +42,17 @@ from runtime.engine_format import GIB, EngineError, sha256_file, write_rank_file
 F32_TOLERANCE = 1e-3
 HALF_TOLERANCE = 0.05
 HALF_KV_TOLERANCE = 0.005
-# FP8 activations (fp8 plans): with f32 activations ONNX Runtime and the cpu engine round every input the same
-# way (measured: 1e-6 apart on a tiny Llama). With f16/bf16 activations an input a half-precision step away
-# from an e4m3 rounding boundary rounds to the neighbouring code, 1/8 of its value apart (three mantissa bits),
-# and later layers carry that on: measured 10% of the largest logit on the same model, so 15% is allowed.
-HALF_FP8_TOLERANCE = 0.15
+# FP8 rounding (an fp8 plan's activations, an fp8 KV cache): e4m3 keeps three mantissa bits, so a value an ulp
+# from a rounding boundary in one engine lands on the neighbouring code in the other, 1/8 of its value apart, and
+# each such flip moves what later layers compute, which makes more of them. Measured on SmolLM2-135M (largest
+# logit 30.3; the tiny test Llama stays within 1e-4): an fp8 cache with f32 activations 0.54 (1.8%); fp8 weights
+# and activations 2.74 (9%), 3.56 (12%) with an fp8 cache; with f16 activations 3.6 (12%) and 6.12 (20%). The
+# two engines' cache codes were equal but for one of 4,608 in layer 0 and 14% apart in layer 29: rounding
+# cascading, not a lowering fault. Such builds are held to a share of the largest logit only (the verification's
+# rows are random tokens, whose top logits lie close: SmolLM2's fp8 plan kept the top-1 token on 7 of 10); the
+# lowering's fp8 arithmetic is held exactly on its own (tests/unit/test_onnx_fp8_pool.py) and to 1e-4 on the
+# tiny Llama (tests/e2e/test_onnx_parity.py, test_tensorrt.py).
+FP8_TOLERANCE = 0.25
 
 
 @dataclass
@@ -120,13 +126,11 @@ class TensorRTBuild:
         except EngineError as exc:
             raise KilnError(f"verify: {exc}") from None
         record = verification.record()
-        limit = tolerance(plan.quant.activations, plan.kv_cache.dtype, verification.max_abs_logit,
-                          fp8_activations=any("act_scale" in n.attrs for n in self.whole.nodes))
+        limit, problem = judge(verification, plan.quant.activations, plan.kv_cache.dtype,
+                               fp8_activations=any("act_scale" in n.attrs for n in self.whole.nodes))
         record["tolerance"] = round(limit, 6)
-        if verification.max_abs_logit_diff > limit:
-            raise KilnError(f"verify: ONNX Runtime's logits differ from the cpu engine's by "
-                            f"{verification.max_abs_logit_diff:.3g} (limit {limit:.3g}, {plan.quant.activations} "
-                            "activations); the lowering is wrong for this model: nothing was written")
+        if problem:
+            raise KilnError(f"verify: {problem}; the lowering is wrong for this model: nothing was written")
         return record
 
     def _compile(self, tmp: Path, lowered, chain: Toolchain, ranks: list[dict], graphs: list[Graph],
@@ -149,10 +153,25 @@ class TensorRTBuild:
 
 
 def tolerance(activations: str, kv_dtype: str, max_abs_logit: float, fp8_activations: bool = False) -> float:
-    """The largest |logit difference| from the cpu engine a build accepts (see F32_TOLERANCE)."""
+    """The largest |logit difference| from the cpu engine a build accepts (see F32_TOLERANCE and FP8_TOLERANCE)."""
+    if fp8_activations or kv_dtype == "fp8":
+        return FP8_TOLERANCE * max_abs_logit
     if activations != "f32":
-        return (HALF_FP8_TOLERANCE if fp8_activations else HALF_TOLERANCE) * max_abs_logit
+        return HALF_TOLERANCE * max_abs_logit
     return F32_TOLERANCE + (HALF_KV_TOLERANCE * max_abs_logit if kv_dtype != "f32" else 0.0)
+
+
+def judge(verification, activations: str, kv_dtype: str, fp8_activations: bool = False,
+          limit: float | None = None) -> tuple[float, str | None]:
+    """(the tolerance, and what the ONNX's verification fails of it or None): the largest |logit difference| from
+    the cpu engine. limit: a tolerance to use instead of the plan's."""
+    if limit is None:
+        limit = tolerance(activations, kv_dtype, verification.max_abs_logit, fp8_activations)
+    what = f"{activations} activations, {kv_dtype} KV cache" + (", fp8 activations" if fp8_activations else "")
+    if verification.max_abs_logit_diff > limit:
+        return limit, (f"ONNX Runtime's logits differ from the cpu engine's by {verification.max_abs_logit_diff:.3g} "
+                       f"(limit {limit:.3g}: {what})")
+    return limit, None
 
 
 def profile_of(plan: Plan, blocks: int) -> Profile:
