@@ -8,38 +8,59 @@ Greedy agreement is what a chat user sees: the reference answers each shipped ch
 (GREEDY_TOKENS tokens, or up to its end-of-sequence token); the quantized graph then reads prompt +
 answer in one pass, and its answer equals the reference's up to the first position whose argmax
 differs. A prompt agrees when the whole answer does.
+
+Both run as Kiln's cpu engine runs them, batched (builder/evaluation.py): the windows a few to a step, every
+prompt's answer decoded together. The quantized graph is packed once; a float reference larger than
+STREAM_REFERENCE_BYTES runs a layer at a time, so the build never holds the whole float model. The reference's
+answers are kept in Kiln's cache by what decides them (the model's weights, the prompts, the kernels), so the
+next build of the same model, with any plan, decodes none.
 """
 
 from __future__ import annotations
 
+import gc
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 
 import torch
 
-from builder.calibration import GraphRunner, progress
+from builder.calibration import progress
 from builder.errors import KilnError
-from builder.ir import Graph
+from builder.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
+from builder.ir import TORCH_DTYPES, Graph
 
-ROWS = 128  # positions per float64 chunk of the [T, vocab] distributions
+ROWS = 32  # positions per float64 chunk of the [T, vocab] distributions
 GREEDY_TOKENS = 32
+# A float reference holding more f32 weights than this runs a layer at a time (builder/evaluation.py)
+STREAM_REFERENCE_BYTES = 1 << 30
 
 
 def reference_graph(model) -> Graph:
-    """The model as traced, with float32 weights: what every quantized build is measured against."""
+    """The model as traced, with float32 weights read from the source when used: what every quantized build is
+    measured against."""
+    import functools
+
+    from builder.lazy_tensors import LazyTensors
     from builder.trace import trace
 
     graph = trace(model)
-    for name in graph.weights:
-        graph.tensors[name] = model.load(name)
+    graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
     return graph
 
 
-def window_figures(reference: torch.Tensor, quantized: torch.Tensor, ids: list[int]) -> tuple[float, float, float]:
-    """(sum NLL reference, sum NLL quantized, sum KL) over positions 0..n-2 predicting ids[1:]."""
-    targets = torch.tensor(ids[1:])[:, None]
+def weight_bytes(graph: Graph) -> int:
+    return sum(math.prod(w.shape) * TORCH_DTYPES[w.dtype].itemsize for w in graph.weights.values())
+
+
+def window_figures(reference: torch.Tensor, quantized: torch.Tensor, targets: list[int]) -> tuple[float, float, float]:
+    """(sum NLL reference, sum NLL quantized, sum KL) of logits rows predicting `targets` (one a row)."""
+    targets = torch.tensor(targets)[:, None]
     nll_ref = nll_q = kl = 0.0
-    for start in range(0, len(ids) - 1, ROWS):
-        stop = min(start + ROWS, len(ids) - 1)
+    for start in range(0, len(targets), ROWS):
+        stop = min(start + ROWS, len(targets))
         log_p = torch.log_softmax(reference[start:stop].double(), dim=-1)
         log_q = torch.log_softmax(quantized[start:stop].double(), dim=-1)
         nll_ref -= float(log_p.gather(1, targets[start:stop]).sum())
@@ -48,44 +69,41 @@ def window_figures(reference: torch.Tensor, quantized: torch.Tensor, ids: list[i
     return nll_ref, nll_q, kl
 
 
-def leading_agreement(expected: list[int], logits: torch.Tensor) -> int:
-    """How many of `expected` a greedy decoder reproduces, from the logits of a pass over prompt +
+def leading_agreement(expected: list[int], tokens: torch.Tensor) -> int:
+    """How many of `expected` a greedy decoder reproduces, from the argmax tokens of a pass over prompt +
     expected[:-1] whose last len(expected) rows predict them."""
-    got = logits[-len(expected):].argmax(-1).tolist()
+    got = tokens[-len(expected):].tolist()
     return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), len(expected))
-
-
-def greedy_agreement(reference: GraphRunner, quantized: GraphRunner, prompts: list[list[int]], stop: set[int],
-                     show_progress: bool = False) -> dict:
-    """Share of prompts whose greedy answers are identical, and the mean identical leading tokens.
-    When both runners are one (a graph that is not requantized), the reference runs exactly."""
-    leading, lengths = [], []
-    for ids in progress(prompts, "greedy agreement", "prompt", show_progress):
-        expected = reference.generate(ids, GREEDY_TOKENS, stop, exact=reference is quantized)
-        leading.append(leading_agreement(expected, quantized.run(ids + expected[:-1])))
-        lengths.append(len(expected))
-    return {
-        "greedy_prompts": len(prompts),
-        "greedy_tokens": GREEDY_TOKENS,
-        "greedy_agreement_pct": _round(100 * sum(a == n for a, n in zip(leading, lengths)) / len(prompts)),
-        "greedy_mean_leading": _round(sum(leading) / len(prompts)),
-        "greedy_leading": leading,
-    }
 
 
 def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dtype: str = "f32",
              activations: str = "f32", show_progress: bool = False,
-             prompts: list[list[int]] | None = None, stop: set[int] = frozenset()) -> dict:
+             prompts: list[list[int]] | None = None, stop: set[int] = frozenset(), answers_key: dict | None = None
+             ) -> dict:
     """Perplexity of both graphs and the mean KL over `windows`, and greedy agreement over `prompts`; the
-    quantized one as the engine runs it (its KV cache rounding, and integer activations if the plan asks)."""
-    q_runner = GraphRunner(quantized, kv_dtype, activations)
-    ref_runner = GraphRunner(reference) if reference is not quantized else None  # else: q_runner, run exactly
+    quantized one as the engine runs it (its KV cache rounding, and integer activations if the plan asks). When
+    `reference` is `quantized` (a graph that is not requantized), the reference is that graph run exactly (f32
+    activations and cache). answers_key: what decides the reference's answers, to keep them in Kiln's cache."""
+    prompts = prompts or []
+    lengths = [len(w) for w in windows] + [len(p) + GREEDY_TOKENS for p in prompts]
+    blocks = max(Sequences([len(w) for w in windows]).blocks, Sequences(lengths[len(windows):]).blocks)
+    q_runner = WholeRunner(quantized, blocks, kv_dtype, activations)
+    if reference is quantized:
+        ref_runner = q_runner.exact()
+    else:
+        ref_runner = (LayerRunner(reference, blocks, shared=q_runner.rank_file.tensors)
+                      if weight_bytes(reference) > STREAM_REFERENCE_BYTES else WholeRunner(reference, blocks))
     nll_ref = nll_q = kl = 0.0
-    tokens = 0
-    for ids in progress(windows, "accuracy", "window", show_progress):
-        ref = ref_runner.run(ids) if ref_runner else q_runner.run(ids, exact=True)
-        r, q, k = window_figures(ref, q_runner.run(ids), ids)
-        nll_ref, nll_q, kl, tokens = nll_ref + r, nll_q + q, kl + k, tokens + len(ids) - 1
+    rows = [list(range(len(w) - 1)) for w in windows]  # each position but the last predicts the next token
+    tokens = sum(map(len, rows))
+    bar = progress(None, "accuracy", "token", show_progress, total=tokens)
+    for index, positions, (ref, q) in forced_logits([ref_runner, q_runner], windows, rows):
+        r, q, k = window_figures(ref, q, [windows[index][p + 1] for p in positions])
+        nll_ref, nll_q, kl = nll_ref + r, nll_q + q, kl + k
+        if show_progress:
+            bar.update(len(positions))
+    if show_progress:
+        bar.close()
     ppl_ref, ppl_q = math.exp(nll_ref / tokens), math.exp(nll_q / tokens)
     figures = {
         "evaluation_tokens": tokens,
@@ -95,8 +113,75 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
         "kl_mean": _round(kl / tokens),
     }
     if prompts:
-        figures.update(greedy_agreement(ref_runner or q_runner, q_runner, prompts, stop, show_progress))
+        expected = reference_answers(ref_runner, prompts, stop, answers_key, show_progress)
+        figures.update(greedy_agreement(q_runner, prompts, expected))
+    del q_runner, ref_runner
+    gc.collect()  # an executor's hooks refer back to it: free the runners' weights before the build goes on
     return figures
+
+
+def reference_answers(runner, prompts: list[list[int]], stop: set[int], key: dict | None,
+                      show_progress: bool = False) -> list[list[int]]:
+    """The reference's greedy answers to `prompts` (GREEDY_TOKENS tokens, or to its end-of-sequence token): from
+    Kiln's cache when `key` names answers decoded before, else decoded all together (and kept, with a key)."""
+    path = answers_path(dict(key, prompts=prompts, stop=sorted(stop), tokens=GREEDY_TOKENS)) if key else None
+    if path is not None and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if isinstance(cached, list) and len(cached) == len(prompts):
+                return cached
+        except (OSError, ValueError):
+            pass  # unreadable: decode again and rewrite it
+    bar = progress(None, "greedy reference", "token", show_progress, total=GREEDY_TOKENS)
+    answers = greedy(runner, prompts, GREEDY_TOKENS, stop, on_step=bar.update if show_progress else None)
+    if show_progress:
+        bar.close()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(answers))
+            tmp.replace(path)
+        except OSError:
+            pass  # a cache that cannot be written costs the next build the decode, nothing else
+    return answers
+
+
+def answers_path(key: dict) -> Path:
+    """Where Kiln's cache keeps the reference answers that `key` decides ($KILN_CACHE_DIR, else
+    $XDG_CACHE_HOME/kiln or ~/.cache/kiln)."""
+    root = os.environ.get("KILN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
+    digest = hashlib.sha256(json.dumps(dict(key, kernels=kernels_digest()), sort_keys=True).encode()).hexdigest()
+    return Path(root) / "reference-answers" / f"{digest[:32]}.json"
+
+
+def kernels_digest() -> str:
+    """sha256 of Kiln's compiled C kernels: other kernels may decode other answers."""
+    from runtime import _native
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(_native.__file__).parent.glob("_*.so")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def greedy_agreement(quantized, prompts: list[list[int]], expected: list[list[int]]) -> dict:
+    """Share of prompts whose greedy answers are identical, and the mean identical leading tokens: the quantized
+    runner reads each prompt and the reference's answer (all of them batched) and is scored on the answer's rows."""
+    sequences = [ids + answer[:-1] for ids, answer in zip(prompts, expected)]
+    rows = [list(range(len(ids) - 1, len(s))) for ids, s in zip(prompts, sequences)]
+    pieces: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for index, _, (logits,) in forced_logits([quantized], sequences, rows):
+        pieces[index].append(logits.argmax(-1))
+    leading = [leading_agreement(answer, torch.cat(p)) for answer, p in zip(expected, pieces)]
+    lengths = [len(e) for e in expected]
+    return {
+        "greedy_prompts": len(prompts),
+        "greedy_tokens": GREEDY_TOKENS,
+        "greedy_agreement_pct": _round(100 * sum(a == n for a, n in zip(leading, lengths)) / len(prompts)),
+        "greedy_mean_leading": _round(sum(leading) / len(prompts)),
+        "greedy_leading": leading,
+    }
 
 
 def check_gate(figures: dict, max_ppl_increase: float | None, min_greedy_agreement: float | None = None) -> None:

@@ -206,13 +206,13 @@ class GraphRunner:
         return out
 
 
-def progress(items, desc: str, unit: str, show: bool):
+def progress(items, desc: str, unit: str, show: bool, total: int | None = None):
     """A pass's own progress bar under the pipeline's (cleared when done), or the items as they are."""
     if not show:
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc=f"  {desc}", unit=unit, leave=False)
+    return tqdm(items, desc=f"  {desc}", unit=unit, leave=False, total=total)
 
 
 def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]],

@@ -3,11 +3,13 @@
 A build reads every weight from the model source once per rank file it writes: the sharding passes
 record how a rank's tensor derives from a source tensor (a slice of rows, a concatenation) and the
 emitter materialises one tensor at a time, writes it, and lets it go. Peak memory is then about the
-largest tensor, not the model.
+largest tensor, not the model. A round-to-nearest quantizer's outputs are derived too (derive_parts): computed
+again when read, so a quantized build holds neither the float model nor its quantized copy.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
 import torch
@@ -56,6 +58,23 @@ class LazyTensors(MutableMapping):
         loaders = [self._loaders[s] for s in sources]
         self._loaders[name] = lambda: fn(*(load() for load in loaders))
 
+    def derive_parts(self, names: dict[str, str], sources: list[str],
+                     fn: Callable[..., dict[str, torch.Tensor]], memo: PartsMemo) -> None:
+        """Each name of `names` (part -> name) becomes that part of fn(*source tensors): computed when read, once for
+        all its parts while `memo` keeps the result (a quantizer's codes, scales and zeros read one after another)."""
+        loaders = [self._loaders[s] for s in sources]
+        key = tuple(sources)
+
+        def parts() -> dict[str, torch.Tensor]:
+            made = memo.get(key)
+            if made is None:
+                made = fn(*(load() for load in loaders))
+                memo.put(key, made)
+            return made
+
+        for part, name in names.items():
+            self._loaders[name] = lambda part=part: parts()[part]
+
     def copy(self) -> LazyTensors:
         return LazyTensors(self._loaders)
 
@@ -64,3 +83,23 @@ class LazyTensors(MutableMapping):
 
 def _constant(tensor: torch.Tensor) -> Loader:
     return lambda: tensor
+
+
+class PartsMemo:
+    """The last few results of derive_parts functions, by their sources (least recently used dropped first)."""
+
+    def __init__(self, capacity: int = 16):
+        self.capacity = capacity
+        self._items: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+
+    def get(self, key: tuple) -> dict[str, torch.Tensor] | None:
+        made = self._items.get(key)
+        if made is not None:
+            self._items.move_to_end(key)
+        return made
+
+    def put(self, key: tuple, made: dict[str, torch.Tensor]) -> None:
+        self._items[key] = made
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)

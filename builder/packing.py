@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from builder.ir import Graph
+from builder.ir import DTYPE_NAMES, Graph, Value
+from builder.lazy_tensors import PartsMemo
 from runtime.weights import FORMATS
 
 
 def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
-    """A copy of `graph` whose logical quantized nodes read packed operands (layout = the kernel's id)."""
+    """A copy of `graph` whose logical quantized nodes read packed operands (layout = the kernel's id). With lazy
+    tensors (a streaming build), the packed operands are packed again from the logical ones when read, not kept."""
     out = graph.replace()
     packed: dict[tuple, tuple[list[str], list[str]]] = {}  # logical operand names -> (packed names, roles)
+    memo = PartsMemo(4)
     for node in out.nodes:
         attrs = node.attrs
         if attrs.get("quant", "none") == "none" or attrs.get("layout") != "logical":
@@ -18,7 +21,7 @@ def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
         count = len(fmt.roles)
         logical = tuple(node.inputs[1:1 + count])
         if logical not in packed:
-            packed[logical] = _pack(out, attrs["quant"], attrs["group_size"], logical)
+            packed[logical] = _pack(out, attrs["quant"], attrs["group_size"], logical, memo)
         names, roles = packed[logical]
         node.inputs = [node.inputs[0], *names, *node.inputs[1 + count:]]
         node.attrs = dict(attrs, layout=fmt.layout, operands=[*roles, *attrs["operands"][count:]])
@@ -28,12 +31,19 @@ def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
     return out
 
 
-def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, ...]):
-    parts = FORMATS[quant].pack([graph.tensors[name] for name in logical], group_size)
+def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, ...], memo: PartsMemo):
+    fmt = FORMATS[quant]
+    parts = fmt.pack([graph.tensors[name] for name in logical], group_size)
     base = logical[0].removesuffix(".qweight")
-    for role, tensor in parts.items():
-        graph.add_weight(f"{base}.{role}", tensor)
-    return [f"{base}.{role}" for role in parts], list(parts)
+    names = {role: f"{base}.{role}" for role in parts}  # the packed qweight takes the logical one's name
+    if hasattr(graph.tensors, "derive_parts"):  # before the names are rebound: it reads the logical operands
+        graph.tensors.derive_parts(names, list(logical), lambda *tensors: fmt.pack(list(tensors), group_size), memo)
+        for role, tensor in parts.items():
+            graph.weights[names[role]] = Value(names[role], DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
+    else:
+        for role, tensor in parts.items():
+            graph.add_weight(names[role], tensor)
+    return list(names.values()), list(parts)
 
 
 INTEGER_ACTIVATIONS = ("int8", "int16")

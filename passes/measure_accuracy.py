@@ -44,8 +44,13 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     if requantized:
         figures["source_requantized"] = {"format": "int8 group 32", "weights": len(requantized)}
     prompts, templated = chat_prompts(ctx.model)
+    # The reference's answers depend on the model's weights and on which reference runs: the float model, or the
+    # graph's own weights run exactly (the source's blocks, or its float weights).
+    answers_key = {"model": ctx.model.weights_sha256(), "reference": "float" if reference is not out else [
+        (n.name, n.attrs.get("quant", "none"), n.attrs.get("group_size")) for n in out.nodes
+        if n.op in ("linear", "logits", "embedding")]}
     figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, quant.activations, ctx.show_progress,
-                            prompts, set(ctx.model.config.eos_token_ids)))
+                            prompts, set(ctx.model.config.eos_token_ids), answers_key))
     figures["greedy_chat_template"] = templated
     figures["max_ppl_increase"] = quant.max_ppl_increase
     figures["min_greedy_agreement"] = quant.min_greedy_agreement

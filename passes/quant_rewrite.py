@@ -20,6 +20,7 @@ import torch
 
 from builder.errors import KilnError
 from builder.ir import Graph, Node
+from builder.lazy_tensors import PartsMemo
 from runtime.weights import FORMATS
 from runtime.weights.format import Quantized
 
@@ -66,11 +67,14 @@ def _fix(graph: Graph, nodes: list[Node], what: str) -> str:
 
 def quantize_node(graph: Graph, node: Node, quant: str, group_size: int | None,
                   make: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], float | None]],
-                  cache: dict) -> None:
+                  cache: dict, memo: PartsMemo | None = None) -> None:
     """Replace the node's float weight by logical quantized operands made by `make(weight)` (in place).
 
     `cache` shares one quantized copy between nodes reading the same weight with the same scheme
     (a tied embedding and lm_head). Records the reconstruction error in graph.meta["quant_error"].
+    With `memo` (a deterministic `make`: round to nearest) and lazy tensors, the operands are not kept: they are
+    made again from the source weight whenever read (builder/lazy_tensors.py), and this call makes them only for
+    the error.
     """
     weight = node.inputs[1]
     key = (weight, quant, group_size)
@@ -79,11 +83,13 @@ def quantize_node(graph: Graph, node: Node, quant: str, group_size: int | None,
         base = weight.removesuffix(".weight")
         if f"{base}.qweight" in graph.weights:  # the same weight under another scheme already
             base = f"{base}.{quant}" + (f"g{group_size}" if group_size else "")
-        names = []
-        for role in FORMATS[quant].roles:
-            graph.add_weight(f"{base}.{role}", parts[role].contiguous())
-            names.append(f"{base}.{role}")
-        cache[key] = (names, error)
+        names = {role: f"{base}.{role}" for role in FORMATS[quant].roles}
+        for role, name in names.items():
+            graph.add_weight(name, parts[role].contiguous())
+        if memo is not None and hasattr(graph.tensors, "derive_parts"):
+            graph.tensors.derive_parts(names, [weight], lambda w: {r: t.contiguous() for r, t in make(w)[0].items()},
+                                       memo)
+        cache[key] = (list(names.values()), error)
     names, error = cache[key]
     roles = node.attrs.get("operands", ["weight"])
     node.inputs = [node.inputs[0], *names, *node.inputs[2:]]
@@ -111,7 +117,8 @@ def requantize(graph: Graph, plan, quant: str, group_size: int | None,
         quantized = quantize(weight)
         return logical_operands(quant, quantized), quantized.error
 
+    memo = PartsMemo()  # round to nearest gives the same codes every time: derive them, keep none
     for node in nodes:
-        quantize_node(out, node, quant, group_size, make, cache)
+        quantize_node(out, node, quant, group_size, make, cache, memo)
     out.drop_unused_weights()
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from builder.cuts import crossing, segments
 from builder.errors import KilnError
 from builder.ir import TORCH_DTYPES, Graph, Node
 from builder.lazy_tensors import LazyTensors
@@ -16,7 +17,7 @@ MATMUL_OPS = ("linear", "logits")
 def split_pipeline_stages(graph: Graph, ctx: PassContext) -> Graph:
     mapping = Mapping(ctx.plan.tp, ctx.plan.pp, ctx.rank)
     num_layers = graph.meta["model"]["num_layers"]
-    segment = _segments(graph, num_layers)  # node name -> -1 (before the layers), layer index, or num_layers (after)
+    segment = segments(graph, num_layers)  # node name -> -1 (before the layers), layer index, or num_layers (after)
     costs = _segment_costs(graph, segment, num_layers)
     try:
         layers = mapping.pp_layers(num_layers, costs[:num_layers], first_cost=costs[-1], last_cost=costs[num_layers])
@@ -31,8 +32,8 @@ def split_pipeline_stages(graph: Graph, ctx: PassContext) -> Graph:
     first = -1 if mapping.is_first_pp_rank() else layers.start
     last = num_layers if mapping.is_last_pp_rank() else layers.stop - 1
     kept = [n for n in out.nodes if first <= segment[n.name] <= last]  # copies: the input graph stays as it was
-    received = _crossing(graph, segment, first) if not mapping.is_first_pp_rank() else []
-    sent = _crossing(graph, segment, last + 1) if not mapping.is_last_pp_rank() else []
+    received = crossing(graph, segment, first) if not mapping.is_first_pp_rank() else []
+    sent = crossing(graph, segment, last + 1) if not mapping.is_last_pp_rank() else []
     recvs = [Node(f"recv.{v}", "recv", [], [v], {"src": mapping.prev_pp_rank(), "dtype": graph.values[v].dtype,
                                                    "shape": list(graph.values[v].shape)}) for v in received]
     sends = [Node(f"send.{v}", "send", [v], [], {"dst": mapping.next_pp_rank()}) for v in sent]
@@ -45,26 +46,6 @@ def split_pipeline_stages(graph: Graph, ctx: PassContext) -> Graph:
         node.attrs["layer"] = index
     out.drop_unused_weights()
     return out
-
-
-def _segments(graph: Graph, num_layers: int) -> dict[str, int]:
-    """Each node's place in the layer list: its layer (set by the trace); the nodes outside the
-    layers are before the first layer or after the last."""
-    segment: dict[str, int] = {}
-    seen_layer = False
-    for node in graph.nodes:
-        if node.layer is not None:
-            segment[node.name] = node.layer
-            seen_layer = True
-        elif not seen_layer:
-            segment[node.name] = -1
-        else:
-            segment[node.name] = num_layers
-    order = [segment[n.name] for n in graph.nodes]
-    if order != sorted(order):
-        late = next(n.name for n, a, b in zip(graph.nodes[1:], order, order[1:]) if b < a)
-        raise KilnError(f"split_pipeline_stages: node {late!r} is out of layer order; cannot cut the graph")
-    return segment
 
 
 def _segment_costs(graph: Graph, segment: dict[str, int], num_layers: int) -> list[float]:
@@ -87,12 +68,3 @@ def _segment_costs(graph: Graph, segment: dict[str, int], num_layers: int) -> li
             if node.op in MATMUL_OPS:
                 computed[segment[node.name]] += size
     return computed if sum(computed) else stored
-
-
-def _crossing(graph: Graph, segment: dict[str, int], cut: int) -> list[str]:
-    """Values defined before segment `cut` and used from it on, in definition order (both sides of
-    a cut compute the same list, so sends and receives pair up in order)."""
-    defined_before = [o for n in graph.nodes if segment[n.name] < cut for o in n.outputs]
-    used_after = {i for n in graph.nodes if segment[n.name] >= cut for i in n.inputs}
-    used_after.update(graph.outputs)
-    return [v for v in defined_before if v in used_after]

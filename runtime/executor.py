@@ -105,14 +105,18 @@ class CpuExecutor(Executor):
     MAX_TAPES = 8
 
     def __init__(self, rank_file: RankFile, pools: int | KVGroups, block_size: int, kv_dtype: str = "f32",
-                 collectives: dict | None = None):
-        """pools: the KV groups' blocks, or one pool's blocks for every layer."""
-        recycle_large_allocations()
+                 collectives: dict | None = None, cache: KVCacheStorage | None = None, serving: bool = True):
+        """pools: the KV groups' blocks, or one pool's blocks for every layer. cache: pools that outlive this
+        executor (the builder's layer-by-layer evaluation binds one layer at a time to its kept pool). serving:
+        keep freed step buffers in the heap for the next step (recycle_large_allocations); a build's evaluation
+        runs few, large steps and gives memory back instead."""
+        if serving:
+            recycle_large_allocations()
         self.meta: StepMetadata | None = None
         self.arrays: list[attention.StepArrays] = []  # per KV group, during a step
         doc = json.loads(rank_file.program)
         groups = pools if isinstance(pools, KVGroups) else KVGroups((0,), (pools,))
-        self.cache = KVCacheStorage(attention_layers(doc), groups, block_size, kv_dtype)  # binding reads it
+        self.cache = cache or KVCacheStorage(attention_layers(doc), groups, block_size, kv_dtype)  # binding reads it
         self.rope_tables: dict[tuple, reference.RopeTable] = {}  # one per distinct rope, shared by its layers
         hooks = Hooks(attention=self._attention, gather_last=tape.recordable(lambda x: self._gather_last(x)),
                       qkv_attention=self._qkv_attention,

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import runtime  # noqa: F401  (before torch: sets the OpenMP wait policy)
+
+# Builds keep their reference answers in Kiln's cache (builder/accuracy.py): the tests' own, not the user's.
+os.environ.setdefault("KILN_CACHE_DIR", tempfile.mkdtemp(prefix="kiln-test-cache-"))
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2
 CHAT_TEMPLATE = (

@@ -162,7 +162,7 @@ def cpu_reference(graph: Graph, activations: str, kv_dtype: str, block_size: int
     """Kiln's cpu engine of the same program: packed in memory, never written."""
     packed = pack_graph(graph, activations)
     tensors = {name: packed.tensors[name].contiguous() for name in packed.weights}
-    return CpuExecutor(RankFile(packed.to_json(), tensors), NUM_BLOCKS, block_size, kv_dtype)
+    return CpuExecutor(RankFile(packed.to_json(), tensors), NUM_BLOCKS, block_size, kv_dtype, serving=False)
 
 
 @torch.inference_mode()

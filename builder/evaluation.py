@@ -1,0 +1,245 @@
+"""A graph run as Kiln's cpu engine runs it, for the build's measures: many sequences a step through the C
+kernels and the paged KV cache, not a Python program a sequence (and a token) at a time.
+
+Two runners, one interface (`execute(meta)` -> the logits rows named by meta.logits_indices):
+
+- `WholeRunner`: the graph packed once, as the engine would hold it (the quantized graph, whose weights the build
+  holds anyway; a float reference that fits the budget).
+- `LayerRunner`: the graph cut into one stage a layer (the first with the embedding, the last with the head), each
+  stage's weights read, packed and bound when a step reaches it and let go after, while its KV pool stays. One
+  layer's weights are resident at a time, whatever the model's size, for a few seconds more a step.
+
+On top of them, `Sequences` places independent sequences in one KV pool, and two uses: `forced_logits` (given
+tokens, the logits at chosen positions, a step at a time: perplexity and KL windows, a quantized model reading a
+reference answer), and `greedy` (every prompt decoded greedily together, a decode step for all of them at once).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from builder.cuts import crossing, segments
+from builder.ir import Graph, Node
+from builder.packing import pack_graph
+from runtime.engine_format import RankFile
+from runtime.executor import CpuExecutor, KVCacheStorage
+from runtime.kv_groups import KVGroups
+from runtime.program import attention_layers
+from runtime.step import StepMetadata
+
+BLOCK_SIZE = 16
+STEP_TOKENS = 64  # tokens a prefill step packs: each op keeps its output buffer for the step's size (SmolLM2: as fast as 1024)
+
+
+def _rank_file(graph: Graph, activations: str) -> RankFile:
+    packed = pack_graph(graph, activations)
+    return RankFile(packed.to_json(), {name: packed.tensors[name].contiguous() for name in packed.weights})
+
+
+class WholeRunner:
+    """The whole graph packed and bound once (its weights resident)."""
+
+    def __init__(self, graph: Graph | RankFile, blocks: int, kv_dtype: str = "f32", activations: str = "f32"):
+        self.rank_file = graph if isinstance(graph, RankFile) else _rank_file(graph, activations)
+        self.blocks = blocks
+        self.executor = CpuExecutor(self.rank_file, blocks, BLOCK_SIZE, kv_dtype, serving=False)
+        # No step replay: a tape keeps every value of its step alive (hundreds of MB for a prefill with all its
+        # logits), and these steps are few and large, where replay gains nothing.
+        self.executor.replay = False
+
+    def exact(self) -> WholeRunner:
+        """The same packed weights run exactly: f32 activations (no integer paths) and an f32 cache."""
+        doc = json.loads(self.rank_file.program)
+        nodes = [dict(n, attrs={k: v for k, v in n["attrs"].items() if k != "act"}) for n in doc["nodes"]]
+        return WholeRunner(RankFile(json.dumps(dict(doc, nodes=nodes)), self.rank_file.tensors), self.blocks)
+
+    def execute(self, meta: StepMetadata) -> torch.Tensor:
+        return self.executor.execute(meta)
+
+
+class LayerRunner:
+    """The graph a layer at a time: each step binds each stage in turn (weights read from the graph's tensors, which
+    a streaming build reads from the model source) and drops it, handing the values that cross to the next stage.
+
+    shared: tensors another runner holds anyway (a quantized graph's float embedding table, say); a weight of this
+    graph with the same name and the same values is read from there instead of from the source every step."""
+
+    def __init__(self, graph: Graph, blocks: int, kv_dtype: str = "f32", activations: str = "f32",
+                 shared: dict[str, torch.Tensor] | None = None):
+        self.activations, self.kv_dtype, self.blocks = activations, kv_dtype, blocks
+        graph = graph.replace()
+        for name, tensor in (shared or {}).items():
+            mine = graph.weights.get(name)
+            if mine is not None and tuple(mine.shape) == tuple(tensor.shape) and tensor.dtype == torch.float32 \
+                    and torch.equal(graph.tensors[name], tensor):
+                graph.tensors[name] = tensor
+        self.stages = _layer_stages(graph)
+        groups = KVGroups((0,), (blocks,))
+        self.caches = [KVCacheStorage(attention_layers(_doc(stage)), groups, BLOCK_SIZE, kv_dtype)
+                       for stage in self.stages]
+
+    def execute(self, meta: StepMetadata) -> torch.Tensor:
+        handed: list[torch.Tensor] = []
+        for stage, cache in zip(self.stages, self.caches):
+            received, handed = handed, []
+            collectives = {"recv": lambda attrs, box=received: box.pop(0),
+                           "send": lambda x, attrs, box=handed: box.append(x.clone())}
+            executor = CpuExecutor(_rank_file(stage, self.activations), self.blocks, BLOCK_SIZE, self.kv_dtype,
+                                   collectives, cache=cache, serving=False)
+            executor.replay = False  # bound for one step: nothing to replay
+            logits = executor.execute(meta)
+            logits = None if logits is None else logits.clone()
+            del executor
+            gc.collect()  # the executor's hooks refer back to it: free its weights now, not at the next collection
+        return logits
+
+
+def _doc(graph: Graph) -> dict:
+    return json.loads(graph.to_json())
+
+
+def _layer_stages(graph: Graph) -> list[Graph]:
+    """The graph as one stage a layer, recv/send nodes carrying the values that cross each cut (in order), each
+    stage's attention layer numbered 0 for its own pool."""
+    num_layers = graph.meta["model"]["num_layers"]
+    segment = segments(graph, num_layers)
+    stages = []
+    for layer in range(num_layers):
+        first = -1 if layer == 0 else layer
+        last = num_layers if layer == num_layers - 1 else layer
+        kept = [n for n in graph.nodes if first <= segment[n.name] <= last]
+        received = crossing(graph, segment, first) if layer else []
+        sent = crossing(graph, segment, last + 1) if layer < num_layers - 1 else []
+        recvs = [Node(f"recv.{v}", "recv", [], [v], {"src": layer - 1, "dtype": graph.values[v].dtype,
+                                                       "shape": list(graph.values[v].shape)}) for v in received]
+        sends = [Node(f"send.{v}", "send", [v], [], {"dst": layer + 1}) for v in sent]
+        stage = graph.replace()
+        stage.nodes = recvs + [n for n in stage.nodes if n.name in {k.name for k in kept}] + sends
+        stage.outputs = list(graph.outputs) if layer == num_layers - 1 else []
+        stage.values = {v.name: v for v in graph.inputs}
+        stage.values.update((o, graph.values[o]) for n in stage.nodes for o in n.outputs)
+        for node in stage.nodes:
+            if node.op == "attention":
+                node.attrs["layer"] = 0
+        stage.drop_unused_weights()
+        stages.append(stage)
+    return stages
+
+
+@dataclass
+class Work:
+    """One sequence's part of a step: its tokens from position `start`, and the rows (indices into `tokens`)
+    whose logits are wanted."""
+
+    seq: int
+    tokens: list[int]
+    start: int
+    rows: list[int]
+
+
+class Sequences:
+    """Independent sequences of known greatest lengths, each with its own run of blocks in one pool."""
+
+    def __init__(self, lengths: list[int]):
+        self.tables, first = [], 0
+        for length in lengths:
+            count = max(1, math.ceil(length / BLOCK_SIZE))
+            self.tables.append(list(range(first, first + count)))
+            first += count
+        self.blocks = first
+
+    def meta(self, work: list[Work]) -> StepMetadata:
+        ids, positions, slots, context, starts, logits = [], [], [], [], [0], []
+        for w in work:
+            table = self.tables[w.seq]
+            ids += w.tokens
+            for p in range(w.start, w.start + len(w.tokens)):
+                positions.append(p)
+                slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            logits += [starts[-1] + r for r in w.rows]
+            context.append(w.start + len(w.tokens))
+            starts.append(starts[-1] + len(w.tokens))
+        width = max(math.ceil(c / BLOCK_SIZE) for c in context)
+        tables = torch.full((len(work), width), -1, dtype=torch.int32)
+        for row, w in enumerate(work):
+            used = self.tables[w.seq][:width]
+            tables[row, :len(used)] = torch.tensor(used, dtype=torch.int32)
+        return StepMetadata(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                            torch.tensor(slots, dtype=torch.int64), tables,
+                            torch.tensor(context, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                            torch.tensor(logits, dtype=torch.int64))
+
+
+def prefill_steps(sequences: list[list[int]], rows: list[list[int]], step_tokens: int = STEP_TOKENS
+                  ) -> Iterator[list[Work]]:
+    """The sequences' tokens packed into steps of at most step_tokens (a longer sequence in chunks, in order),
+    each chunk asking for the wanted rows (positions in its sequence) it holds."""
+    step: list[Work] = []
+    room = step_tokens
+    for seq, (ids, wanted) in enumerate(zip(sequences, rows)):
+        start = 0
+        while start < len(ids):
+            count = min(room, len(ids) - start)
+            step.append(Work(seq, ids[start:start + count], start,
+                             [r - start for r in wanted if start <= r < start + count]))
+            start += count
+            room -= count
+            if room == 0:
+                yield step
+                step, room = [], step_tokens
+    if step:
+        yield step
+
+
+def forced_logits(runners: list, sequences: list[list[int]], rows: list[list[int]],
+                  step_tokens: int = STEP_TOKENS) -> Iterator[tuple[int, list[int], list[torch.Tensor]]]:
+    """Every runner over the same steps of the given tokens; for each sequence's part of a step, in order:
+    (the sequence's index, the positions whose logits were asked for in `rows`, [those logits rows of each
+    runner]). A step's logits are held for all runners at once and for no longer."""
+    place = Sequences([len(s) for s in sequences])
+    for work in prefill_steps(sequences, rows, step_tokens):
+        meta = place.meta(work)
+        outputs = [runner.execute(meta) for runner in runners]
+        at = 0
+        for w in work:
+            if w.rows:
+                yield w.seq, [w.start + r for r in w.rows], [out[at:at + len(w.rows)] for out in outputs]
+            at += len(w.rows)
+
+
+def greedy(runner, prompts: list[list[int]], max_new: int, stop: set[int], step_tokens: int = STEP_TOKENS,
+           on_step=None) -> list[list[int]]:
+    """Each prompt's greedy continuation, all decoded together: up to max_new tokens, ending after the first token
+    in `stop` (as a decoder that stops at end-of-sequence would). on_step(): called after each token position."""
+    place = Sequences([len(p) + max_new for p in prompts])
+    out: list[list[int]] = [[] for _ in prompts]
+    lasts = [[len(p) - 1] for p in prompts]
+    for work in prefill_steps(prompts, lasts, step_tokens):
+        logits = runner.execute(place.meta(work))
+        at = 0
+        for w in work:
+            if w.rows:
+                out[w.seq].append(int(logits[at].argmax()))
+                at += 1
+    if on_step:
+        on_step()
+
+    def running(i: int) -> bool:
+        return len(out[i]) < max_new and out[i][-1] not in stop
+
+    active = [i for i in range(len(prompts)) if running(i)]
+    while active:
+        work = [Work(i, out[i][-1:], len(prompts[i]) + len(out[i]) - 1, [0]) for i in active]
+        logits = runner.execute(place.meta(work))
+        for row, i in enumerate(active):
+            out[i].append(int(logits[row].argmax()))
+        active = [i for i in active if running(i)]
+        if on_step:
+            on_step()
+    return out
