@@ -94,14 +94,21 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
         ref_runner = (LayerRunner(reference, blocks, shared=q_runner.rank_file.tensors)
                       if weight_bytes(reference) > STREAM_REFERENCE_BYTES else WholeRunner(reference, blocks))
     nll_ref = nll_q = kl = 0.0
-    rows = [list(range(len(w) - 1)) for w in windows]  # each position but the last predicts the next token
-    tokens = sum(map(len, rows))
+    tokens = sum(len(w) - 1 for w in windows)
     bar = progress(None, "accuracy", "token", show_progress, total=tokens)
-    for index, positions, (ref, q) in forced_logits([ref_runner, q_runner], windows, rows):
-        r, q, k = window_figures(ref, q, [windows[index][p + 1] for p in positions])
-        nll_ref, nll_q, kl = nll_ref + r, nll_q + q, kl + k
-        if show_progress:
-            bar.update(len(positions))
+    for window in windows:
+        rows = [list(range(len(window) - 1))]  # each position but the last predicts the next token
+        # the reference's rows for the whole window first, in its own steps (a layer-at-a-time reference reads the
+        # model once a step: few, large steps), then the quantized runner's, scored against them as they come
+        pieces = [logits.clone() for _, _, (logits,) in forced_logits([ref_runner], [window], rows)]
+        ref = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        del pieces
+        for _, positions, (q,) in forced_logits([q_runner], [window], rows):
+            r, q, k = window_figures(ref[positions[0]:positions[-1] + 1], q, [window[p + 1] for p in positions])
+            nll_ref, nll_q, kl = nll_ref + r, nll_q + q, kl + k
+            if show_progress:
+                bar.update(len(positions))
+        del ref
     if show_progress:
         bar.close()
     ppl_ref, ppl_q = math.exp(nll_ref / tokens), math.exp(nll_q / tokens)

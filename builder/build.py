@@ -26,13 +26,22 @@ from runtime.engine_format import manifest_header
 @dataclass
 class BuildResult:
     out: Path
-    manifest: dict
+    manifest: dict    # the engine's manifest; for a --rank build, the rank's part (builder/emit.py's emit_rank)
     up_to_date: bool  # the directory already held this exact engine; nothing was written
 
 
 def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = False,
                  options: PipelineOptions | None = None, show_progress: bool = True,
-                 calibration_text: str | None = None, onnx_only: bool = False) -> BuildResult:
+                 calibration_text: str | None = None, onnx_only: bool = False, rank: int | None = None) -> BuildResult:
+    """rank: build that rank alone into `out` (its file and part, beside other ranks' parts of the same build); a
+    build without `rank` whose `out` holds every rank's part assembles them instead of building."""
+    if rank is not None:
+        if plan.target != "cpu":
+            raise KilnError(f"--rank: {plan.target} ranks share files their build writes once (kernels, plugin, "
+                            "ONNX checks across ranks): build a {plan.target} plan whole; --rank takes cpu plans")
+        if not 0 <= rank < plan.world_size:
+            raise KilnError(f"--rank {rank}: the plan has {plan.world_size} rank(s) (tp {plan.tp} x pp {plan.pp}), "
+                            f"numbered 0 to {plan.world_size - 1}")
     model = load_model(model_source)
     identity = {"name": model.name, "architecture": model.config.architecture,
                 "config": model.config.to_dict(), "weights_sha256": model.weights_sha256(),
@@ -44,14 +53,28 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     build_id = emit.build_id(identity, plan.to_dict(), passes + ([{"name": "onnx_only"}] if onnx_only else []))
     kind = target(plan.target)
     kind.prepare(plan, onnx_only)  # before any work: can this host finish the build?
-    if emit.is_up_to_date(out, build_id):
-        return BuildResult(out, json.loads((out / "manifest.json").read_text()), True)
-    emit.check_output_dir(out, force)
+    if rank is None:
+        if emit.is_up_to_date(out, build_id):
+            return BuildResult(out, json.loads((out / "manifest.json").read_text()), True)
+        parts, missing = emit.parts_state(out, build_id, plan.world_size) if out.is_dir() else ([], [])
+        if parts and not missing:  # every rank was built alone (--rank): put the engine together
+            return BuildResult(out, emit.assemble(out, model, parts), False)
+        if parts:
+            raise KilnError(f"--out {out}: holds the parts of ranks {', '.join(str(p['rank']) for p in parts)} of "
+                            f"this build, not of ranks {', '.join(map(str, missing))}: build those with --rank, or "
+                            "pass --force to build the whole engine")
+        emit.check_output_dir(out, force)
+    else:
+        done = emit.rank_up_to_date(out, build_id, rank, plan.world_size)
+        if done is not None:
+            return BuildResult(out, done, True)
+        emit.check_parts_dir(out, build_id, force)
 
     graph = trace(model)
     # Weights are read from the source when a pass or the emitter needs them, never all at once.
     graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
-    ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text, show_progress=show_progress)
+    ctx = PassContext(plan=plan, model=model, calibration_text=calibration_text, show_progress=show_progress,
+                      only_rank=rank)
     graphs, write_ranks = kind.run(pipeline, graph, ctx, options, onnx_only)
     # The figures go into the manifest and report, not into every rank's program.
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
@@ -71,6 +94,8 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch:  # reproducible-builds convention: a build time only when the caller fixes it
         manifest["build_time"] = int(epoch)
+    if rank is not None:
+        return BuildResult(out, emit.emit_rank(out, graphs[0], rank, plan.world_size, manifest), False)
     return BuildResult(out, emit.emit(out, graphs, model, manifest, show_progress, write_ranks), False)
 
 

@@ -70,6 +70,11 @@ def build(
     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write the IR after every pass into this directory."),
     debug: bool = typer.Option(False, "--debug", help="Verify the IR after every pass, not only at the boundaries."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+    rank: Optional[int] = typer.Option(None, "--rank", min=0,
+                                       help="Build this rank alone (cpu plans): rank{r}.engine and its part of the "
+                                            "manifest into --out, beside other ranks' parts. The same command "
+                                            "without --rank, once every rank's part is in --out, writes the manifest: "
+                                            "a tp=8 engine as eight CI jobs, byte for byte the whole build's."),
     onnx_only: bool = typer.Option(False, "--onnx-only",
                                    help="tensorrt plans: write and verify the per-rank ONNX but compile no TensorRT "
                                         "engines (for a GPU no TensorRT installed here targets); finish with "
@@ -95,7 +100,14 @@ def build(
     if onnx_only and chosen.target != "tensorrt":
         raise KilnError(f"--onnx-only: the {chosen.target} target writes no ONNX; it applies to tensorrt plans")
     result = build_engine(model, chosen, out, force=force, options=options, show_progress=progress,
-                          calibration_text=calibration, onnx_only=onnx_only)
+                          calibration_text=calibration, onnx_only=onnx_only, rank=rank)
+    if rank is not None:
+        entry = result.manifest["entry"]
+        state = "up to date" if result.up_to_date else "built"
+        typer.echo(f"{state}: rank {rank} of {chosen.world_size}: {result.out / entry['file']} "
+                   f"({entry['bytes'] / 1e6:.1f} MB); the same command without --rank writes the manifest once "
+                   "every rank's part is in the directory")
+        return
     size = sum(r["bytes"] + r.get("onnx", {}).get("bytes", 0) for r in result.manifest["ranks"])
     state = "up to date" if result.up_to_date else "built"
     typer.echo(f"{state}: {result.out} ({len(result.manifest['ranks'])} rank(s), {size / 1e6:.1f} MB)")

@@ -65,26 +65,129 @@ def emit(out: Path, graphs: list[Graph], model, manifest_base: dict, show_progre
             ranks, extras = write_rank_files(tmp, graphs, show_progress), {}
         else:
             ranks, extras = write_ranks(tmp, graphs)
-        model.write_tokenizer(tmp)
         manifest = dict(manifest_base, ranks=ranks, **extras)
         memory = [g.meta["memory"] for g in graphs if "memory" in g.meta]
-        if memory:
-            manifest["memory"] = {"ranks": memory}
         shares = [_rank_share(rank, g) for rank, g in enumerate(graphs) if "shard" in g.meta]
-        if shares:
-            manifest["sharding"] = {"ranks": shares}
-        accuracy = graphs[0].meta.get("accuracy")
-        if accuracy:
-            manifest["accuracy"] = accuracy
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        (tmp / "report.md").write_text(render_report(manifest))
-        for path in tmp.rglob("*"):
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        manifest = _complete(manifest, memory, shares, graphs[0].meta.get("accuracy"))
+        _finish(tmp, model, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; an engine is an ordinary readable directory
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return manifest
+
+
+def _complete(manifest: dict, memory: list[dict], shares: list[dict], accuracy: dict | None) -> dict:
+    if memory:
+        manifest["memory"] = {"ranks": memory}
+    if shares:
+        manifest["sharding"] = {"ranks": shares}
+    if accuracy:
+        manifest["accuracy"] = accuracy
+    return manifest
+
+
+def _finish(directory: Path, model, manifest: dict) -> None:
+    """The tokenizer, manifest.json and report.md beside the rank files (the manifest last but the report)."""
+    model.write_tokenizer(directory)
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (directory / "report.md").write_text(render_report(manifest))
+    for path in directory.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+# --------------------------------------------------------------------------------- one rank at a time (--rank)
+
+PART = "rank{}.part.json"
+
+
+def emit_rank(out: Path, graph: Graph, rank: int, world: int, manifest_base: dict) -> dict:
+    """One rank of a build (--rank): rank{r}.engine and rank{r}.part.json (what the rank adds to the manifest) in
+    `out`, beside other ranks' parts of the same build. Returns the part."""
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"rank{rank}.engine"
+    tmp = out / f".rank{rank}.engine.{os.getpid()}.tmp"
+    try:
+        _write_rank(tmp, rank, graph)
+        tmp.chmod(0o644)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    part = {"build_id": manifest_base["build_id"], "rank": rank, "world_size": world,
+            "entry": {"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)},
+            "memory": graph.meta.get("memory"), "share": _rank_share(rank, graph) if "shard" in graph.meta else None}
+    if rank == 0:  # the manifest's whole-program keys (the accuracy figures among them: the rank-0 build measures)
+        part["manifest"] = dict(manifest_base)
+    # in the manifest's own key order, which the report follows
+    (out / PART.format(rank)).write_text(json.dumps(part, indent=2) + "\n")
+    return part
+
+
+def rank_up_to_date(out: Path, build_id: str, rank: int, world: int) -> dict | None:
+    """The part of `rank` when `out` already holds it, for this build, with its rank file intact."""
+    parts, _ = parts_state(out, build_id, world) if out.is_dir() else ([], [])
+    part = next((p for p in parts if p["rank"] == rank), None)
+    if part is None:
+        return None
+    path = out / part["entry"]["file"]
+    return part if path.is_file() and sha256_file(path) == part["entry"]["sha256"] else None
+
+
+def parts_state(out: Path, build_id: str, world: int) -> tuple[list[dict], list[int]]:
+    """The parts in `out` of the build `build_id` (by rank) and the ranks still missing."""
+    found: dict[int, dict] = {}
+    for rank in range(world):
+        try:
+            part = json.loads((out / PART.format(rank)).read_text())
+        except (OSError, ValueError):
+            continue
+        if part.get("build_id") == build_id and part.get("rank") == rank:
+            found[rank] = part
+    return [found[r] for r in sorted(found)], [r for r in range(world) if r not in found]
+
+
+def check_parts_dir(out: Path, build_id: str, force: bool) -> None:
+    """--out for a --rank build: empty, or holding parts of this same build; anything else needs --force."""
+    if out.exists() and not out.is_dir():
+        raise KilnError(f"--out {out}: exists and is not a directory")
+    if not out.is_dir() or force:
+        return
+    for path in out.iterdir():
+        if path.name.endswith(".part.json"):
+            try:
+                same = json.loads(path.read_text()).get("build_id") == build_id
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                raise KilnError(f"--out {out}: {path.name} is part of another build; pass --force to write beside "
+                                "it, or use another directory")
+        elif not path.name.startswith("rank") or not path.name.endswith(".engine"):
+            raise KilnError(f"--out {out}: directory holds other files ({path.name}); pass --force to write beside "
+                            "them")
+
+
+def assemble(out: Path, model, parts: list[dict]) -> dict:
+    """The engine from every rank's part (each built alone with --rank): each rank file checked against its part,
+    then the manifest, tokenizer and report written as a whole build writes them, and the parts removed."""
+    out = out.resolve()
+    for part in parts:
+        entry = part["entry"]
+        path = out / entry["file"]
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            raise KilnError(f"assemble: {path} is missing or is not the file rank {part['rank']}'s build wrote "
+                            "(its sha256 differs from its part's); build that rank again with --rank "
+                            f"{part['rank']}")
+    first = parts[0]
+    manifest = dict(first["manifest"], ranks=[p["entry"] for p in parts])
+    memory = [p["memory"] for p in parts if p["memory"]]
+    shares = [p["share"] for p in parts if p["share"]]
+    manifest = _complete(manifest, memory, shares, None)
+    _finish(out, model, manifest)
+    for part in parts:
+        (out / PART.format(part["rank"])).unlink(missing_ok=True)
     return manifest
 
 

@@ -16,7 +16,6 @@ reference answer), and `greedy` (every prompt decoded greedily together, a decod
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 from collections.abc import Iterator
@@ -34,7 +33,11 @@ from runtime.program import attention_layers
 from runtime.step import StepMetadata
 
 BLOCK_SIZE = 16
-STEP_TOKENS = 64  # tokens a prefill step packs: each op keeps its output buffer for the step's size (SmolLM2: as fast as 1024)
+# Tokens a prefill step packs. A whole runner keeps every op's output buffer at the step's size, so its steps
+# are small (SmolLM2: as fast as 1024); a layer-at-a-time runner reads every weight again each step and holds one
+# layer's activations, so its steps are large.
+STEP_TOKENS = 64
+LAYER_STEP_TOKENS = 1024
 
 
 def _rank_file(graph: Graph, activations: str) -> RankFile:
@@ -44,6 +47,8 @@ def _rank_file(graph: Graph, activations: str) -> RankFile:
 
 class WholeRunner:
     """The whole graph packed and bound once (its weights resident)."""
+
+    step_tokens = STEP_TOKENS
 
     def __init__(self, graph: Graph | RankFile, blocks: int, kv_dtype: str = "f32", activations: str = "f32"):
         self.rank_file = graph if isinstance(graph, RankFile) else _rank_file(graph, activations)
@@ -70,6 +75,8 @@ class LayerRunner:
     shared: tensors another runner holds anyway (a quantized graph's float embedding table, say); a weight of this
     graph with the same name and the same values is read from there instead of from the source every step."""
 
+    step_tokens = LAYER_STEP_TOKENS
+
     def __init__(self, graph: Graph, blocks: int, kv_dtype: str = "f32", activations: str = "f32",
                  shared: dict[str, torch.Tensor] | None = None):
         self.activations, self.kv_dtype, self.blocks = activations, kv_dtype, blocks
@@ -79,29 +86,28 @@ class LayerRunner:
             if mine is not None and tuple(mine.shape) == tuple(tensor.shape) and tensor.dtype == torch.float32 \
                     and torch.equal(graph.tensors[name], tensor):
                 graph.tensors[name] = tensor
-        self.stages = _layer_stages(graph)
+        # each stage's packed program, once; its weights are read again every step
+        self.stages = [pack_graph(stage, activations) for stage in _layer_stages(graph)]
+        self.programs = [stage.to_json() for stage in self.stages]
         groups = KVGroups((0,), (blocks,))
-        self.caches = [KVCacheStorage(attention_layers(_doc(stage)), groups, BLOCK_SIZE, kv_dtype)
-                       for stage in self.stages]
+        self.caches = [KVCacheStorage(attention_layers(json.loads(doc)), groups, BLOCK_SIZE, kv_dtype)
+                       for doc in self.programs]
 
     def execute(self, meta: StepMetadata) -> torch.Tensor:
         handed: list[torch.Tensor] = []
-        for stage, cache in zip(self.stages, self.caches):
+        for stage, program, cache in zip(self.stages, self.programs, self.caches):
             received, handed = handed, []
             collectives = {"recv": lambda attrs, box=received: box.pop(0),
                            "send": lambda x, attrs, box=handed: box.append(x.clone())}
-            executor = CpuExecutor(_rank_file(stage, self.activations), self.blocks, BLOCK_SIZE, self.kv_dtype,
-                                   collectives, cache=cache, serving=False)
+            tensors = {name: stage.tensors[name].contiguous() for name in stage.weights}
+            executor = CpuExecutor(RankFile(program, tensors), self.blocks, BLOCK_SIZE, self.kv_dtype, collectives,
+                                   cache=cache, serving=False)
             executor.replay = False  # bound for one step: nothing to replay
-            logits = executor.execute(meta)
-            logits = None if logits is None else logits.clone()
+            del tensors
+            logits = executor.execute(meta)  # the last stage's buffer, which no later step reuses
+            executor.program = None  # its hooks refer back to it: let its weights go now, not at a collection
             del executor
-            gc.collect()  # the executor's hooks refer back to it: free its weights now, not at the next collection
         return logits
-
-
-def _doc(graph: Graph) -> dict:
-    return json.loads(graph.to_json())
 
 
 def _layer_stages(graph: Graph) -> list[Graph]:
@@ -198,10 +204,12 @@ def prefill_steps(sequences: list[list[int]], rows: list[list[int]], step_tokens
 
 
 def forced_logits(runners: list, sequences: list[list[int]], rows: list[list[int]],
-                  step_tokens: int = STEP_TOKENS) -> Iterator[tuple[int, list[int], list[torch.Tensor]]]:
-    """Every runner over the same steps of the given tokens; for each sequence's part of a step, in order:
-    (the sequence's index, the positions whose logits were asked for in `rows`, [those logits rows of each
-    runner]). A step's logits are held for all runners at once and for no longer."""
+                  step_tokens: int | None = None) -> Iterator[tuple[int, list[int], list[torch.Tensor]]]:
+    """Every runner over the same steps of the given tokens (of the runners' smallest step_tokens unless given);
+    for each sequence's part of a step, in order: (the sequence's index, the positions whose logits were asked for
+    in `rows`, [those logits rows of each runner]). A step's logits are held for all runners at once and for no
+    longer (they are the runners' buffers: valid until their next step)."""
+    step_tokens = step_tokens or min(r.step_tokens for r in runners)
     place = Sequences([len(s) for s in sequences])
     for work in prefill_steps(sequences, rows, step_tokens):
         meta = place.meta(work)
@@ -213,14 +221,14 @@ def forced_logits(runners: list, sequences: list[list[int]], rows: list[list[int
             at += len(w.rows)
 
 
-def greedy(runner, prompts: list[list[int]], max_new: int, stop: set[int], step_tokens: int = STEP_TOKENS,
+def greedy(runner, prompts: list[list[int]], max_new: int, stop: set[int], step_tokens: int | None = None,
            on_step=None) -> list[list[int]]:
     """Each prompt's greedy continuation, all decoded together: up to max_new tokens, ending after the first token
     in `stop` (as a decoder that stops at end-of-sequence would). on_step(): called after each token position."""
     place = Sequences([len(p) + max_new for p in prompts])
     out: list[list[int]] = [[] for _ in prompts]
     lasts = [[len(p) - 1] for p in prompts]
-    for work in prefill_steps(prompts, lasts, step_tokens):
+    for work in prefill_steps(prompts, lasts, step_tokens or runner.step_tokens):
         logits = runner.execute(place.meta(work))
         at = 0
         for w in work:

@@ -135,7 +135,7 @@ class PipelineOptions:
 
 def run_pipeline(graph: Graph, ctx: PassContext, passes: list[Pass],
                  options: PipelineOptions | None = None) -> list[Graph]:
-    """Run `passes` in order; returns one graph per rank."""
+    """Run `passes` in order; returns one graph per rank (ctx.only_rank: that rank's alone)."""
     options = options or PipelineOptions()
     names = [p.name for p in passes]
     if options.print_after not in (None, "all") and options.print_after not in names:
@@ -144,21 +144,23 @@ def run_pipeline(graph: Graph, ctx: PassContext, passes: list[Pass],
     _verify(graph, "trace", [])
     world = ctx.plan.world_size
     graphs = [graph]
+    ranks: list[int] | None = None  # the rank of each graph once sharding has begun (--rank: the one rank built)
     done: list[str] = []
     bar = tqdm(passes, desc="passes", unit="pass", disable=not ctx.show_progress)
     for index, step in enumerate(bar):
         bar.set_postfix_str(step.name)
-        if step.per_rank and len(graphs) == 1 and world > 1:
-            graphs = graphs * world  # each rank's pass picks its own share of the whole graph
+        if step.per_rank and ranks is None:
+            ranks = list(range(world)) if ctx.only_rank is None else [ctx.only_rank]
+            graphs = graphs * len(ranks)  # each rank's pass picks its own share of the whole graph
         graphs = [
             step.run(g, dataclasses.replace(ctx, rank=rank if step.per_rank else 0))
-            for rank, g in enumerate(graphs)
+            for rank, g in zip(ranks or [0], graphs)
         ]
         done.append(step.name)
         if options.debug:
             for g in graphs:
                 _verify(g, step.name, done[:-1])
-        _show(graphs, index, step.name, options)
+        _show(graphs, ranks, world, index, step.name, options)
     bar.close()
     for g in graphs:
         _verify(g, done[-1] if done else "trace", done[:-1])
@@ -173,9 +175,11 @@ def _verify(graph: Graph, after: str, before: list[str]) -> None:
         raise KilnError(f"IR invalid after pass {after!r}{history}: {exc}") from None
 
 
-def _show(graphs: list[Graph], index: int, name: str, options: PipelineOptions) -> None:
-    for rank, g in enumerate(graphs):
-        suffix = f".rank{rank}" if len(graphs) > 1 else ""
+def _show(graphs: list[Graph], ranks: list[int] | None, world: int, index: int, name: str,
+          options: PipelineOptions) -> None:
+    """ranks: each graph's rank once sharding has begun (None before: the one whole graph)."""
+    for rank, g in zip(ranks or [0], graphs):
+        suffix = f".rank{rank}" if ranks is not None and world > 1 else ""
         if options.print_after in ("all", name):
             options.echo(f"// IR after {name}{suffix.replace('.', ' ')}\n{g.format()}")
         if options.dump_dir is not None:

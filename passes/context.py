@@ -18,3 +18,4 @@ class PassContext:
     evaluation_text: str | None = None
     report: dict = field(default_factory=dict)  # figures passes record for the manifest and report
     show_progress: bool = False  # passes with long loops show a progress bar
+    only_rank: int | None = None  # a build of one rank (--rank): the per-rank passes run for it alone

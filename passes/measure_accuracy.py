@@ -34,6 +34,8 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
                                     "note": "the source's quantized blocks are kept bit for bit: logits equal "
                                             "the dequantized model's"}
         return out
+    if ctx.only_rank not in (None, 0):  # one rank of many: the rank-0 build measures the whole program once
+        return out
     if ctx.model is None:
         raise KilnError("measure_accuracy: the evaluation needs the model source")
     figures = {"method": quant.method, "kv_cache_dtype": kv_dtype, "activations": quant.activations,
