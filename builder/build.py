@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder import emit
+from builder.build_budget import check_host
 from builder.calibration import model_tokenizer
 from builder.errors import KilnError
 from builder.lazy_tensors import LazyTensors
 from builder.model import load_model
 from builder.pipeline import PipelineOptions, build_pipeline
 from builder.plan import Plan
+from builder.planner import load_shape
 from builder.targets import target
 from builder.trace import trace
 from passes.context import PassContext
@@ -69,6 +71,9 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
         if done is not None:
             return BuildResult(out, done, True)
         emit.check_parts_dir(out, build_id, force)
+    shape = model_shape(model_source)
+    if shape is not None:
+        check_host(shape, plan, rank)  # before a weight is read
 
     graph = trace(model)
     # Weights are read from the source when a pass or the emitter needs them, never all at once.
@@ -97,6 +102,15 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     if rank is not None:
         return BuildResult(out, emit.emit_rank(out, graphs[0], rank, plan.world_size, manifest), False)
     return BuildResult(out, emit.emit(out, graphs, model, manifest, show_progress, write_ranks), False)
+
+
+def model_shape(model_source: str):
+    """The model's shape as the planner reads it (builder/build_budget.py prices the build with it), or None for a
+    source planning cannot read (the build then goes on unpriced)."""
+    try:
+        return load_shape(model_source)
+    except KilnError:
+        return None
 
 
 def _read_calibration(path: str) -> str:

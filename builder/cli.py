@@ -105,14 +105,29 @@ def build(
         entry = result.manifest["entry"]
         state = "up to date" if result.up_to_date else "built"
         typer.echo(f"{state}: rank {rank} of {chosen.world_size}: {result.out / entry['file']} "
-                   f"({entry['bytes'] / 1e6:.1f} MB); the same command without --rank writes the manifest once "
-                   "every rank's part is in the directory")
+                   f"({entry['bytes'] / 1e6:.1f} MB{'' if result.up_to_date else _peak_memory(model, chosen, rank)}); "
+                   "the same command without --rank writes the manifest once every rank's part is in the directory")
         return
     size = sum(r["bytes"] + r.get("onnx", {}).get("bytes", 0) for r in result.manifest["ranks"])
     state = "up to date" if result.up_to_date else "built"
-    typer.echo(f"{state}: {result.out} ({len(result.manifest['ranks'])} rank(s), {size / 1e6:.1f} MB)")
+    typer.echo(f"{state}: {result.out} ({len(result.manifest['ranks'])} rank(s), {size / 1e6:.1f} MB)"
+               + ("" if result.up_to_date else _peak_memory(model, chosen, None)))
     for line in tensorrt_lines(result.manifest):
         typer.echo(line)
+
+
+def _peak_memory(model: str, plan, rank: int | None) -> str:
+    """", peak memory X GiB (priced Y GiB)": this process's peak resident memory and the build's price."""
+    import resource
+
+    from builder.build import model_shape
+    from builder.build_budget import price_build
+    from runtime.engine_format import GIB
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+    shape = model_shape(model)
+    priced = "" if shape is None else f", priced {price_build(shape, plan, rank).peak_bytes / GIB:.1f} GiB"
+    return f", peak memory {peak:.1f} GiB{priced}"
 
 
 @app.command("plan")

@@ -653,7 +653,18 @@ def recommendation_lines(report: Report) -> list[str]:
                  f"batch {z['batch']} a stage, ITL {z['itl_s'] * 1e3:.1f} ms, latency {z['latency_s']:.2f} s")
         if "usd_per_hour" in z:
             line += f", ${z['usd_per_hour']:,.0f}/h, ${z['usd_per_million_tokens']:.3f} per million output tokens"
-    return [line]
+    return [line, build_line(report.model, best.plan)]
+
+
+def build_line(model: ModelShape, plan) -> str:
+    """What building the plan holds on the build host (builder/build_budget.py)."""
+    from builder.build_budget import price_build
+
+    whole = price_build(model, plan)
+    line = f"build: {whole.describe()} on the build host"
+    if plan.world_size > 1 and plan.target == "cpu":
+        line += f"; each of ranks 1 to {plan.world_size - 1} built alone (--rank) {price_build(model, plan, 1).describe()}"
+    return line
 
 
 def no_candidate_message(report: Report) -> str:

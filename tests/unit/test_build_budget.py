@@ -1,0 +1,60 @@
+"""A build's peak memory, priced from the model's shape before a weight is read (builder/build_budget.py), and the
+one-line refusal of a build the host cannot hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from builder import build_budget
+from builder.build_budget import check_host, price_build
+from builder.errors import KilnError
+from builder.plan import load_plan
+from builder.planner import load_shape
+from runtime.engine_format import GIB
+
+
+def plan(**quant):
+    return load_plan().with_overrides("quant", **quant)
+
+
+def test_the_price_follows_what_the_build_holds():
+    small, large = load_shape("llama-3.1-8b"), load_shape("llama-3.1-70b")
+    exact = price_build(small, plan(method="none").with_overrides("kv_cache", dtype="f32"))
+    int4 = price_build(small, plan(method="int4"))
+    awq = price_build(small, plan(method="int4-awq"))
+    assert not exact.measured and exact.phase == "streaming the weights"
+    assert exact.peak_bytes < 5 * GIB  # an exact build streams: a table and a layer, not the 32 GB model
+    assert int4.measured and "a layer at a time" in int4.phase
+    assert exact.peak_bytes < int4.peak_bytes < price_build(large, plan(method="int4")).peak_bytes
+    assert awq.phase.startswith("AWQ/GPTQ calibration") and awq.peak_bytes > int4.peak_bytes
+    tp8 = plan(method="int4").with_overrides(tp=8)
+    assert price_build(small, tp8, rank=3).peak_bytes < price_build(small, tp8, rank=0).peak_bytes  # rank 0 measures
+
+
+def test_a_build_the_host_cannot_hold_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(build_budget, "available_memory", lambda: 2 * GIB)
+    shape, tp2 = load_shape("llama-3.1-8b"), plan(method="int4").with_overrides(tp=2)
+    with pytest.raises(KilnError) as info:
+        check_host(shape, tp2, None)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("this build needs about ")
+    assert "this host has 2.0 GiB available" in message and "--rank" in message and "--quant source" in message
+    monkeypatch.setattr(build_budget, "available_memory", lambda: 5 * GIB)
+    check_host(shape, plan(method="none").with_overrides("kv_cache", dtype="f32"), None)  # an exact build fits
+    monkeypatch.setenv("KILN_BUILD_MEMORY_CHECK", "0")
+    check_host(shape, tp2, None)  # the way to try anyway
+
+
+def test_the_refusal_comes_before_any_weight_is_read(tiny_llama_dir, tmp_path, monkeypatch):
+    from builder.build import build_engine
+    from builder.model import ModelSpec
+
+    monkeypatch.setattr(build_budget, "available_memory", lambda: 1)
+
+    def no_reading(self, name):
+        raise AssertionError(f"read {name}")
+
+    monkeypatch.setattr(ModelSpec, "load", no_reading)
+    with pytest.raises(KilnError, match="this build needs about .* and this host has 0.0 GiB available"):
+        build_engine(str(tiny_llama_dir), plan(method="int8"), tmp_path / "e", show_progress=False)
+    assert not (tmp_path / "e").exists()
