@@ -91,7 +91,10 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
     if reference is quantized:
         ref_runner = q_runner.exact()
     else:
-        ref_runner = (LayerRunner(reference, blocks, shared=q_runner.rank_file.tensors)
+        same = None
+        if hasattr(reference.tensors, "reads_as") and hasattr(quantized.tensors, "reads_as"):
+            same = lambda name: reference.tensors.reads_as(name, quantized.tensors)  # noqa: E731
+        ref_runner = (LayerRunner(reference, blocks, shared=q_runner.rank_file.tensors, same=same)
                       if weight_bytes(reference) > STREAM_REFERENCE_BYTES else WholeRunner(reference, blocks))
     nll_ref = nll_q = kl = 0.0
     tokens = sum(len(w) - 1 for w in windows)

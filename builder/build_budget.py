@@ -7,8 +7,8 @@ model packed for the cpu kernels (the engine's weights, for tp=1), the float ref
 reference over 1 GiB runs a layer at a time) or the whole reference (smaller ones), the float tables it checks
 against the quantized runner's, and a window's logits. The figures are phases of a build; its peak is the
 largest, with a margin. Measured against the estimate (peak RSS / estimate, this machine): SmolLM2 default 1.4 /
-1.5 GiB, int8 1.9 / 2.1 GiB, int4-awq 2.8 / 2.9 GiB; a random Llama-3.2-1B-shaped int4 build 3.5 / 4.0 GiB, exact at
-tp=2 1.8 / 2.5 GiB.
+1.5 GiB, int8 1.9 / 2.1 GiB, int4-awq 3.0 / 3.0 GiB, the a100-tp2-int4 tensorrt plan 2.5 / 2.8 GiB; a random
+Llama-3.2-1B-shaped int4 build 3.5 / 4.0 GiB, exact at tp=2 1.8 / 2.5 GiB.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
     phases = {"streaming the weights": table + layer}  # a float table read whole, then sliced and written
     awq = q.method == "int4-awq"
     if awq:  # AWQ's and GPTQ's calibration run the float model whole, with its activations and GPTQ's Hessians
-        phases["AWQ/GPTQ calibration on the float model"] = 3 * float_model
+        phases["AWQ/GPTQ calibration on the float model"] = 3.5 * float_model
     elif plan.kv_cache.dtype in ("int8", "fp8") or (q.method == "fp8" and plan.target == "tensorrt"):
         phases["calibrating scales on the float model"] = 1.5 * float_model
+    if plan.target == "tensorrt":  # the ONNX export, ONNX Runtime's sessions and the cpu engine that verify it
+        phases["verifying the ONNX (ONNX Runtime beside the cpu engine)"] = 2.5 * float_model + quantized
     measured = (q.method in REQUANT or plan.kv_cache.dtype != "f32" or q.activations in ("int8", "int16")) \
         and rank in (None, 0)
     if measured:

@@ -118,16 +118,28 @@ def build(
 
 def _peak_memory(model: str, plan, rank: int | None) -> str:
     """", peak memory X GiB (priced Y GiB)": this process's peak resident memory and the build's price."""
-    import resource
-
     from builder.build import model_shape
     from builder.build_budget import price_build
     from runtime.engine_format import GIB
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+    peak = peak_rss() / GIB
     shape = model_shape(model)
     priced = "" if shape is None else f", priced {price_build(shape, plan, rank).peak_bytes / GIB:.1f} GiB"
     return f", peak memory {peak:.1f} GiB{priced}"
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes since it started its program: /proc's VmHWM (getrusage's maxrss also
+    counts the parent's memory before exec), else getrusage."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @app.command("plan")

@@ -73,18 +73,19 @@ class LayerRunner:
     a streaming build reads from the model source) and drops it, handing the values that cross to the next stage.
 
     shared: tensors another runner holds anyway (a quantized graph's float embedding table, say); a weight of this
-    graph with the same name and the same values is read from there instead of from the source every step."""
+    graph with the same name and the same values is read from there instead of from the source every step. same:
+    whether a name is known to hold the same values without reading it (both read from the same source call)."""
 
     step_tokens = LAYER_STEP_TOKENS
 
     def __init__(self, graph: Graph, blocks: int, kv_dtype: str = "f32", activations: str = "f32",
-                 shared: dict[str, torch.Tensor] | None = None):
+                 shared: dict[str, torch.Tensor] | None = None, same=None):
         self.activations, self.kv_dtype, self.blocks = activations, kv_dtype, blocks
         graph = graph.replace()
         for name, tensor in (shared or {}).items():
             mine = graph.weights.get(name)
             if mine is not None and tuple(mine.shape) == tuple(tensor.shape) and tensor.dtype == torch.float32 \
-                    and torch.equal(graph.tensors[name], tensor):
+                    and ((same is not None and same(name)) or torch.equal(graph.tensors[name], tensor)):
                 graph.tensors[name] = tensor
         # each stage's packed program, once; its weights are read again every step
         self.stages = [pack_graph(stage, activations) for stage in _layer_stages(graph)]

@@ -9,6 +9,7 @@ again when read, so a quantized build holds neither the float model nor its quan
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
@@ -74,6 +75,17 @@ class LazyTensors(MutableMapping):
 
         for part, name in names.items():
             self._loaders[name] = lambda part=part: parts()[part]
+
+    def reads_as(self, name: str, other: LazyTensors, other_name: str | None = None) -> bool:
+        """Whether `name` here and `other_name` (default `name`) in `other` are read by the same call (the same
+        source weight, untouched by any pass), so their tensors are equal without reading either."""
+        a, b = self._loaders.get(name), other._loaders.get(other_name or name)
+        if a is None or b is None:
+            return False
+        if a is b:
+            return True
+        return (isinstance(a, functools.partial) and isinstance(b, functools.partial) and a.func == b.func
+                and a.args == b.args and a.keywords == b.keywords)
 
     def copy(self) -> LazyTensors:
         return LazyTensors(self._loaders)

@@ -101,3 +101,27 @@ def test_reference_answers_are_kept_by_what_decides_them(model, tmp_path, monkey
         accuracy.reference_answers(run, PROMPTS[:2], set(), key)
     with pytest.raises(AssertionError, match="decoded again"):
         accuracy.reference_answers(run, PROMPTS, set(), None)  # no key: nothing is kept or read
+
+
+def test_a_table_the_quantized_runner_holds_is_shared_not_read_again(model):
+    """A layer-at-a-time reference reads its embedding table from the other runner's copy when both graphs read it
+    from the same source call (LazyTensors.reads_as), and from the source when they do not."""
+    reads = []
+    graph = float_graph(model)
+    for name in list(graph.weights):
+        load = graph.tensors._loaders[name]
+        graph.tensors._loaders[name] = lambda name=name, load=load: reads.append(name) or load()
+    table = model.load("embed_tokens.weight")
+
+    def direct():
+        return LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
+
+    assert direct().reads_as("embed_tokens.weight", direct())  # two graphs of one source
+    assert not direct().reads_as("embed_tokens.weight", direct(), "lm_head.weight")
+    assert not graph.tensors.reads_as("embed_tokens.weight", direct())  # another loader: no proof
+    run = LayerRunner(graph, 8, shared={"embed_tokens.weight": table}, same=lambda name: True)
+    greedy(run, PROMPTS[:1], 2, set())
+    assert "embed_tokens.weight" not in reads and "layers.0.mlp.down_proj.weight" in reads
+    reads.clear()
+    LayerRunner(graph, 8, shared={"embed_tokens.weight": table})  # no proof they are equal: read once to compare
+    assert reads == ["embed_tokens.weight"]
