@@ -18,6 +18,7 @@ next build of the same model, with any plan, decodes none.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -31,6 +32,7 @@ from builder.calibration import progress
 from builder.errors import KilnError
 from builder.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
 from builder.ir import TORCH_DTYPES, Graph
+from builder.lazy_tensors import LazyTensors
 
 ROWS = 32  # positions per float64 chunk of the [T, vocab] distributions
 GREEDY_TOKENS = 32
@@ -41,9 +43,6 @@ STREAM_REFERENCE_BYTES = 1 << 30
 def reference_graph(model) -> Graph:
     """The model as traced, with float32 weights read from the source when used: what every quantized build is
     measured against."""
-    import functools
-
-    from builder.lazy_tensors import LazyTensors
     from builder.trace import trace
 
     graph = trace(model)
@@ -84,9 +83,9 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
     quantized one as the engine runs it (its KV cache rounding, and integer activations if the plan asks). When
     `reference` is `quantized` (a graph that is not requantized), the reference is that graph run exactly (f32
     activations and cache). answers_key: what decides the reference's answers, to keep them in Kiln's cache."""
-    prompts = prompts or []
-    lengths = [len(w) for w in windows] + [len(p) + GREEDY_TOKENS for p in prompts]
-    blocks = max(Sequences([len(w) for w in windows]).blocks, Sequences(lengths[len(windows):]).blocks)
+    prompts = prompts or []  # the pool holds the windows, then (reused) every prompt with its answer
+    blocks = max(Sequences([len(w) for w in windows]).blocks,
+                 Sequences([len(p) + GREEDY_TOKENS for p in prompts]).blocks)
     q_runner = WholeRunner(quantized, blocks, kv_dtype, activations)
     if reference is quantized:
         ref_runner = q_runner.exact()
