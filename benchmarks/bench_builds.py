@@ -137,6 +137,8 @@ def run_build(name: str, args: list[str], out: Path, cache: str) -> dict:
     peak = re.search(r"peak memory ([0-9.]+) GiB(?:, priced ([0-9.]+) GiB)?", row["printed"])
     if peak:
         row["peak_rss_gib"], row["priced_gib"] = float(peak.group(1)), peak.group(2) and float(peak.group(2))
+    took = re.search(r"[0-9]+ s, priced (about [0-9.]+ (?:s|min|h))", row["printed"])
+    row["priced_time"] = took.group(1) if took else None
     manifest = out / "manifest.json"
     if row["exit"] == 0 and manifest.is_file():
         figures = json.loads(manifest.read_text()).get("accuracy") or {}
@@ -168,7 +170,7 @@ def main() -> None:
         rows.append(row)
         print(f"{name}: {row['seconds']} s, peak RSS {row.get('peak_rss_gib')} GiB, load {row['load_average']}: "
               f"{row['printed']}", flush=True)
-    columns = ["build", "seconds", "peak_rss_gib", "priced_gib", "ppl_reference", "ppl_quantized", "kl_mean",
+    columns = ["build", "seconds", "priced_time", "peak_rss_gib", "priced_gib", "ppl_reference", "ppl_quantized", "kl_mean",
                "greedy_agreement_pct", "greedy_mean_leading", "load_average"]
     print("\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in rows:

@@ -10,8 +10,9 @@ answer in one pass, and its answer equals the reference's up to the first positi
 differs. A prompt agrees when the whole answer does.
 
 Both run as Kiln's cpu engine runs them, batched (builder/evaluation.py): the windows a few to a step, every
-prompt's answer decoded together. The quantized graph is packed once; a float reference larger than
-STREAM_REFERENCE_BYTES runs a layer at a time, so the build never holds the whole float model. The reference's
+prompt's answer decoded together. A graph of at most STREAM_BYTES of weights is packed once and held; a larger one
+runs a layer at a time (the float reference read from the source at each step, the quantized graph quantized and
+packed once into a scratch folder and mapped from there), so the build holds neither whole model. The reference's
 answers are kept in Kiln's cache by what decides them (the model's weights, the prompts, the kernels), so the
 next build of the same model, with any plan, decodes none.
 """
@@ -24,10 +25,12 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import torch
 
+from builder.build_budget import freed_memory_given_back
 from builder.calibration import progress
 from builder.errors import KilnError
 from builder.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
@@ -37,7 +40,7 @@ from builder.lazy_tensors import LazyTensors
 ROWS = 32  # positions per float64 chunk of the [T, vocab] distributions
 GREEDY_TOKENS = 32
 # A float reference holding more f32 weights than this runs a layer at a time (builder/evaluation.py)
-STREAM_REFERENCE_BYTES = 1 << 30
+STREAM_BYTES = 1 << 30
 
 
 def reference_graph(model) -> Graph:
@@ -86,15 +89,30 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
     prompts = prompts or []  # the pool holds the windows, then (reused) every prompt with its answer
     blocks = max(Sequences([len(w) for w in windows]).blocks,
                  Sequences([len(p) + GREEDY_TOKENS for p in prompts]).blocks)
-    q_runner = WholeRunner(quantized, blocks, kv_dtype, activations)
+    large = max(weight_bytes(reference), weight_bytes(quantized)) > STREAM_BYTES
+    with tempfile.TemporaryDirectory(prefix="kiln-measure-") as scratch, freed_memory_given_back(large):
+        return _evaluate(reference, quantized, windows, kv_dtype, activations, show_progress, prompts, stop,
+                         answers_key, blocks, Path(scratch))
+
+
+def _evaluate(reference, quantized, windows, kv_dtype, activations, show_progress, prompts, stop, answers_key,
+              blocks: int, scratch: Path) -> dict:
+    if weight_bytes(quantized) > STREAM_BYTES:
+        # spilled when its weights are derived (quantized, packed) at each read; float ones are read from the source
+        derived = any(n.attrs.get("quant", "none") != "none" for n in quantized.nodes)
+        q_runner = LayerRunner(quantized, blocks, kv_dtype, activations, spill=scratch if derived else None)
+        shared = {name: q_runner.mapped(name) for name in q_runner.files or {}}
+    else:
+        q_runner = WholeRunner(quantized, blocks, kv_dtype, activations)
+        shared = q_runner.rank_file.tensors
     if reference is quantized:
         ref_runner = q_runner.exact()
     else:
         same = None
         if hasattr(reference.tensors, "reads_as") and hasattr(quantized.tensors, "reads_as"):
             same = lambda name: reference.tensors.reads_as(name, quantized.tensors)  # noqa: E731
-        ref_runner = (LayerRunner(reference, blocks, shared=q_runner.rank_file.tensors, same=same)
-                      if weight_bytes(reference) > STREAM_REFERENCE_BYTES else WholeRunner(reference, blocks))
+        ref_runner = (LayerRunner(reference, blocks, shared=_floats(shared, reference), same=same)
+                      if weight_bytes(reference) > STREAM_BYTES else WholeRunner(reference, blocks))
     nll_ref = nll_q = kl = 0.0
     tokens = sum(len(w) - 1 for w in windows)
     bar = progress(None, "accuracy", "token", show_progress, total=tokens)
@@ -127,6 +145,12 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
     del q_runner, ref_runner
     gc.collect()  # an executor's hooks refer back to it: free the runners' weights before the build goes on
     return figures
+
+
+def _floats(shared: dict, reference: Graph) -> dict:
+    """The quantized runner's tensors (or their readers) named like a float weight of the reference: those it may
+    read instead of its source (LayerRunner checks their shapes and values)."""
+    return {name: t for name, t in shared.items() if name in reference.weights}
 
 
 def reference_answers(runner, prompts: list[list[int]], stop: set[int], key: dict | None,

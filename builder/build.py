@@ -40,7 +40,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     if rank is not None:
         if plan.target != "cpu":
             raise KilnError(f"--rank: {plan.target} ranks share files their build writes once (kernels, plugin, "
-                            "ONNX checks across ranks): build a {plan.target} plan whole; --rank takes cpu plans")
+                            f"ONNX checks across ranks): build a {plan.target} plan whole; --rank takes cpu plans")
         if not 0 <= rank < plan.world_size:
             raise KilnError(f"--rank {rank}: the plan has {plan.world_size} rank(s) (tp {plan.tp} x pp {plan.pp}), "
                             f"numbered 0 to {plan.world_size - 1}")

@@ -1,18 +1,21 @@
-"""What a build holds in memory at its peak, priced from the model's shape before a weight is read, and the host's
-memory to hold it.
+"""What a build holds in memory at its peak and how long it takes, priced from the model's shape before a weight is
+read, and the host's memory to hold it.
 
-A build streams (builder/lazy_tensors.py): quantizing, sharding and writing hold about one weight at a time. What
-it holds beyond that is its accuracy measure (builder/accuracy.py), when the plan loses anything: the quantized
-model packed for the cpu kernels (the engine's weights, for tp=1), the float reference's largest layer (a
-reference over 1 GiB runs a layer at a time) or the whole reference (smaller ones), the float tables it checks
-against the quantized runner's, and a window's logits. The figures are phases of a build; its peak is the
-largest, with a margin. Measured against the estimate (peak RSS / estimate, this machine): SmolLM2 default 1.4 /
-1.5 GiB, int8 1.9 / 2.1 GiB, int4-awq 3.0 / 3.0 GiB, the a100-tp2-int4 tensorrt plan 2.5 / 2.8 GiB; a random
-Llama-3.2-1B-shaped int4 build 3.5 / 4.0 GiB, exact at tp=2 1.8 / 2.5 GiB.
+A build streams (builder/lazy_tensors.py): quantizing, sharding and writing hold about one weight at a time. What it
+holds beyond that is its accuracy measure (builder/accuracy.py), when the plan loses anything: the quantized model
+packed for the cpu kernels (the engine's weights, for tp=1), the float reference's largest layer (a reference over 1
+GiB runs a layer at a time) or the whole reference (smaller ones), the float tables it checks against the quantized
+runner's, and a window's logits. A quantized model over 1 GiB runs a layer at a time too, its packed weights mapped
+from a scratch folder: it then holds a layer, the float table and the logits. The figures are phases of a build; its
+peak is the largest, with a margin. Measured against the estimate (peak RSS / estimate, this machine,
+benchmarks/bench_builds.py): SmolLM2 default 1.4 / 1.5 GiB, int8 1.8 / 2.1 GiB, int4-awq 3.0 / 3.0 GiB, the
+a100-tp2-int4 tensorrt plan 2.4 / 2.7 GiB; a random Llama-3.2-1B-shaped int4 build 2.5 / 2.7 GiB, fp8 2.4 / 2.7 GiB.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +31,37 @@ WINDOW_ROWS = 512  # the evaluation's windows (builder/calibration.py's WINDOW):
 REQUANT = ("int8", "int4", "int4-awq", "fp8")
 
 
+# Seconds a parameter (of the whole model) costs each part of a build on the host Kiln is developed on (2 cores),
+# fitted to benchmarks/bench_builds.py's builds there (README, "How long builds take"); like the planner's
+# efficiencies, a calibration of one machine: expect them within a factor of about 1.5 on another 2-core host, and
+# fewer seconds with more cores.
+START_SECONDS = 5.0   # the interpreter, torch, the trace and the tokenizer
+STREAM_NS = 27.0      # read from the checkpoint, laid out and written (a float build: Llama-1B exact, tp=2)
+ROUND_NS = 88.0       # rounded to nearest (int4/int8/fp8), packed: the whole model, for any rank (8B, rank 3 of 8)
+MEASURE_NS = 140.0    # the accuracy measure: reference and quantized model over the evaluation (Llama-1B int4)
+GPTQ_NS = 42.0        # GPTQ, a layer a pass: times the layers / 2 (SmolLM2 int4-awq)
+TENSORRT_NS = 200.0   # ONNX export, ONNX Runtime's verification and TensorRT's compile (SmolLM2 a100-tp2-int4)
+
+
 @dataclass(frozen=True)
 class BuildBudget:
     peak_bytes: int
     phase: str            # the phase that sets the peak
     measured: bool        # whether the build runs the accuracy measure
+    seconds: float = 0.0  # wall time on a 2-core host like Kiln's
 
     def describe(self) -> str:
-        return f"about {self.peak_bytes / GIB:.1f} GiB at its peak ({self.phase})"
+        return f"about {self.peak_bytes / GIB:.1f} GiB at its peak ({self.phase}), {duration(self.seconds)}"
+
+
+def duration(seconds: float) -> str:
+    """About how long, in the unit a person would say it (seconds under two minutes, minutes under an hour and a
+    half, then hours)."""
+    if seconds < 120:
+        return f"about {max(5, round(seconds / 5) * 5):.0f} s"
+    if seconds < 5400:
+        return f"about {seconds / 60:.0f} min"
+    return f"about {seconds / 3600:.1f} h"
 
 
 def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> BuildBudget:
@@ -63,16 +89,75 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
         and rank in (None, 0)
     if measured:
         logits = 2 * WINDOW_ROWS * shape.vocab_size * 4.0
-        held = quantized * (2 if awq else 1)  # GPTQ's output is kept beside the runner's packed copy
-        if q.method not in REQUANT:  # the reference is the same weights, run exactly
-            phases["the accuracy measure"] = held + logits
-        elif float_model <= GIB:  # builder/accuracy.py's STREAM_REFERENCE_BYTES
-            phases["the accuracy measure, beside the float reference"] = held + float_model + logits
+        gptq = linear if awq else 0.0  # GPTQ's output is held, not derived when read
+        # builder/accuracy.py's STREAM_BYTES: a larger quantized model runs a layer at a time too, mapped from a
+        # scratch folder (its float table mapped while a stage reads it), and so does a larger float reference
+        streamed = max(table, 2 * layer) + logits
+        if quantized > GIB:
+            phases["the accuracy measure, a layer at a time"] = gptq + streamed
+        elif q.method not in REQUANT:  # the reference is the same weights, run exactly
+            phases["the accuracy measure"] = gptq + quantized + logits
+        elif float_model <= GIB:
+            phases["the accuracy measure, beside the float reference"] = gptq + quantized + float_model + logits
         else:
-            phases["the accuracy measure, the float reference a layer at a time"] = held + max(table, 2 * layer
-                                                                                             + logits)
+            phases["the accuracy measure, the float reference a layer at a time"] = gptq + quantized + streamed
     phase = max(phases, key=phases.get)
-    return BuildBudget(int(MARGIN * (BASE_BYTES + phases[phase])), phase, measured)
+    return BuildBudget(int(MARGIN * (BASE_BYTES + phases[phase])), phase, measured,
+                       _seconds(shape, plan, rank, measured))
+
+
+def _seconds(shape: ModelShape, plan: Plan, rank: int | None, measured: bool) -> float:
+    """The build's wall time from the fitted costs a parameter (see STREAM_NS)."""
+    q = plan.quant
+    params = _parameters(shape)
+    written = params / (plan.world_size if rank is not None else 1)
+    ns = STREAM_NS * written
+    if q.method in REQUANT:
+        ns += ROUND_NS * params  # rounded whole before sharding, also for one rank alone
+    if measured:
+        ns += MEASURE_NS * params
+    if q.method == "int4-awq" and rank in (None, 0):
+        ns += GPTQ_NS * params * shape.num_layers / 2
+    if plan.target == "tensorrt":
+        ns += TENSORRT_NS * params
+    return START_SECONDS + ns / 1e9
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+GLIBC_MMAP_CEILING = 32 << 20  # where glibc's moving mmap threshold stops rising (64-bit); it keeps twice that free
+
+
+@contextlib.contextmanager
+def freed_memory_given_back(large: bool):
+    """While the accuracy measure of a large model runs (one over 1 GiB, run a layer at a time): each tensor over
+    128 KiB in its own mapping, returned to the system when freed. glibc raises that threshold (up to 32 MiB)
+    whenever such a block is freed, after which tensors up to that size are carved from the heap, whose freed
+    pieces stay in the process: a random Llama-3.2-1B-shaped int4 build peaked at 3.5 GiB with the moving
+    threshold and 2.5 GiB with it fixed, for about a third more time (a float reference read a layer at a time
+    gets fresh pages for every layer it converts). Elsewhere fresh pages cost more than they save (SmolLM2's GPTQ
+    took 3 times as long), so afterwards both thresholds are where a build's moving ones end up anyway (setting
+    one stops glibc moving either). A C library without mallopt is left as it is."""
+    def thresholds(mmap: int, trim: int) -> None:
+        try:
+            libc = ctypes.CDLL(None)
+            libc.mallopt(M_MMAP_THRESHOLD, mmap)
+            libc.mallopt(M_TRIM_THRESHOLD, trim)
+        except (OSError, AttributeError):
+            pass
+
+    if large:
+        thresholds(128 << 10, 128 << 10)
+    try:
+        yield
+    finally:
+        if large:
+            thresholds(GLIBC_MMAP_CEILING, 2 * GLIBC_MMAP_CEILING)
+
+
+def _parameters(shape: ModelShape) -> int:
+    """The model's parameters: its layers (norms included), its tables and the final norm."""
+    tables = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return shape.num_layers * (shape.layer_parameters() + shape.layer_norm_parameters) + tables + shape.hidden_size
 
 
 def _weights(method: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -81,6 +82,7 @@ def build(
                                         "`engine-build compile DIR` on a GPU host."),
 ):
     """Build an engine directory from a model and a plan (deterministic: same inputs, same bytes)."""
+    started = time.perf_counter()
     from builder.build import build_engine
     from builder.engine_summary import tensorrt_lines
     from builder.model import load_model
@@ -105,27 +107,29 @@ def build(
         entry = result.manifest["entry"]
         state = "up to date" if result.up_to_date else "built"
         typer.echo(f"{state}: rank {rank} of {chosen.world_size}: {result.out / entry['file']} "
-                   f"({entry['bytes'] / 1e6:.1f} MB{'' if result.up_to_date else _peak_memory(model, chosen, rank)}); "
+                   f"({entry['bytes'] / 1e6:.1f} MB{'' if result.up_to_date else _peak_memory(model, chosen, rank, started)}); "
                    "the same command without --rank writes the manifest once every rank's part is in the directory")
         return
     size = sum(r["bytes"] + r.get("onnx", {}).get("bytes", 0) for r in result.manifest["ranks"])
     state = "up to date" if result.up_to_date else "built"
     typer.echo(f"{state}: {result.out} ({len(result.manifest['ranks'])} rank(s), {size / 1e6:.1f} MB)"
-               + ("" if result.up_to_date else _peak_memory(model, chosen, None)))
+               + ("" if result.up_to_date else _peak_memory(model, chosen, None, started)))
     for line in tensorrt_lines(result.manifest):
         typer.echo(line)
 
 
-def _peak_memory(model: str, plan, rank: int | None) -> str:
-    """", peak memory X GiB (priced Y GiB)": this process's peak resident memory and the build's price."""
+def _peak_memory(model: str, plan, rank: int | None, started: float) -> str:
+    """", peak memory X GiB, priced Y GiB; N s, priced about M min": this process's peak resident memory and wall
+    time, each beside the build's price."""
     from builder.build import model_shape
-    from builder.build_budget import price_build
+    from builder.build_budget import duration, price_build
     from runtime.engine_format import GIB
 
-    peak = peak_rss() / GIB
+    peak, seconds = peak_rss() / GIB, time.perf_counter() - started
     shape = model_shape(model)
-    priced = "" if shape is None else f", priced {price_build(shape, plan, rank).peak_bytes / GIB:.1f} GiB"
-    return f", peak memory {peak:.1f} GiB{priced}"
+    budget = None if shape is None else price_build(shape, plan, rank)
+    memory = f", peak memory {peak:.1f} GiB" + ("" if budget is None else f", priced {budget.peak_bytes / GIB:.1f} GiB")
+    return memory + f"; {seconds:.0f} s" + ("" if budget is None else f", priced {duration(budget.seconds)}")
 
 
 def peak_rss() -> int:

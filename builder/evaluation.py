@@ -7,7 +7,10 @@ Two runners, one interface (`execute(meta)` -> the logits rows named by meta.log
   holds anyway; a float reference that fits the budget).
 - `LayerRunner`: the graph cut into one stage a layer (the first with the embedding, the last with the head), each
   stage's weights read, packed and bound when a step reaches it and let go after, while its KV pool stays. One
-  layer's weights are resident at a time, whatever the model's size, for a few seconds more a step.
+  layer's weights are resident at a time, whatever the model's size, for a few seconds more a step. Spilled (a
+  quantized graph, whose weights would be quantized and packed again at every read): each stage's packed weights
+  are made once, written to a scratch folder and mapped from there each step, so the page cache holds them, not
+  the build.
 
 On top of them, `Sequences` places independent sequences in one KV pool, and two uses: `forced_logits` (given
 tokens, the logits at chosen positions, a step at a time: perplexity and KL windows, a quantized model reading a
@@ -16,15 +19,19 @@ reference answer), and `greedy` (every prompt decoded greedily together, a decod
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from builder.cuts import crossing, segments
 from builder.ir import Graph, Node
+from builder.lazy_tensors import LazyTensors
 from builder.packing import pack_graph
 from runtime.engine_format import RankFile
 from runtime.executor import CpuExecutor, KVCacheStorage
@@ -60,39 +67,95 @@ class WholeRunner:
 
     def exact(self) -> WholeRunner:
         """The same packed weights run exactly: f32 activations (no integer paths) and an f32 cache."""
-        doc = json.loads(self.rank_file.program)
-        nodes = [dict(n, attrs={k: v for k, v in n["attrs"].items() if k != "act"}) for n in doc["nodes"]]
-        return WholeRunner(RankFile(json.dumps(dict(doc, nodes=nodes)), self.rank_file.tensors), self.blocks)
+        return WholeRunner(RankFile(_exact_program(self.rank_file.program), self.rank_file.tensors), self.blocks)
 
     def execute(self, meta: StepMetadata) -> torch.Tensor:
         return self.executor.execute(meta)
+
+
+def _exact_program(program: str) -> str:
+    """A packed program with its integer activation paths dropped: its nodes compute on f32 activations."""
+    doc = json.loads(program)
+    nodes = [dict(n, attrs={k: v for k, v in n["attrs"].items() if k != "act"}) for n in doc["nodes"]]
+    return json.dumps(dict(doc, nodes=nodes))
 
 
 class LayerRunner:
     """The graph a layer at a time: each step binds each stage in turn (weights read from the graph's tensors, which
     a streaming build reads from the model source) and drops it, handing the values that cross to the next stage.
 
-    shared: tensors another runner holds anyway (a quantized graph's float embedding table, say); a weight of this
-    graph with the same name and the same values is read from there instead of from the source every step. same:
-    whether a name is known to hold the same values without reading it (both read from the same source call)."""
+    shared: tensors another runner holds or maps anyway (a quantized graph's float embedding table, say), by name: a
+    tensor, or a function that reads it; a weight of this graph with the same name and the same values is read from
+    there instead of from the source every step. same: whether a name is known to hold the same values without
+    reading it (both read from the same source call). spill: a folder to write each stage's packed weights to,
+    once, and map them from every step (see the module's docstring)."""
 
     step_tokens = LAYER_STEP_TOKENS
 
     def __init__(self, graph: Graph, blocks: int, kv_dtype: str = "f32", activations: str = "f32",
-                 shared: dict[str, torch.Tensor] | None = None, same=None):
+                 shared: dict | None = None, same=None, spill: Path | None = None):
         self.activations, self.kv_dtype, self.blocks = activations, kv_dtype, blocks
         graph = graph.replace()
         for name, tensor in (shared or {}).items():
             mine = graph.weights.get(name)
+            read = tensor if callable(tensor) else None
+            tensor = read() if read else tensor
             if mine is not None and tuple(mine.shape) == tuple(tensor.shape) and tensor.dtype == torch.float32 \
                     and ((same is not None and same(name)) or torch.equal(graph.tensors[name], tensor)):
-                graph.tensors[name] = tensor
+                if read is not None and hasattr(graph.tensors, "bind"):
+                    graph.tensors.bind(name, read)  # read when a stage is bound, not held
+                else:
+                    graph.tensors[name] = tensor
+            del tensor
         # each stage's packed program, once; its weights are read again every step
         self.stages = [pack_graph(stage, activations) for stage in _layer_stages(graph)]
         self.programs = [stage.to_json() for stage in self.stages]
-        groups = KVGroups((0,), (blocks,))
-        self.caches = [KVCacheStorage(attention_layers(json.loads(doc)), groups, BLOCK_SIZE, kv_dtype)
-                       for doc in self.programs]
+        self.caches = self._caches(kv_dtype)
+        self.files: dict[str, Path] | None = None  # where a spilled runner wrote each weight
+        if spill is not None:
+            self._spill(Path(spill))
+
+    def _caches(self, kv_dtype: str) -> list[KVCacheStorage]:
+        groups = KVGroups((0,), (self.blocks,))
+        return [KVCacheStorage(attention_layers(json.loads(doc)), groups, BLOCK_SIZE, kv_dtype)
+                for doc in self.programs]
+
+    def _spill(self, folder: Path) -> None:
+        """Each stage's packed weights made once (a weight two stages read, in the first's file), written to
+        `folder`, and let go."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self.files = {}
+        for index, stage in enumerate(self.stages):
+            fresh = {name: stage.tensors[name].contiguous() for name in stage.weights if name not in self.files}
+            if fresh:
+                path = folder / f"stage{index}.pt"
+                torch.save(fresh, path)
+                self.files.update(dict.fromkeys(fresh, path))
+            del fresh
+        for stage in self.stages:  # read from the files from now on: let go of the packers' memos
+            stage.tensors = LazyTensors()
+
+    def mapped(self, name: str):
+        """A function that maps a spilled weight from its file when called (None: not spilled)."""
+        if self.files is None or name not in self.files:
+            return None
+        return functools.partial(_mapped, self.files[name], name)
+
+    def exact(self) -> LayerRunner:
+        """The same packed weights run exactly: f32 activations (no integer paths) and an f32 cache."""
+        other = copy.copy(self)
+        other.activations, other.kv_dtype = "f32", "f32"
+        other.programs = [_exact_program(doc) for doc in self.programs]
+        other.caches = other._caches("f32")
+        return other
+
+    def _weights(self, stage: Graph) -> dict[str, torch.Tensor]:
+        if self.files is None:
+            return {name: stage.tensors[name].contiguous() for name in stage.weights}
+        tensors = {}
+        for path in {self.files[name] for name in stage.weights}:
+            tensors.update((n, t) for n, t in _load_mapped(path).items() if n in stage.weights)
+        return tensors
 
     def execute(self, meta: StepMetadata) -> torch.Tensor:
         handed: list[torch.Tensor] = []
@@ -100,7 +163,7 @@ class LayerRunner:
             received, handed = handed, []
             collectives = {"recv": lambda attrs, box=received: box.pop(0),
                            "send": lambda x, attrs, box=handed: box.append(x.clone())}
-            tensors = {name: stage.tensors[name].contiguous() for name in stage.weights}
+            tensors = self._weights(stage)
             executor = CpuExecutor(RankFile(program, tensors), self.blocks, BLOCK_SIZE, self.kv_dtype, collectives,
                                    cache=cache, serving=False)
             executor.replay = False  # bound for one step: nothing to replay
@@ -109,6 +172,15 @@ class LayerRunner:
             executor.program = None  # its hooks refer back to it: let its weights go now, not at a collection
             del executor
         return logits
+
+
+def _load_mapped(path: Path) -> dict[str, torch.Tensor]:
+    # mapped, not read: a page counts toward the build's memory while a stage uses it, and not after
+    return torch.load(path, mmap=True, weights_only=True)
+
+
+def _mapped(path: Path, name: str) -> torch.Tensor:
+    return _load_mapped(path)[name]
 
 
 def _layer_stages(graph: Graph) -> list[Graph]:

@@ -54,6 +54,10 @@ class LazyTensors(MutableMapping):
         self._loaders.pop(name)
         return None
 
+    def bind(self, name: str, loader: Loader) -> None:
+        """`name` becomes loader(), called each time it is read."""
+        self._loaders[name] = loader
+
     def derive(self, name: str, sources: list[str], fn: Callable[..., torch.Tensor]) -> None:
         """`name` becomes fn(*source tensors), computed each time it is read."""
         loaders = [self._loaders[s] for s in sources]

@@ -80,9 +80,9 @@ def test_bad_ranks_are_refused_in_one_line(tiny_llama_dir, tmp_path):
 
 def test_a_quantized_builds_float_weights_in_memory_follow_its_largest_layer(tmp_path, monkeypatch):
     """The float weights alive at once, through quantization, the accuracy measures (the float reference a layer at
-    a time, as a model over STREAM_REFERENCE_BYTES runs) and emission, for 4 and 32 layers of the same width: the
+    a time, as a model over STREAM_BYTES runs) and emission, for 4 and 32 layers of the same width: the
     same bound, while the model is eight times larger."""
-    monkeypatch.setattr(accuracy, "STREAM_REFERENCE_BYTES", 0)
+    monkeypatch.setattr(accuracy, "STREAM_BYTES", 0)
     original = ModelSpec.load
     peaks = {}
     for layers in (4, 32):

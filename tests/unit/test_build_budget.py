@@ -3,6 +3,8 @@ one-line refusal of a build the host cannot hold."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from builder import build_budget
@@ -24,11 +26,15 @@ def test_the_price_follows_what_the_build_holds():
     awq = price_build(small, plan(method="int4-awq"))
     assert not exact.measured and exact.phase == "streaming the weights"
     assert exact.peak_bytes < 5 * GIB  # an exact build streams: a table and a layer, not the 32 GB model
-    assert int4.measured and "a layer at a time" in int4.phase
-    assert exact.peak_bytes < int4.peak_bytes < price_build(large, plan(method="int4")).peak_bytes
+    # measured a layer at a time, the quantized model too: a table, a layer and logits, not the 5 GB int4 model
+    assert int4.measured and int4.peak_bytes < 5 * GIB
+    assert exact.peak_bytes <= int4.peak_bytes < price_build(large, plan(method="int4")).peak_bytes
+    narrow = dataclasses.replace(small, vocab_size=32000)  # a smaller table: two layers and logits set the peak
+    assert price_build(narrow, plan(method="int4")).phase == "the accuracy measure, a layer at a time"
     assert awq.phase.startswith("AWQ/GPTQ calibration") and awq.peak_bytes > int4.peak_bytes
     tp8 = plan(method="int4").with_overrides(tp=8)
-    assert price_build(small, tp8, rank=3).peak_bytes < price_build(small, tp8, rank=0).peak_bytes  # rank 0 measures
+    assert price_build(narrow, tp8, rank=3).peak_bytes < price_build(narrow, tp8, rank=0).peak_bytes  # 0 measures
+    assert price_build(small, tp8, rank=3).peak_bytes <= price_build(small, tp8, rank=0).peak_bytes
 
 
 def test_a_build_the_host_cannot_hold_is_refused_in_one_line(monkeypatch):
@@ -58,3 +64,16 @@ def test_the_refusal_comes_before_any_weight_is_read(tiny_llama_dir, tmp_path, m
     with pytest.raises(KilnError, match="this build needs about .* and this host has 0.0 GiB available"):
         build_engine(str(tiny_llama_dir), plan(method="int8"), tmp_path / "e", show_progress=False)
     assert not (tmp_path / "e").exists()
+
+
+def test_the_time_price_follows_the_work_a_build_does():
+    shape = load_shape("llama-3.1-8b")
+    exact = price_build(shape, plan(method="none").with_overrides("kv_cache", dtype="f32"))
+    int4, awq = price_build(shape, plan(method="int4")), price_build(shape, plan(method="int4-awq"))
+    assert 0 < exact.seconds < int4.seconds < awq.seconds  # rounding, then measuring, then GPTQ add work
+    tp8 = plan(method="int4").with_overrides(tp=8)
+    assert price_build(shape, tp8, rank=3).seconds < price_build(shape, tp8, rank=0).seconds < int4.seconds + 1
+    assert price_build(shape, tp8, rank=3).seconds > exact.seconds / 8  # a rank job still rounds the whole model
+    assert price_build(load_shape("llama-3.1-70b"), plan(method="int4")).seconds > 8 * int4.seconds
+    assert [build_budget.duration(s) for s in (3, 61, 300, 7199)] == ["about 5 s", "about 60 s", "about 5 min",
+                                                                      "about 2.0 h"]

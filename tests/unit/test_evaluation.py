@@ -10,14 +10,18 @@ import weakref
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import exact_plan, make_tiny_llama
 
 from builder import accuracy
 from builder.calibration import GraphRunner
 from builder.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
 from builder.lazy_tensors import LazyTensors
 from builder.model import load_model
+from builder.plan import Plan
 from builder.trace import trace
+from passes.canonicalize import canonicalize
+from passes.context import PassContext
+from passes.quantize_int4 import quantize_int4
 
 PROMPTS = [[1, 5, 9, 13, 2], [7, 7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [4, 8, 15, 16, 23, 42]]
 
@@ -125,3 +129,35 @@ def test_a_table_the_quantized_runner_holds_is_shared_not_read_again(model):
     reads.clear()
     LayerRunner(graph, 8, shared={"embed_tokens.weight": table})  # no proof they are equal: read once to compare
     assert reads == ["embed_tokens.weight"]
+
+
+def test_a_spilled_quantized_runner_quantizes_once_and_runs_as_a_whole_one(model, tmp_path):
+    """A quantized graph too large to hold runs a layer at a time from a scratch folder: its weights are quantized
+    and packed once, not at every step, and it gives the whole runner's answers and logits (and, run exactly, the
+    whole runner's exact ones). A float reference reads the table it spilled through a mapping, not the source."""
+    reads = []
+    graph = float_graph(model)
+    for name in list(graph.weights):
+        load = graph.tensors._loaders[name]
+        graph.tensors._loaders[name] = lambda name=name, load=load: reads.append(name) or load()
+    graph = canonicalize(graph, PassContext(plan=Plan()))
+    quantized = quantize_int4(graph, PassContext(plan=exact_plan(method="int4", group_size=32), model=model))
+    blocks = Sequences([len(p) + 6 for p in PROMPTS]).blocks
+    whole = WholeRunner(quantized, blocks, "f16")
+    reads.clear()
+    spilled = LayerRunner(quantized, blocks, "f16", spill=tmp_path / "spill")
+    made = len(reads)
+    assert made > 0 and sorted(p.name for p in (tmp_path / "spill").iterdir())[0] == "stage0.pt"
+    assert greedy(spilled, PROMPTS, 6, set(), step_tokens=8) == greedy(whole, PROMPTS, 6, set())
+    rows = [list(range(len(p))) for p in PROMPTS]
+    for (_, _, (a, b)) in forced_logits([spilled, whole], PROMPTS, rows, step_tokens=8):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert greedy(spilled.exact(), PROMPTS, 6, set()) == greedy(whole.exact(), PROMPTS, 6, set())
+    assert len(reads) == made  # every step mapped the spilled weights: nothing was read (or quantized) again
+
+    table = spilled.mapped("embed_tokens.weight")
+    assert table is not None and table().dtype == torch.float32
+    reference = LayerRunner(graph, blocks, shared={"embed_tokens.weight": table}, same=lambda name: True)
+    reads.clear()
+    greedy(reference, PROMPTS[:1], 2, set())
+    assert "embed_tokens.weight" not in reads and "layers.0.mlp.down_proj.weight" in reads
