@@ -133,7 +133,7 @@ def freed_memory_given_back(large: bool):
     128 KiB in its own mapping, returned to the system when freed. glibc raises that threshold (up to 32 MiB)
     whenever such a block is freed, after which tensors up to that size are carved from the heap, whose freed
     pieces stay in the process: a random Llama-3.2-1B-shaped int4 build peaked at 3.5 GiB with the moving
-    threshold and 2.5 GiB with it fixed, for about a third more time (a float reference read a layer at a time
+    threshold and 2.5 GiB with it fixed, for 20-30% more time (a float reference read a layer at a time
     gets fresh pages for every layer it converts). Elsewhere fresh pages cost more than they save (SmolLM2's GPTQ
     took 3 times as long), so afterwards both thresholds are where a build's moving ones end up anyway (setting
     one stops glibc moving either). A C library without mallopt is left as it is."""
