@@ -39,7 +39,8 @@ from builder.lazy_tensors import LazyTensors
 
 ROWS = 32  # positions per float64 chunk of the [T, vocab] distributions
 GREEDY_TOKENS = 32
-# A float reference holding more f32 weights than this runs a layer at a time (builder/evaluation.py)
+# A graph (the float reference, the quantized model) with more weight bytes than this runs a layer at a time
+# (builder/evaluation.py)
 STREAM_BYTES = 1 << 30
 
 
