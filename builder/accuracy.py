@@ -90,15 +90,17 @@ def evaluate(reference: Graph, quantized: Graph, windows: list[list[int]], kv_dt
     prompts = prompts or []  # the pool holds the windows, then (reused) every prompt with its answer
     blocks = max(Sequences([len(w) for w in windows]).blocks,
                  Sequences([len(p) + GREEDY_TOKENS for p in prompts]).blocks)
-    large = max(weight_bytes(reference), weight_bytes(quantized)) > STREAM_BYTES
-    with tempfile.TemporaryDirectory(prefix="kiln-measure-") as scratch, freed_memory_given_back(large):
+    streamed = {"reference": weight_bytes(reference) > STREAM_BYTES,
+                "quantized": weight_bytes(quantized) > STREAM_BYTES}
+    with tempfile.TemporaryDirectory(prefix="kiln-measure-") as scratch, \
+            freed_memory_given_back(any(streamed.values())):
         return _evaluate(reference, quantized, windows, kv_dtype, activations, show_progress, prompts, stop,
-                         answers_key, blocks, Path(scratch))
+                         answers_key, blocks, Path(scratch), streamed)
 
 
 def _evaluate(reference, quantized, windows, kv_dtype, activations, show_progress, prompts, stop, answers_key,
-              blocks: int, scratch: Path) -> dict:
-    if weight_bytes(quantized) > STREAM_BYTES:
+              blocks: int, scratch: Path, streamed: dict[str, bool]) -> dict:
+    if streamed["quantized"]:
         # spilled when its weights are derived (quantized, packed) at each read; float ones are read from the source
         derived = any(n.attrs.get("quant", "none") != "none" for n in quantized.nodes)
         q_runner = LayerRunner(quantized, blocks, kv_dtype, activations, spill=scratch if derived else None)
@@ -113,7 +115,7 @@ def _evaluate(reference, quantized, windows, kv_dtype, activations, show_progres
         if hasattr(reference.tensors, "reads_as") and hasattr(quantized.tensors, "reads_as"):
             same = lambda name: reference.tensors.reads_as(name, quantized.tensors)  # noqa: E731
         ref_runner = (LayerRunner(reference, blocks, shared=_floats(shared, reference), same=same)
-                      if weight_bytes(reference) > STREAM_BYTES else WholeRunner(reference, blocks))
+                      if streamed["reference"] else WholeRunner(reference, blocks))
     nll_ref = nll_q = kl = 0.0
     tokens = sum(len(w) - 1 for w in windows)
     bar = progress(None, "accuracy", "token", show_progress, total=tokens)

@@ -72,7 +72,7 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
     tables = table * (1 if shape.tie_word_embeddings else 2)
     norms = (shape.num_layers * shape.layer_norm_parameters + shape.hidden_size) * 4.0
     layer = (shape.layer_parameters() + shape.layer_norm_parameters) * 4.0
-    float_model = shape.num_layers * layer + tables + shape.hidden_size * 4.0
+    float_model = 4.0 * _parameters(shape)
     src = shape.source_bytes if q.method == "source" else None
     linear = src["layers"] if src else \
         shape.num_layers * shape.layer_parameters() * bytes_per_weight(_weights(q.method), cpu, q.group_size)
