@@ -6,7 +6,7 @@ in its own process, beside the build's own price (builder/build_budget.py) and i
 Builds (NAME):
   smollm2-default, smollm2-int8, smollm2-int4-awq   the embedded SmolLM2-135M, cpu plans
   smollm2-tensorrt                                  SmolLM2 for plans/a100-tp2-int4.toml (needs the tensorrt extra)
-  1b-int4, 1b-fp8                                   a random Llama-3.2-1B-shaped checkpoint (2.5 GB bf16)
+  1b-int4, 1b-fp8, 1b-int4-awq                      a random Llama-3.2-1B-shaped checkpoint (2.5 GB bf16)
   8b-tp8-rank3                                      rank 3 of a tp=8 int4 plan of a random Llama-3.1-8B-shaped
                                                     checkpoint (16 GB bf16), built alone with --rank
 
@@ -47,6 +47,7 @@ def build_specs(work: Path) -> dict[str, list[str]]:
         "smollm2-tensorrt": ["--plan", str(ROOT / "plans" / "a100-tp2-int4.toml")],
         "1b-int4": ["--model", one_b, "--quant", "int4"],
         "1b-fp8": ["--model", one_b, "--quant", "fp8"],
+        "1b-int4-awq": ["--model", one_b, "--quant", "int4-awq"],
         "8b-tp8-rank3": ["--model", eight_b, "--quant", "int4", "--tp", "8", "--rank", "3"],
     }
 

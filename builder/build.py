@@ -38,9 +38,9 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     """rank: build that rank alone into `out` (its file and part, beside other ranks' parts of the same build); a
     build without `rank` whose `out` holds every rank's part assembles them instead of building."""
     if rank is not None:
-        if plan.target != "cpu":
-            raise KilnError(f"--rank: {plan.target} ranks share files their build writes once (kernels, plugin, "
-                            f"ONNX checks across ranks): build a {plan.target} plan whole; --rank takes cpu plans")
+        if not target(plan.target).RANKS_ALONE:
+            raise KilnError(f"--rank: a {plan.target} build checks its ranks' engines against each other (the ONNX "
+                            f"across ranks): build a {plan.target} plan whole; --rank takes cpu and cuda plans")
         if not 0 <= rank < plan.world_size:
             raise KilnError(f"--rank {rank}: the plan has {plan.world_size} rank(s) (tp {plan.tp} x pp {plan.pp}), "
                             f"numbered 0 to {plan.world_size - 1}")
@@ -60,7 +60,8 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
             return BuildResult(out, json.loads((out / "manifest.json").read_text()), True)
         parts, missing = emit.parts_state(out, build_id, plan.world_size) if out.is_dir() else ([], [])
         if parts and not missing:  # every rank was built alone (--rank): put the engine together
-            return BuildResult(out, emit.assemble(out, model, parts), False)
+            shared = getattr(kind, "assemble", None)
+            return BuildResult(out, emit.assemble(out, model, parts, shared and shared(plan, show_progress)), False)
         if parts:
             raise KilnError(f"--out {out}: holds the parts of ranks {', '.join(str(p['rank']) for p in parts)} of "
                             f"this build, not of ranks {', '.join(map(str, missing))}: build those with --rank, or "

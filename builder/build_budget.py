@@ -37,9 +37,10 @@ REQUANT = ("int8", "int4", "int4-awq", "fp8")
 # fewer seconds with more cores.
 START_SECONDS = 5.0   # the interpreter, torch, the trace and the tokenizer
 STREAM_NS = 27.0      # read from the checkpoint, laid out and written (a float build: Llama-1B exact, tp=2)
-ROUND_NS = 88.0       # rounded to nearest (int4/int8/fp8), packed: the whole model, for any rank (8B, rank 3 of 8)
+ROUND_NS = 88.0       # rounded to nearest (int4/int8/fp8) and packed (8B, rank 3 of 8)
 MEASURE_NS = 140.0    # the accuracy measure: reference and quantized model over the evaluation (Llama-1B int4)
-GPTQ_NS = 42.0        # GPTQ, a layer a pass: times the layers / 2 (SmolLM2 int4-awq)
+AWQ_GPTQ_NS = 600.0   # AWQ's searches and GPTQ's grids and rounding, a linear weight (SmolLM2 and Llama-1B int4-awq)
+HESSIAN_NS = 0.016    # GPTQ's Hessian of an input K wide (its product, Cholesky factors and inverse): times K^3
 TENSORRT_NS = 200.0   # ONNX export, ONNX Runtime's verification and TensorRT's compile (SmolLM2 a100-tp2-int4)
 
 
@@ -79,28 +80,34 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
     quantized = linear + tables + norms  # what the measure's quantized runner holds (tables kept float)
     phases = {"streaming the weights": table + layer}  # a float table read whole, then sliced and written
     awq = q.method == "int4-awq"
-    if awq:  # AWQ's and GPTQ's calibration run the float model whole, with its activations and GPTQ's Hessians
-        phases["AWQ/GPTQ calibration on the float model"] = 3.5 * float_model
+    # GPTQ's codes, held two a byte with their groups' scales and zero points until they are written
+    codes = shape.num_layers * shape.layer_parameters() * (0.5 + 8.0 / q.group_size) if awq else 0.0
+    # Calibration runs a layer at a time (builder/calibration.py's LayerSweep): the first stage reads the float
+    # table; later ones a layer's float weights, a few copies of it, and GPTQ's Hessian of the widest input (K x K
+    # doubles, two at once)
+    sweep = table + layer
+    if awq:
+        hessian = 2 * 8.0 * max(shape.hidden_size, shape.intermediate_size) ** 2
+        phases["AWQ/GPTQ calibration, a layer at a time"] = codes + max(sweep, 3 * layer + hessian)
     elif plan.kv_cache.dtype in ("int8", "fp8") or (q.method == "fp8" and plan.target == "tensorrt"):
-        phases["calibrating scales on the float model"] = 1.5 * float_model
+        phases["calibrating scales, a layer at a time"] = sweep
     if plan.target == "tensorrt":  # the ONNX export, ONNX Runtime's sessions and the cpu engine that verify it
         phases["verifying the ONNX (ONNX Runtime beside the cpu engine)"] = 2.5 * float_model + quantized
     measured = (q.method in REQUANT or plan.kv_cache.dtype != "f32" or q.activations in ("int8", "int16")) \
         and rank in (None, 0)
     if measured:
         logits = 2 * WINDOW_ROWS * shape.vocab_size * 4.0
-        gptq = linear if awq else 0.0  # GPTQ's output is held, not derived when read
         # builder/accuracy.py's STREAM_BYTES: a larger quantized model runs a layer at a time too, mapped from a
         # scratch folder (its float table mapped while a stage reads it), and so does a larger float reference
         streamed = max(table, 2 * layer) + logits
         if quantized > GIB:
-            phases["the accuracy measure, a layer at a time"] = gptq + streamed
+            phases["the accuracy measure, a layer at a time"] = codes + streamed
         elif q.method not in REQUANT:  # the reference is the same weights, run exactly
-            phases["the accuracy measure"] = gptq + quantized + logits
+            phases["the accuracy measure"] = codes + quantized + logits
         elif float_model <= GIB:
-            phases["the accuracy measure, beside the float reference"] = gptq + quantized + float_model + logits
+            phases["the accuracy measure, beside the float reference"] = codes + quantized + float_model + logits
         else:
-            phases["the accuracy measure, the float reference a layer at a time"] = gptq + quantized + streamed
+            phases["the accuracy measure, the float reference a layer at a time"] = codes + quantized + streamed
     phase = max(phases, key=phases.get)
     return BuildBudget(int(MARGIN * (BASE_BYTES + phases[phase])), phase, measured,
                        _seconds(shape, plan, rank, measured))
@@ -112,12 +119,13 @@ def _seconds(shape: ModelShape, plan: Plan, rank: int | None, measured: bool) ->
     params = _parameters(shape)
     written = params / (plan.world_size if rank is not None else 1)
     ns = STREAM_NS * written
-    if q.method in REQUANT:
-        ns += ROUND_NS * params  # rounded whole before sharding, also for one rank alone
+    if q.method in REQUANT:  # a rank alone (not 0): its stage's weights, each rounded whole before it is sliced
+        ns += ROUND_NS * (params if rank in (None, 0) else params / plan.pp)
     if measured:
         ns += MEASURE_NS * params
-    if q.method == "int4-awq" and rank in (None, 0):
-        ns += GPTQ_NS * params * shape.num_layers / 2
+    if q.method == "int4-awq":  # every rank's job: a layer's codes depend on the layers rounded before it
+        inputs = 3 * shape.hidden_size ** 3 + shape.intermediate_size ** 3  # q/k/v, o, gate/up, down (o: heads wide)
+        ns += AWQ_GPTQ_NS * shape.num_layers * shape.layer_parameters() + HESSIAN_NS * shape.num_layers * inputs
     if plan.target == "tensorrt":
         ns += TENSORRT_NS * params
     return START_SECONDS + ns / 1e9

@@ -7,15 +7,17 @@ where its tokenizer adds one (runtime/special_tokens.py), and so are the chat pr
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from builder.cuts import layer_stages
 from builder.errors import KilnError
 from builder.ir import Graph
 from builder.packing import integer_activations, pack_graph
@@ -215,15 +217,101 @@ def progress(items, desc: str, unit: str, show: bool, total: int | None = None):
     return tqdm(items, desc=f"  {desc}", unit=unit, leave=False, total=total)
 
 
-def capture_activations(graph: Graph, names: set[str], token_windows: list[list[int]],
-                        max_rows: int = MAX_CAPTURED_ROWS, show_progress: bool = False) -> dict[str, torch.Tensor]:
-    """name -> [rows, width] values of `graph` over the windows, at most `max_rows` evenly spaced rows."""
-    chunks: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    runner = GraphRunner(graph)
-    for window in progress(token_windows, "calibration", "window", show_progress):
-        runner.run(window, lambda name, value: chunks[name].append(value.clone()), names)
-    captured = {}
-    for name, parts in chunks.items():
-        x = torch.cat(parts)
-        captured[name] = x[:: max(1, -(-x.shape[0] // max_rows))]
-    return captured
+class LayerSweep:
+    """Token windows run through a single-rank graph a layer at a time, for the calibration passes.
+
+    The graph is cut as the layer-at-a-time evaluation cuts it (builder/cuts.py: one stage a layer, the first with
+    the embedding, the last with the head), and each window's values crossing the current cut are kept (a few
+    tokens' hidden states: MBs). A stage's weights are read from the graph's tensors each time it runs (a streaming
+    build's: from the model source, through whatever the pass has derived so far) and let go after, so one layer's
+    float weights are resident whatever the model's size, where running the whole graph held the whole float model.
+    The values a stage computes are those of a whole-graph run (same kernels, same inputs), and a pass that changes
+    a layer's weights after its stage ran (AWQ's folds and clips, GPTQ's rounding) changes what later stages see.
+
+        sweep = LayerSweep(graph, windows)
+        for stage in sweep:                      # each stage in order
+            captured = sweep.run(wanted, ...)    # as often as the pass needs, weights overridden if it likes
+            sweep.run(set(), advance=True)       # the last run of a stage hands its values to the next
+    """
+
+    def __init__(self, graph: Graph, token_windows: list[list[int]], desc: str = "calibration",
+                 show_progress: bool = False):
+        self.graph, self.windows, self.desc, self.show_progress = graph, token_windows, desc, show_progress
+        self.stages = layer_stages(graph)  # their structure; each run binds the graph's tensors as they are then
+        self.made = {o: index for index, stage in enumerate(self.stages) for n in stage.nodes if n.op != "recv"
+                     for o in n.outputs}
+        self.index = 0
+        self._carried: list[list[torch.Tensor]] = [[] for _ in token_windows]  # values entering the current stage
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __iter__(self) -> Iterator[int]:
+        for index in progress(range(len(self.stages)), self.desc, "layer", self.show_progress):
+            yield index
+            if self.index != index + 1:
+                raise RuntimeError(f"{self.desc}: stage {index} was not advanced (run(..., advance=True))")
+
+    def stage_of(self, name: str) -> int:
+        """The stage whose nodes compute value `name`."""
+        return self.made[name]
+
+    @torch.inference_mode()
+    def run(self, wanted: set[str], overrides: dict[str, torch.Tensor] | None = None, advance: bool = False,
+            max_rows: int | None = MAX_CAPTURED_ROWS) -> dict[str, torch.Tensor]:
+        """The current stage over every window: name -> [rows, width] of each wanted value it computes (every
+        window's rows, at most max_rows evenly spaced; None: all). overrides: weights read instead of the graph's
+        for this run. advance: keep the values crossing to the next stage and move the sweep on to it."""
+        stage = self.stages[self.index].replace()
+        stage.tensors = copy.copy(self.graph.tensors)
+        stage.tensors.update(overrides or {})
+        packed = pack_graph(stage, "f32")
+        handing = advance and self.index + 1 < len(self.stages)
+        hooks = dense_hooks(all_logits=True)
+        box: dict[str, list[torch.Tensor]] = {"in": [], "out": []}
+        hooks.recv = lambda attrs: box["in"].pop(0)
+        hooks.send = lambda x, attrs: box["out"].append(x)
+        program = Program(json.loads(packed.to_json()), packed.tensors, hooks)
+        del packed
+        last_use = {name: index for index, call in enumerate(program.calls) for name in call.inputs}
+        wanted = {name for name in wanted if self.made.get(name) == self.index}
+        chunks: dict[str, list[torch.Tensor]] = {name: [] for name in wanted}
+        handed = []
+        for window, carried in zip(self.windows, self._carried):
+            box["in"], box["out"] = list(carried), []
+            remaining = set(wanted)
+
+            def observe(index: int, call, env: dict) -> bool:
+                for name in call.outputs:
+                    if name in remaining:
+                        chunks[name].append(env[name].clone())
+                        remaining.discard(name)
+                if not remaining and not handing:
+                    return True
+                for name in call.inputs:  # free activations no later call reads
+                    if last_use.get(name) == index:
+                        env.pop(name, None)
+                return False
+
+            program.run({"tokens": torch.tensor(window, dtype=torch.int64),
+                         "positions": torch.arange(len(window))}, observe)
+            handed.append(box["out"])
+        if advance:
+            self._carried = handed if handing else [[] for _ in self.windows]
+            self.index += 1
+        return {name: _evenly_spaced(torch.cat(parts), max_rows) for name, parts in chunks.items()}
+
+
+def sweep_max_abs(graph: Graph, names: set[str], token_windows: list[list[int]], desc: str,
+                  show_progress: bool = False) -> dict[str, float]:
+    """name -> max |value| over the windows (0 for a value never computed), a layer at a time."""
+    amax = dict.fromkeys(names, 0.0)
+    sweep = LayerSweep(graph, token_windows, desc, show_progress)
+    for _ in sweep:
+        for name, rows in sweep.run(names, advance=True, max_rows=None).items():
+            amax[name] = float(rows.abs().max())
+    return amax
+
+
+def _evenly_spaced(rows: torch.Tensor, max_rows: int | None) -> torch.Tensor:
+    return rows if max_rows is None else rows[:: max(1, -(-rows.shape[0] // max_rows))]

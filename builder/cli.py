@@ -72,7 +72,7 @@ def build(
     debug: bool = typer.Option(False, "--debug", help="Verify the IR after every pass, not only at the boundaries."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
     rank: Optional[int] = typer.Option(None, "--rank", min=0,
-                                       help="Build this rank alone (cpu plans): rank{r}.engine and its part of the "
+                                       help="Build this rank alone (cpu and cuda plans): rank{r}.engine and its part of the "
                                             "manifest into --out, beside other ranks' parts. The same command "
                                             "without --rank, once every rank's part is in --out, writes the manifest: "
                                             "a tp=8 engine as eight CI jobs, byte for byte the whole build's."),

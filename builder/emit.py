@@ -169,9 +169,12 @@ def check_parts_dir(out: Path, build_id: str, force: bool) -> None:
                             "them")
 
 
-def assemble(out: Path, model, parts: list[dict]) -> dict:
+def assemble(out: Path, model, parts: list[dict], write_shared=None) -> dict:
     """The engine from every rank's part (each built alone with --rank): each rank file checked against its part,
-    then the manifest, tokenizer and report written as a whole build writes them, and the parts removed."""
+    then the manifest, tokenizer and report written as a whole build writes them, and the parts removed.
+
+    write_shared(out, rank files) -> more manifest keys: what the target's ranks share, written once (the cuda
+    target's kernels)."""
     out = out.resolve()
     for part in parts:
         entry = part["entry"]
@@ -181,7 +184,8 @@ def assemble(out: Path, model, parts: list[dict]) -> dict:
                             "(its sha256 differs from its part's); build that rank again with --rank "
                             f"{part['rank']}")
     first = parts[0]
-    manifest = dict(first["manifest"], ranks=[p["entry"] for p in parts])
+    extras = write_shared(out, [out / p["entry"]["file"] for p in parts]) if write_shared else {}
+    manifest = dict(first["manifest"], ranks=[p["entry"] for p in parts], **extras)
     memory = [p["memory"] for p in parts if p["memory"]]
     shares = [p["share"] for p in parts if p["share"]]
     manifest = _complete(manifest, memory, shares, None)

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from builder.cuts import crossing, segments
-from builder.ir import Graph, Node
+from builder.cuts import layer_stages
+from builder.ir import Graph
 from builder.lazy_tensors import LazyTensors
 from builder.packing import pack_graph
 from runtime.engine_format import RankFile
@@ -108,7 +108,7 @@ class LayerRunner:
                     graph.tensors[name] = tensor
             del tensor
         # each stage's packed program, once; its weights are read again every step
-        self.stages = [pack_graph(stage, activations) for stage in _layer_stages(graph)]
+        self.stages = [pack_graph(stage, activations) for stage in layer_stages(graph)]
         self.programs = [stage.to_json() for stage in self.stages]
         self.caches = self._caches(kv_dtype)
         self.files: dict[str, Path] | None = None  # where a spilled runner wrote each weight
@@ -181,34 +181,6 @@ def _load_mapped(path: Path) -> dict[str, torch.Tensor]:
 
 def _mapped(path: Path, name: str) -> torch.Tensor:
     return _load_mapped(path)[name]
-
-
-def _layer_stages(graph: Graph) -> list[Graph]:
-    """The graph as one stage a layer, recv/send nodes carrying the values that cross each cut (in order), each
-    stage's attention layer numbered 0 for its own pool."""
-    num_layers = graph.meta["model"]["num_layers"]
-    segment = segments(graph, num_layers)
-    stages = []
-    for layer in range(num_layers):
-        first = -1 if layer == 0 else layer
-        last = num_layers if layer == num_layers - 1 else layer
-        kept = [n for n in graph.nodes if first <= segment[n.name] <= last]
-        received = crossing(graph, segment, first) if layer else []
-        sent = crossing(graph, segment, last + 1) if layer < num_layers - 1 else []
-        recvs = [Node(f"recv.{v}", "recv", [], [v], {"src": layer - 1, "dtype": graph.values[v].dtype,
-                                                       "shape": list(graph.values[v].shape)}) for v in received]
-        sends = [Node(f"send.{v}", "send", [v], [], {"dst": layer + 1}) for v in sent]
-        stage = graph.replace()
-        stage.nodes = recvs + [n for n in stage.nodes if n.name in {k.name for k in kept}] + sends
-        stage.outputs = list(graph.outputs) if layer == num_layers - 1 else []
-        stage.values = {v.name: v for v in graph.inputs}
-        stage.values.update((o, graph.values[o]) for n in stage.nodes for o in n.outputs)
-        for node in stage.nodes:
-            if node.op == "attention":
-                node.attrs["layer"] = 0
-        stage.drop_unused_weights()
-        stages.append(stage)
-    return stages
 
 
 @dataclass

@@ -83,6 +83,11 @@ class GGUFModelSpec(ModelSpec):
         self._reader = reader
         self._tensors = tensors  # Kiln name -> (gguf ReaderTensor, its first row for this weight)
 
+    @property
+    def stored_tensors(self) -> list:
+        """The file's tensors as it stores them (gguf ReaderTensors: name, type, element and byte counts)."""
+        return self._reader.tensors
+
     def _rows(self, name: str) -> np.ndarray:
         """The stored rows of `name` ([rows, row bytes or values]): a row range of a fused tensor (Phi-3)."""
         tensor, first = self._tensors[name]

@@ -188,15 +188,14 @@ def load_shape(source: str) -> ModelShape:
 
 
 def _gguf_shape(path: Path, name: str) -> ModelShape:
-    from gguf import GGUFReader
-
     from builder.gguf_blocks import engine_bytes
     from builder.gguf_source import FLOAT_TYPES, load_gguf
 
-    config = load_gguf(path, name=name).config
+    model = load_gguf(path, name=name)  # its reader is the build's (parsed once a file: seconds)
+    config = model.config
     # quantized blocks at the bytes of the Kiln format that keeps (or requantizes) them
     tensors = {t.name: int(t.n_bytes) if t.tensor_type.name in FLOAT_TYPES
-               else round(engine_bytes(t.tensor_type.name, int(t.n_elements))) for t in GGUFReader(path).tensors}
+               else round(engine_bytes(t.tensor_type.name, int(t.n_elements))) for t in model.stored_tensors}
     embed = tensors.get("token_embd.weight", 0)
     head = tensors.get("output.weight", 0)
     layers = sum(n for t, n in tensors.items() if t.startswith("blk.") and not t.endswith("norm.weight"))

@@ -8,7 +8,7 @@ this pass, and the ONNX verification compute what the engine computes.
 
 from __future__ import annotations
 
-from builder.calibration import GraphRunner, calibration_windows, progress
+from builder.calibration import calibration_windows, sweep_max_abs
 from builder.ir import Graph
 from passes.context import PassContext
 from runtime.weights.fp8 import MAX
@@ -17,15 +17,8 @@ from runtime.weights.fp8 import MAX
 def calibrate_fp8_activations(graph: Graph, ctx: PassContext) -> Graph:
     linears = [n for n in graph.nodes if n.op in ("linear", "logits") and n.attrs.get("quant") == "fp8"]
     inputs = {n.inputs[0] for n in linears}
-    amax = dict.fromkeys(inputs, 0.0)
-
-    def capture(name, value):
-        amax[name] = max(amax[name], float(value.abs().max()))
-
-    runner = GraphRunner(graph)
-    for window in progress(calibration_windows(ctx, "FP8 activations"), "fp8 activation scales", "window",
-                           ctx.show_progress):
-        runner.run(window, capture, inputs)
+    amax = sweep_max_abs(graph, inputs, calibration_windows(ctx, "FP8 activations"), "fp8 activation scales",
+                         ctx.show_progress)
     out = graph.replace()
     for node in out.nodes:
         if node.op in ("linear", "logits") and node.attrs.get("quant") == "fp8":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from builder.calibration import KV_MAX, GraphRunner, calibration_windows, progress
+from builder.calibration import KV_MAX, calibration_windows, sweep_max_abs
 from builder.ir import Graph
 from passes.context import PassContext
 
@@ -11,15 +11,8 @@ def calibrate_kv_scales(graph: Graph, ctx: PassContext) -> Graph:
     kv_dtype = ctx.plan.kv_cache.dtype
     layers = [n for n in graph.nodes if n.op == "attention"]
     keys_values = {name for n in layers for name in n.inputs[1:3]}  # k after rope, v
-    amax = dict.fromkeys(keys_values, 0.0)
-
-    def capture(name, value):
-        amax[name] = max(amax[name], float(value.abs().max()))
-
-    runner = GraphRunner(graph)
-    for window in progress(calibration_windows(ctx, f"the {kv_dtype} KV cache"), "kv scales", "window",
-                           ctx.show_progress):
-        runner.run(window, capture, keys_values)
+    amax = sweep_max_abs(graph, keys_values, calibration_windows(ctx, f"the {kv_dtype} KV cache"), "kv scales",
+                         ctx.show_progress)
     out = graph.replace()
     for node in out.nodes:
         if node.op == "attention":

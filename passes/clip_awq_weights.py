@@ -9,9 +9,9 @@ partial products on the calibration activations are closest to the float ones. W
 
 from __future__ import annotations
 
-from builder.calibration import calibration_windows, capture_activations, progress
+from builder.calibration import LayerSweep, calibration_windows
 from builder.ir import Graph
-from builder.quant.awq import awq_clip
+from builder.quant.awq import awq_clip_limits, clip_groups
 from passes.context import PassContext
 from passes.quant_rewrite import requant_targets
 
@@ -25,13 +25,20 @@ def clip_awq_weights(graph: Graph, ctx: PassContext) -> Graph:
              and out.weights[n.inputs[1]].shape[1] % group_size == 0]
     if not nodes:
         return out
-    activations = capture_activations(out, {n.inputs[0] for n in nodes}, calibration_windows(ctx, "int4-awq"),
-                                      show_progress=ctx.show_progress)
-    clipped: dict[str, object] = {}
-    for node in progress(nodes, "awq clip", "layer", ctx.show_progress):
-        weight = node.inputs[1]
-        if weight not in clipped:  # a weight two nodes share is clipped once, on the first one's inputs
-            clipped[weight] = awq_clip(activations[node.inputs[0]], out.tensors[weight], group_size)
-    for weight, tensor in clipped.items():
-        out.tensors[weight] = tensor
+    # A layer at a time: each weight's inputs captured where its layer's stage computes them, then its clip
+    # searched; the clipped weight is derived from the unclipped one (a streaming build holds only the limits), and
+    # the stage had run unclipped, as a whole-graph capture would have.
+    clipped: set[str] = set()
+    sweep = LayerSweep(out, calibration_windows(ctx, "int4-awq"), "awq clip", ctx.show_progress)
+    for stage in sweep:
+        here = [n for n in nodes if sweep.stage_of(n.inputs[0]) == stage]
+        activations = sweep.run({n.inputs[0] for n in here}, advance=True)
+        for node in here:
+            weight = node.inputs[1]
+            if weight in clipped:  # a weight two nodes share is clipped once, on the first one's inputs
+                continue
+            clipped.add(weight)
+            limits = awq_clip_limits(activations[node.inputs[0]], out.tensors[weight], group_size)
+            value = out.weights[weight]
+            out.derive_weight(weight, value.dtype, value.shape, [weight], lambda w, c=limits: clip_groups(w, c))
     return out

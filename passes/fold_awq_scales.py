@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from builder.calibration import calibration_windows, capture_activations, progress
+from builder.calibration import LayerSweep, calibration_windows
 from builder.ir import Graph, Node
 from builder.quant.awq import awq_search
 from passes.context import PassContext
@@ -41,18 +41,23 @@ def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
     sets = _scale_sets(out, {n.name for n in requant_targets(out, ctx.plan) if n.op == "linear"})
     if not sets:
         return out
-    activations = capture_activations(out, {s.input for s in sets}, calibration_windows(ctx, "int4-awq"),
-                                      show_progress=ctx.show_progress)
     group_size = ctx.plan.quant.group_size
     alphas = {}
-    for scale_set in progress(sets, "awq scales", "set", ctx.show_progress):
-        if any(out.weights[n.inputs[1]].shape[1] % group_size for n in scale_set.searched):
-            continue  # quantize_int4 reports the group size that does not divide
-        weights = [out.tensors[n.inputs[1]] for n in scale_set.searched]
-        found = awq_search(activations[scale_set.input], weights, lambda w: int4.fake_quantize(w, group_size),
-                           channel_map=scale_set.channel_map)
-        _fold(out, scale_set, found.scales)
-        alphas.update((n.name, found.alpha) for n in scale_set.searched)
+    # A layer at a time: each set's x captured where its layer's stage computes it, then the scales searched and
+    # folded (the float function unchanged, so later stages see what a whole-graph capture saw).
+    sweep = LayerSweep(out, calibration_windows(ctx, "int4-awq"), "awq scales", ctx.show_progress)
+    for stage in sweep:
+        here = [s for s in sets if sweep.stage_of(s.input) == stage]
+        activations = sweep.run({s.input for s in here}, advance=True)
+        for scale_set in here:
+            if any(out.weights[n.inputs[1]].shape[1] % group_size for n in scale_set.searched):
+                continue  # quantize_int4 reports the group size that does not divide
+            weights = [out.tensors[n.inputs[1]] for n in scale_set.searched]
+            found = awq_search(activations.pop(scale_set.input), weights,
+                               lambda w: int4.fake_quantize(w, group_size), channel_map=scale_set.channel_map)
+            del weights
+            _fold(out, scale_set, found.scales)
+            alphas.update((n.name, found.alpha) for n in scale_set.searched)
     out.meta["awq_alpha"] = alphas
     return out
 
@@ -127,19 +132,27 @@ def _rows_source(value: str, reader: Node, users, producer) -> tuple[Node, int] 
 # ------------------------------------------------------------------------------------------ folding
 
 def _fold(graph: Graph, scale_set: ScaleSet, scales: torch.Tensor) -> None:
-    """Scale the linears' input columns by s and divide the producer by s (new tensors; inputs untouched)."""
+    """Scale the linears' input columns by s and divide the producer by s: each a weight derived from the one it
+    replaces (computed when read in a streaming build, which then holds only the scales)."""
     full = scales if scale_set.channel_map is None else scales[scale_set.channel_map]
+
+    def derive(name: str, fn) -> None:
+        value = graph.weights[name]
+        graph.derive_weight(name, value.dtype, value.shape, [name], fn)
+
     for node in scale_set.linears:
-        weight = node.inputs[1]
-        graph.tensors[weight] = graph.tensors[weight] * full
+        derive(node.inputs[1], lambda w: w * full)
     if scale_set.norm is not None:
-        weight = scale_set.norm.inputs[-1]
-        graph.tensors[weight] = graph.tensors[weight] / full
+        derive(scale_set.norm.inputs[-1], lambda w: w / full)
         return
     node, start, count = scale_set.rows_of, scale_set.row_offset, scales.shape[0]
     roles = node.attrs.get("operands", ["weight"])
     for role, name in zip(roles, node.inputs[1:]):
-        tensor = graph.tensors[name].clone()
-        rows = tensor[start:start + count]
-        tensor[start:start + count] = rows / (scales[:, None] if role == "weight" else scales)
-        graph.tensors[name] = tensor
+        divisor = scales[:, None] if role == "weight" else scales
+        derive(name, lambda w, d=divisor: _divide_rows(w, start, count, d))
+
+
+def _divide_rows(tensor: torch.Tensor, start: int, count: int, divisor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor[start:start + count] = tensor[start:start + count] / divisor
+    return tensor

@@ -67,28 +67,35 @@ def _fix(graph: Graph, nodes: list[Node], what: str) -> str:
 
 def quantize_node(graph: Graph, node: Node, quant: str, group_size: int | None,
                   make: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], float | None]],
-                  cache: dict, memo: PartsMemo | None = None) -> None:
+                  cache: dict, memo: PartsMemo | None = None, measure: bool = True) -> None:
     """Replace the node's float weight by logical quantized operands made by `make(weight)` (in place).
 
     `cache` shares one quantized copy between nodes reading the same weight with the same scheme
     (a tied embedding and lm_head). Records the reconstruction error in graph.meta["quant_error"].
     With `memo` (a deterministic `make`: round to nearest) and lazy tensors, the operands are not kept: they are
     made again from the source weight whenever read (builder/lazy_tensors.py), and this call makes them only for
-    the error.
+    the error (`make` then takes measure=False: a format's quantize(..., measure=False), which skips it); without
+    `measure` (a rank built alone, whose errors no measure reads) not even that: `make` runs on a meta tensor of the
+    weight's shape, for its operands' shapes, and a weight is rounded only if its rank reads it.
     """
     weight = node.inputs[1]
     key = (weight, quant, group_size)
     if key not in cache:
-        parts, error = make(graph.tensors[weight])
+        lazy = memo is not None and hasattr(graph.tensors, "derive_parts")
+        if lazy and not measure:
+            value = graph.weights[weight]
+            parts, error = make(torch.empty(value.shape, device="meta"), measure=False)[0], None
+        else:
+            parts, error = make(graph.tensors[weight])
         base = weight.removesuffix(".weight")
         if f"{base}.qweight" in graph.weights:  # the same weight under another scheme already
             base = f"{base}.{quant}" + (f"g{group_size}" if group_size else "")
         names = {role: f"{base}.{role}" for role in FORMATS[quant].roles}
         for role, name in names.items():
             graph.add_weight(name, parts[role].contiguous())
-        if memo is not None and hasattr(graph.tensors, "derive_parts"):
-            graph.tensors.derive_parts(names, [weight], lambda w: {r: t.contiguous() for r, t in make(w)[0].items()},
-                                       memo)
+        if lazy:
+            graph.tensors.derive_parts(names, [weight], lambda w: {r: t.contiguous() for r, t in
+                                                                   make(w, measure=False)[0].items()}, memo)
         cache[key] = (list(names.values()), error)
     names, error = cache[key]
     roles = node.attrs.get("operands", ["weight"])
@@ -104,21 +111,23 @@ def logical_operands(quant: str, quantized: Quantized) -> dict[str, torch.Tensor
     return dict(zip(FORMATS[quant].roles, quantized))
 
 
-def requantize(graph: Graph, plan, quant: str, group_size: int | None,
-               quantize: Callable[[torch.Tensor], Quantized]) -> Graph:
-    """The body of quantize_int8/int4/fp8: rewrite every requantization target with the format's `quantize`."""
+def requantize(graph: Graph, ctx, quant: str, group_size: int | None,
+               quantize: Callable[..., Quantized]) -> Graph:
+    """The body of quantize_int8/int4/fp8: rewrite every requantization target with the format's `quantize` (for
+    a rank built alone, other than rank 0: only the weights its rank file reads, when it writes them)."""
+    plan = ctx.plan
     out = graph.replace()
     nodes = requant_targets(out, plan)
     # The int8 and fp8 kernels read K in steps of 8; int4 needs whole groups.
     check_divisible(out, nodes, group_size or 8, "[quant] group_size" if group_size else "the kernels' step of")
     cache: dict = {}
 
-    def make(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
-        quantized = quantize(weight)
+    def make(weight: torch.Tensor, measure: bool = True) -> tuple[dict[str, torch.Tensor], float]:
+        quantized = quantize(weight, measure=measure)
         return logical_operands(quant, quantized), quantized.error
 
     memo = PartsMemo()  # round to nearest gives the same codes every time: derive them, keep none
     for node in nodes:
-        quantize_node(out, node, quant, group_size, make, cache, memo)
+        quantize_node(out, node, quant, group_size, make, cache, memo, measure=ctx.only_rank in (None, 0))
     out.drop_unused_weights()
     return out

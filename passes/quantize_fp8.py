@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from builder.ir import Graph
 from passes.context import PassContext
 from passes.quant_rewrite import requantize
@@ -9,4 +11,4 @@ from runtime.weights import fp8
 
 
 def quantize_fp8(graph: Graph, ctx: PassContext) -> Graph:
-    return requantize(graph, ctx.plan, "fp8", None, lambda weight: fp8.quantize(weight, per_channel=True))
+    return requantize(graph, ctx, "fp8", None, functools.partial(fp8.quantize, per_channel=True))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from builder.ir import Graph
 from passes.context import PassContext
 from passes.quant_rewrite import requantize
@@ -10,4 +12,4 @@ from runtime.weights import int4
 
 def quantize_int4(graph: Graph, ctx: PassContext) -> Graph:
     group_size = ctx.plan.quant.group_size
-    return requantize(graph, ctx.plan, "int4", group_size, lambda weight: int4.quantize(weight, group_size))
+    return requantize(graph, ctx, "int4", group_size, functools.partial(int4.quantize, group_size=group_size))

@@ -13,9 +13,8 @@ are rounded as one stacked matrix. quantize_int4 (the pass) then rounds whatever
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
-
-from builder.calibration import MAX_TOKENS, calibration_windows, capture_activations
+from builder.calibration import MAX_TOKENS, LayerSweep, calibration_windows
+from builder.errors import KilnError
 from builder.ir import Graph, Node
 from builder.quant.gptq import fit_int4_grid, gptq_int4
 from passes.context import PassContext
@@ -23,7 +22,6 @@ from passes.quant_rewrite import quantize_node, requant_targets
 from passes.rewrite import consumers
 from runtime.weights import int4
 from runtime.weights.format import relative_error
-
 
 
 def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
@@ -34,28 +32,56 @@ def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
              and out.weights[n.inputs[1]].shape[1] % group_size == 0 and len(users[n.inputs[1]]) == 1]
     if not nodes:
         return out
-    windows = calibration_windows(ctx, "int4-awq")
-    working = out.replace()  # the float graph, each layer's weights replaced by their rounding once done
-    rounded: dict[str, tuple[Node, dict[str, torch.Tensor], float]] = {}
-    for layer in tqdm(_layers(nodes), desc="gptq", unit="layer", leave=False, disable=not ctx.show_progress):
-        activations = capture_activations(working, set(layer), windows, max_rows=MAX_TOKENS)
-        for name, readers in layer.items():
-            weights = [out.tensors[n.inputs[1]].float() for n in readers]
-            x = activations.pop(name)
-            stacked = torch.cat(weights)
-            found = gptq_int4(stacked, x, group_size, fit_int4_grid(stacked, x.pow(2).mean(0), group_size))
-            start = 0
-            for node, weight in zip(readers, weights):
-                rows = slice(start, start + weight.shape[0])
-                start = rows.stop
-                parts = {"qweight": found.q[rows], "scales": found.scales[rows], "zeros": found.zeros[rows]}
-                approx = int4.dequantize(*parts.values())
-                working.tensors[node.inputs[1]] = approx
-                rounded[node.name] = (node, parts, relative_error(weight, approx))
-    for node, parts, error in rounded.values():
-        quantize_node(out, node, "int4", group_size, lambda _w, p=parts, e=error: (p, e), {})
+    # A layer at a time (builder/calibration.py's LayerSweep): a layer's inputs are captured by running its stage
+    # with the layers before it rounded and its own weights float; its rounded weights then override the float
+    # ones for the run that hands the stage's values on. Two runs a stage, where capturing through the whole graph
+    # for every layer ran the model's first half again for each (and held the whole float model).
+    sweep = LayerSweep(out, calibration_windows(ctx, "int4-awq"), "gptq", ctx.show_progress)
+    layers: dict[int, list[dict[str, list[Node]]]] = {}
+    for layer in _layers(nodes):
+        stages = {sweep.stage_of(name) for name in layer}
+        if len(stages) > 1:
+            raise KilnError(f"int4-awq: the inputs of {next(iter(layer.values()))[0].name}'s layer are computed in "
+                            f"different layers ({sorted(stages)}); GPTQ rounds a layer at a time")
+        layers.setdefault(stages.pop(), []).append(layer)
+    for stage in sweep:
+        approx: dict[str, torch.Tensor] = {}  # this stage's rounded weights, read instead of the float ones
+        for layer in layers.get(stage, []):
+            activations = sweep.run(set(layer), approx, max_rows=MAX_TOKENS)
+            for name, readers in layer.items():
+                weights = [out.tensors[n.inputs[1]].float() for n in readers]
+                x = activations.pop(name)
+                stacked = torch.cat(weights)
+                found = gptq_int4(stacked, x, group_size, fit_int4_grid(stacked, x.pow(2).mean(0), group_size))
+                start = 0
+                for node, weight in zip(readers, weights):
+                    rows = slice(start, start + weight.shape[0])
+                    start = rows.stop
+                    parts = {"qweight": found.q[rows], "scales": found.scales[rows], "zeros": found.zeros[rows]}
+                    approx[weight_name := node.inputs[1]] = int4.dequantize(*parts.values())
+                    error = relative_error(weight, approx[weight_name])
+                    quantize_node(out, node, "int4", group_size, lambda _w, p=parts, e=error: (p, e), {})
+                    _hold_as_nibbles(out, node.inputs[1])
+                del weights, stacked, found
+        sweep.run(set(), approx, advance=True)
     out.drop_unused_weights()
     return out
+
+
+def _hold_as_nibbles(graph: Graph, name: str) -> None:
+    """A streaming build holds GPTQ's codes (uint8 [N, K], 0..15) two a byte until they are written, and gives
+    them back as they were whenever they are read."""
+    if not hasattr(graph.tensors, "bind"):
+        return
+    codes = graph.tensors[name]
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+    def unpacked() -> torch.Tensor:
+        out = torch.empty(packed.shape[0], 2 * packed.shape[1], dtype=torch.uint8)
+        out[:, 0::2], out[:, 1::2] = packed & 15, packed >> 4
+        return out
+
+    graph.tensors.bind(name, unpacked)
 
 
 def _layers(nodes: list[Node]) -> list[dict[str, list[Node]]]:

@@ -9,4 +9,4 @@ from runtime.weights import int8
 
 
 def quantize_int8(graph: Graph, ctx: PassContext) -> Graph:
-    return requantize(graph, ctx.plan, "int8", None, int8.quantize)
+    return requantize(graph, ctx, "int8", None, int8.quantize)

@@ -58,6 +58,12 @@ def awq_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 20, 
     """w [N, K] with each (output channel, group) clipped to +-(1 - i/grid) max|w|, i < max_shrink * grid,
     whichever gives that group's INT4 partial outputs x_g w_g^T the least squared error on `rows`
     evenly spaced rows of x [T, K] (AWQ's weight clipping search; round to nearest cannot clip)."""
+    return clip_groups(w, awq_clip_limits(x, w, group_size, grid, max_shrink, rows))
+
+
+def awq_clip_limits(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 20, max_shrink: float = 0.5,
+                    rows: int = 256) -> torch.Tensor:
+    """awq_clip's limits: [K/G, N, 1], each (group, output channel)'s clip (clip_groups applies them)."""
     n, k = w.shape
     groups = k // group_size
     x = x.float()[:: max(1, -(-x.shape[0] // rows))]
@@ -73,4 +79,12 @@ def awq_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 20, 
         error = (q @ xg).sub_(reference).pow_(2).mean(-1, keepdim=True)
         better = error < best_error
         best_error, best_max = torch.where(better, error, best_error), torch.where(better, limit, best_max)
-    return torch.clamp(wg, -best_max, best_max).transpose(0, 1).reshape(n, k).contiguous()
+    return best_max
+
+
+def clip_groups(w: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """w [N, K] with each group clipped to +-limits [K/G, N, 1] (awq_clip_limits')."""
+    n, k = w.shape
+    groups = limits.shape[0]
+    wg = w.float().reshape(n, groups, k // groups).transpose(0, 1)
+    return torch.clamp(wg, -limits, limits).transpose(0, 1).reshape(n, k).contiguous()

@@ -13,6 +13,9 @@ A target package (builder/targets/<name>/) provides, in its __init__ (light: hea
     run(pipeline, graph, ctx, options, onnx_only) -> (graphs, write_ranks or None)   the passes, and its rank
                                          writer (None: emit writes each rank's program and weights)
     requirements(plan) -> dict           the manifest's "target" section: name and what a host needs
+    RANKS_ALONE        whether a rank can be built alone (--rank): its rank file is all it writes
+    assemble(plan, show_progress) -> write_shared(out, rank_files) -> dict   (optional) what the ranks built
+                                         alone share, written once they are all there; more manifest keys
 
 The runtime side, the backends that run each target's engines, lives in runtime/backends.
 """

@@ -1,7 +1,7 @@
 """The WeightFormat record the registry holds, and the tensor math every format shares.
 
 Every format's `quantize` returns `Quantized(q, scales, zeros, error)`, error being the relative RMS
-reconstruction error ||w - dequantize(q)|| / ||w||.
+reconstruction error ||w - dequantize(q)|| / ||w|| (NOT_MEASURED with measure=False).
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ class Quantized(NamedTuple):
     scales: torch.Tensor         # f32 [N], [1] (fp8 per tensor) or [N, K/G]
     zeros: torch.Tensor | None   # f32 [N, K/G] for int4
     error: float                 # relative RMS reconstruction error
+
+
+# A format's quantize(..., measure=False): the codes made again when a streaming build reads them, whose error was
+# measured the first time (or, for a rank built alone, is read by no measure)
+NOT_MEASURED = float("nan")
 
 
 def relative_error(w: torch.Tensor, approx: torch.Tensor) -> float:

@@ -11,7 +11,7 @@ import torch
 from runtime._native import _qlinear as _C
 from runtime.ops.checks import expect_shape, fail
 from runtime.weights import panels
-from runtime.weights.format import Quantized, WeightFormat, nonzero_scales, relative_error
+from runtime.weights.format import NOT_MEASURED, Quantized, WeightFormat, nonzero_scales, relative_error
 
 LAYOUT = "f8e4m3.p16k1"
 MAX = 448.0  # largest finite float8_e4m3fn
@@ -19,14 +19,14 @@ MAX = 448.0  # largest finite float8_e4m3fn
 
 # ------------------------------------------------------------------------------------------ math
 
-def quantize(w: torch.Tensor, per_channel: bool = True) -> Quantized:
+def quantize(w: torch.Tensor, per_channel: bool = True, measure: bool = True) -> Quantized:
     """FP8 e4m3 with scale = max|w| / 448 per output channel, or one scale for the whole tensor."""
     w = w.float()
     amax = w.abs().amax(1) if per_channel else w.abs().amax().reshape(1)
     scales = amax / MAX  # [N] or [1]
     scaled = w / nonzero_scales(scales)[:, None] if per_channel else w / nonzero_scales(scales)
     q = scaled.clamp(-MAX, MAX).to(torch.float8_e4m3fn)
-    return Quantized(q, scales, None, relative_error(w, dequantize(q, scales)))
+    return Quantized(q, scales, None, relative_error(w, dequantize(q, scales)) if measure else NOT_MEASURED)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from runtime._native import _qlinear as _C
 from runtime.ops.checks import expect_shape, fail
 from runtime.weights import panels
-from runtime.weights.format import (Quantized, WeightFormat, expand_scales, group_blocks, nonzero_scales,
+from runtime.weights.format import (NOT_MEASURED, Quantized, WeightFormat, expand_scales, group_blocks, nonzero_scales,
                                     relative_error)
 
 LAYOUT = "q4g.p16k8"
@@ -20,7 +20,7 @@ LEVELS = 15
 
 # ------------------------------------------------------------------------------------------ math
 
-def quantize(w: torch.Tensor, group_size: int) -> Quantized:
+def quantize(w: torch.Tensor, group_size: int, measure: bool = True) -> Quantized:
     """Group-wise asymmetric INT4 (round to nearest): each group's [min, max] spread over 16 levels."""
     blocks = group_blocks(w, group_size)
     lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, K/G]
@@ -28,7 +28,7 @@ def quantize(w: torch.Tensor, group_size: int) -> Quantized:
     q = torch.round((blocks - lo[..., None]) / nonzero_scales(scales)[..., None]).clamp(0, LEVELS)
     q = q.to(torch.uint8).reshape(w.shape)
     zeros = lo + 8 * scales  # w = q * scale + lo = (q - 8) * scale + zero
-    return Quantized(q, scales, zeros, relative_error(w, dequantize(q, scales, zeros)))
+    return Quantized(q, scales, zeros, relative_error(w, dequantize(q, scales, zeros)) if measure else NOT_MEASURED)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from runtime._native import _qlinear as _C
 from runtime.ops.checks import expect_shape
 from runtime.weights import panels
-from runtime.weights.format import (Quantized, WeightFormat, expand_scales, group_blocks, nonzero_scales,
+from runtime.weights.format import (NOT_MEASURED, Quantized, WeightFormat, expand_scales, group_blocks, nonzero_scales,
                                     relative_error)
 
 LAYOUT = "q8.p16k4"
@@ -21,14 +21,14 @@ GROUP_SIZES = panels.GROUP_SIZES + (None,)  # None: one scale per output channel
 
 # ------------------------------------------------------------------------------------------ math
 
-def quantize(w: torch.Tensor, group_size: int | None = None) -> Quantized:
+def quantize(w: torch.Tensor, group_size: int | None = None, measure: bool = True) -> Quantized:
     """Symmetric INT8: scale = max|w| / 127 per output channel (or per group of `group_size` inputs)."""
     blocks = group_blocks(w, group_size or w.shape[1])
     scales = blocks.abs().amax(-1) / MAX  # [N, K/G]
     q = torch.round(blocks / nonzero_scales(scales)[..., None]).clamp(-MAX, MAX).to(torch.int8)
     q = q.reshape(w.shape)
     scales = scales if group_size else scales[:, 0]
-    return Quantized(q, scales, None, relative_error(w, dequantize(q, scales)))
+    return Quantized(q, scales, None, relative_error(w, dequantize(q, scales)) if measure else NOT_MEASURED)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,22 @@ def test_the_price_follows_what_the_build_holds():
     assert price_build(small, tp8, rank=3).peak_bytes <= price_build(small, tp8, rank=0).peak_bytes
 
 
+def test_awq_calibration_is_priced_by_hand_a_layer_at_a_time():
+    """Llama-3.1-8B int4-awq: GPTQ's codes (two a byte, with a scale and a zero point per group of 32), three
+    copies of a layer's float weights and two Hessians of the widest input (14336 x 14336 doubles); the 32 GB
+    float model is not in it, and twice the layers add only their codes."""
+    shape, awq = load_shape("llama-3.1-8b"), plan(method="int4-awq")
+    layer = 4 * (4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096)
+    codes = 32 * (4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336) * (0.5 + 8 / 32)
+    hessians = 2 * 8 * 14336 ** 2
+    price = price_build(shape, awq)
+    assert price.phase == "AWQ/GPTQ calibration, a layer at a time"
+    assert price.peak_bytes == int(1.1 * (GIB + codes + 3 * layer + hessians))
+    assert price.peak_bytes < 14 * GIB  # buildable on a 16 GB runner, where the whole float model is 32 GB
+    deeper = price_build(dataclasses.replace(shape, num_layers=64), awq)
+    assert deeper.peak_bytes == int(1.1 * (GIB + 2 * codes + 3 * layer + hessians))
+
+
 def test_a_build_the_host_cannot_hold_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(build_budget, "available_memory", lambda: 2 * GIB)
     shape, tp2 = load_shape("llama-3.1-8b"), plan(method="int4").with_overrides(tp=2)
@@ -73,7 +89,7 @@ def test_the_time_price_follows_the_work_a_build_does():
     assert 0 < exact.seconds < int4.seconds < awq.seconds  # rounding, then measuring, then GPTQ add work
     tp8 = plan(method="int4").with_overrides(tp=8)
     assert price_build(shape, tp8, rank=3).seconds < price_build(shape, tp8, rank=0).seconds < int4.seconds + 1
-    assert price_build(shape, tp8, rank=3).seconds > exact.seconds / 8  # a rank job still rounds the whole model
+    assert price_build(shape, tp8, rank=3).seconds > exact.seconds / 8  # a rank job rounds its stage's weights whole
     assert price_build(load_shape("llama-3.1-70b"), plan(method="int4")).seconds > 8 * int4.seconds
     assert [build_budget.duration(s) for s in (3, 61, 300, 7199)] == ["about 5 s", "about 60 s", "about 5 min",
                                                                       "about 2.0 h"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from runtime.engine_format import KV_CACHE_DTYPES
 
 DEVICE_KIND = "cpu"
+RANKS_ALONE = True
 ACTIVATIONS = ("f32", "int16", "int8")   # int16 / int8: integer activations per token in int4/int8 linears
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")

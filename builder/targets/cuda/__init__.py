@@ -5,6 +5,7 @@ compute capability, Hopper included)."""
 from __future__ import annotations
 
 DEVICE_KIND = "gpu"
+RANKS_ALONE = True  # the kernels are compiled when the ranks are assembled
 ACTIVATIONS = ("bf16", "f16", "f32")
 KV_DTYPES = ("bf16", "f16", "f32", "fp8")
 # int5/int6/int8 blocks (a GGUF's, under "source") have no GPU kernel: the layout pass widens them to the
@@ -48,6 +49,13 @@ def run(pipeline, graph, ctx, options, onnx_only: bool):
 
     graphs = run_pipeline(graph, ctx, pipeline, options)
     return graphs, kernel_writer(ctx.plan, ctx.show_progress)
+
+
+def assemble(plan, show_progress: bool):
+    """emit.assemble's write_shared: the kernels, compiled once the ranks built alone are all there."""
+    from builder.targets.cuda.compile import shared_writer
+
+    return shared_writer(plan, show_progress)
 
 
 def requirements(plan) -> dict:

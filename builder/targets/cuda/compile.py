@@ -55,31 +55,50 @@ def kernel_writer(plan: Plan, show_progress: bool):
 
     def write_ranks(tmp: Path, graphs: list[Graph]) -> tuple[list[dict], dict]:
         from builder.emit import write_rank_files
-        from runtime.backends.cuda.kernel_index import INDEX, write_index
 
         ranks = write_rank_files(tmp, graphs, show_progress)
-        triton = find_triton()
-        cc = load_devices()[plan.device].compute_capability
-        variants = {}
-        for graph in graphs:
-            variants.update(record_variants(graph, plan))
-        started = time.perf_counter()
-        compiled = [compile_variant(kernel, variant, cc)
-                    for kernel, variant in tqdm(variants.values(), desc=f"compiling kernels for {cc}", unit="kernel",
-                                                disable=not show_progress)]
-        from builder.targets.cuda import ARCHES
-
-        header = {"arch": ARCHES[cc], "compute_capability": cc, "triton": triton.__version__}
-        if show_progress:  # printed, not recorded: a rebuild stays byte-identical
-            tqdm.write(f"compiled {len(compiled)} kernels for {ARCHES[cc]} with Triton {triton.__version__} in "
-                       f"{time.perf_counter() - started:.1f} s")
-        digest = write_index(tmp, header, compiled)
-        section = dict(header, index=INDEX, index_sha256=digest, kernels=len(compiled),
-                       cubin_bytes=sum(len(c.cubin) for c in compiled),
-                       widened=sorted({n for g in graphs for n in g.meta.get("cuda_weights", {}).get("widened", [])}))
-        return ranks, {"cuda": section}
+        return ranks, write_kernels(tmp, plan, graphs, show_progress)
 
     return write_ranks
+
+
+def shared_writer(plan: Plan, show_progress: bool):
+    """emit.assemble's write_shared for the cuda target: ranks built alone (--rank) each wrote their own file; the
+    kernels every rank launches are found from those files' programs and compiled once, as a whole build does."""
+
+    def write_shared(out: Path, rank_files: list[Path]) -> dict:
+        from runtime.engine_format import map_rank_file
+
+        graphs = [Graph.from_json(map_rank_file(path).program) for path in rank_files]
+        return write_kernels(out, plan, graphs, show_progress)
+
+    return write_shared
+
+
+def write_kernels(directory: Path, plan: Plan, graphs: list[Graph], show_progress: bool) -> dict:
+    """The kernels the ranks' programs launch, compiled for the plan's device into `directory`; the manifest's
+    "cuda" section."""
+    from builder.targets.cuda import ARCHES
+    from runtime.backends.cuda.kernel_index import INDEX, write_index
+
+    triton = find_triton()
+    cc = load_devices()[plan.device].compute_capability
+    variants = {}
+    for graph in graphs:
+        variants.update(record_variants(graph, plan))
+    started = time.perf_counter()
+    compiled = [compile_variant(kernel, variant, cc)
+                for kernel, variant in tqdm(variants.values(), desc=f"compiling kernels for {cc}", unit="kernel",
+                                            disable=not show_progress)]
+    header = {"arch": ARCHES[cc], "compute_capability": cc, "triton": triton.__version__}
+    if show_progress:  # printed, not recorded: a rebuild stays byte-identical
+        tqdm.write(f"compiled {len(compiled)} kernels for {ARCHES[cc]} with Triton {triton.__version__} in "
+                   f"{time.perf_counter() - started:.1f} s")
+    digest = write_index(directory, header, compiled)
+    section = dict(header, index=INDEX, index_sha256=digest, kernels=len(compiled),
+                   cubin_bytes=sum(len(c.cubin) for c in compiled),
+                   widened=sorted({n for g in graphs for n in g.meta.get("cuda_weights", {}).get("widened", [])}))
+    return {"cuda": section}
 
 
 def record_variants(graph: Graph, plan: Plan) -> dict:

@@ -4,6 +4,7 @@ TensorRT for RTX) into one engine file per rank for the plan's GPU (docs/tensorr
 from __future__ import annotations
 
 DEVICE_KIND = "gpu"
+RANKS_ALONE = False  # its ranks' engines are checked against each other (the ONNX across ranks)
 ACTIVATIONS = ("f16", "bf16", "f32")
 # An fp8 cache is held as int8 pools of e4m3 bit patterns in the ONNX (float8 has no ScatterND or GatherND
 # there), which the plugin's kernels read as e4m3. int8 caches are a cpu kernel path.
