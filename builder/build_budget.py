@@ -1,15 +1,17 @@
 """What a build holds in memory at its peak and how long it takes, priced from the model's shape before a weight is
 read, and the host's memory to hold it.
 
-A build streams (builder/lazy_tensors.py): quantizing, sharding and writing hold about one weight at a time. What it
-holds beyond that is its accuracy measure (builder/accuracy.py), when the plan loses anything: the quantized model
-packed for the cpu kernels (the engine's weights, for tp=1), the float reference's largest layer (a reference over 1
-GiB runs a layer at a time) or the whole reference (smaller ones), the float tables it checks against the quantized
-runner's, and a window's logits. A quantized model over 1 GiB runs a layer at a time too, its packed weights mapped
-from a scratch folder: it then holds a layer, the float table and the logits. The figures are phases of a build; its
-peak is the largest, with a margin. Measured against the estimate (peak RSS / estimate, this machine,
-benchmarks/bench_builds.py): SmolLM2 default 1.4 / 1.5 GiB, int8 1.8 / 2.1 GiB, int4-awq 3.0 / 3.0 GiB, the
-a100-tp2-int4 tensorrt plan 2.4 / 2.7 GiB; a random Llama-3.2-1B-shaped int4 build 2.5 / 2.7 GiB, fp8 2.4 / 2.7 GiB.
+A build streams (builder/lazy_tensors.py): quantizing, sharding and writing hold about one weight at a time, and
+calibration a layer at a time (builder/calibration.py's LayerSweep: a layer's float weights, and for int4-awq GPTQ's
+codes so far and its widest Hessian). What it holds beyond that is its accuracy measure (builder/accuracy.py), when
+the plan loses anything: the quantized model packed for the cpu kernels (the engine's weights, for tp=1), the float
+reference's largest layer (a reference over 1 GiB runs a layer at a time) or the whole reference (smaller ones), the
+float tables it checks against the quantized runner's, and a window's logits. A quantized model over 1 GiB runs a
+layer at a time too, its packed weights mapped from a scratch folder: it then holds a layer, the float table and the
+logits. The figures are phases of a build; its peak is the largest, with a margin. Measured against the estimate
+(peak RSS / estimate, this machine, benchmarks/bench_builds.py): SmolLM2 default 1.4 / 1.5 GiB, int8 1.8 / 2.1 GiB,
+int4-awq 1.9 / 2.1 GiB, the a100-tp2-int4 tensorrt plan 2.7 / 2.7 GiB; a random Llama-3.2-1B-shaped int4 build
+2.5 / 2.7 GiB, fp8 2.4 / 2.7 GiB, int4-awq 4.2 / 4.2 GiB.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ REQUANT = ("int8", "int4", "int4-awq", "fp8")
 # fewer seconds with more cores.
 START_SECONDS = 5.0   # the interpreter, torch, the trace and the tokenizer
 STREAM_NS = 27.0      # read from the checkpoint, laid out and written (a float build: Llama-1B exact, tp=2)
-ROUND_NS = 88.0       # rounded to nearest (int4/int8/fp8) and packed (8B, rank 3 of 8)
+ROUND_NS = 50.0       # rounded to nearest (int4/int8/fp8) and its error measured, then rounded again when written
+ROUND_ALONE_NS = 18.0 # rounded only when written, no error measured: a rank built alone (8B, rank 3 of 8)
 MEASURE_NS = 140.0    # the accuracy measure: reference and quantized model over the evaluation (Llama-1B int4)
-AWQ_GPTQ_NS = 600.0   # AWQ's searches and GPTQ's grids and rounding, a linear weight (SmolLM2 and Llama-1B int4-awq)
+AWQ_GPTQ_NS = 700.0   # AWQ's searches and GPTQ's grids and rounding, a linear weight (SmolLM2 and Llama-1B int4-awq)
 HESSIAN_NS = 0.016    # GPTQ's Hessian of an input K wide (its product, Cholesky factors and inverse): times K^3
 TENSORRT_NS = 200.0   # ONNX export, ONNX Runtime's verification and TensorRT's compile (SmolLM2 a100-tp2-int4)
 
@@ -83,12 +86,12 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
     # GPTQ's codes, held two a byte with their groups' scales and zero points until they are written
     codes = shape.num_layers * shape.layer_parameters() * (0.5 + 8.0 / q.group_size) if awq else 0.0
     # Calibration runs a layer at a time (builder/calibration.py's LayerSweep): the first stage reads the float
-    # table; later ones a layer's float weights, a few copies of it, and GPTQ's Hessian of the widest input (K x K
-    # doubles, two at once)
+    # table (and the last binds it for the head); later ones a layer's float weights, a few copies of it, and GPTQ's
+    # Hessian of the widest input (K x K doubles, two at once)
     sweep = table + layer
-    if awq:
+    if awq:  # the table's stages beside GPTQ's codes measured at twice the table (Llama-1B: 4.2 GiB peak RSS)
         hessian = 2 * 8.0 * max(shape.hidden_size, shape.intermediate_size) ** 2
-        phases["AWQ/GPTQ calibration, a layer at a time"] = codes + max(sweep, 3 * layer + hessian)
+        phases["AWQ/GPTQ calibration, a layer at a time"] = codes + max(table + sweep, 3 * layer + hessian)
     elif plan.kv_cache.dtype in ("int8", "fp8") or (q.method == "fp8" and plan.target == "tensorrt"):
         phases["calibrating scales, a layer at a time"] = sweep
     if plan.target == "tensorrt":  # the ONNX export, ONNX Runtime's sessions and the cpu engine that verify it
@@ -119,8 +122,10 @@ def _seconds(shape: ModelShape, plan: Plan, rank: int | None, measured: bool) ->
     params = _parameters(shape)
     written = params / (plan.world_size if rank is not None else 1)
     ns = STREAM_NS * written
-    if q.method in REQUANT:  # a rank alone (not 0): its stage's weights, each rounded whole before it is sliced
-        ns += ROUND_NS * (params if rank in (None, 0) else params / plan.pp)
+    if q.method in REQUANT and rank in (None, 0):
+        ns += ROUND_NS * params
+    elif q.method in REQUANT:  # a rank alone: its stage's weights, each rounded whole before it is sliced
+        ns += ROUND_ALONE_NS * params / plan.pp
     if measured:
         ns += MEASURE_NS * params
     if q.method == "int4-awq":  # every rank's job: a layer's codes depend on the layers rounded before it

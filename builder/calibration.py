@@ -1,4 +1,5 @@
-"""Calibration and evaluation data: the shipped texts, their tokens, and a runner that captures activations.
+"""Calibration and evaluation data: the shipped texts, their tokens, a whole-graph reference runner (GraphRunner) and
+the layer-at-a-time sweep the calibration passes capture activations with (LayerSweep).
 
 Texts are read as token windows of at most WINDOW tokens (or the model's context, if shorter),
 each run as one independent sequence that starts as a user's raw prompt would: with the model's BOS
@@ -28,7 +29,7 @@ from runtime.special_tokens import SpecialTokens
 WINDOW = 512
 MAX_TOKENS = 1024          # calibration and evaluation read at most this many tokens
 MIN_CALIBRATION_TOKENS = 256
-MAX_CAPTURED_ROWS = 512    # activation rows kept per value by capture_activations (evenly spaced)
+MAX_CAPTURED_ROWS = 512    # activation rows kept per value by LayerSweep.run (evenly spaced)
 KV_EMULATION = {"bf16": torch.bfloat16, "f16": torch.float16}
 KV_MAX = {"int8": 127.0, "fp8": 448.0}
 
