@@ -12,6 +12,8 @@ are rounded as one stacked matrix. quantize_int4 (the pass) then rounds whatever
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from builder.calibration import MAX_TOKENS, LayerSweep, calibration_windows
 from builder.errors import KilnError
@@ -73,15 +75,7 @@ def _hold_as_nibbles(graph: Graph, name: str) -> None:
     them back as they were whenever they are read."""
     if not hasattr(graph.tensors, "bind"):
         return
-    codes = graph.tensors[name]
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-
-    def unpacked() -> torch.Tensor:
-        out = torch.empty(packed.shape[0], 2 * packed.shape[1], dtype=torch.uint8)
-        out[:, 0::2], out[:, 1::2] = packed & 15, packed >> 4
-        return out
-
-    graph.tensors.bind(name, unpacked)
+    graph.tensors.bind(name, functools.partial(int4.unpack_nibbles, int4.pack_nibbles(graph.tensors[name])))
 
 
 def _layers(nodes: list[Node]) -> list[dict[str, list[Node]]]:

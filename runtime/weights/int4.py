@@ -31,6 +31,16 @@ def quantize(w: torch.Tensor, group_size: int, measure: bool = True) -> Quantize
     return Quantized(q, scales, zeros, relative_error(w, dequantize(q, scales, zeros)) if measure else NOT_MEASURED)
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15, K even -> uint8 [N, K/2]: byte j holds code 2j in its low nibble, 2j+1 in its high."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> the codes uint8 [N, K] that pack_nibbles took."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
 def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     k = q.shape[1]
     return ((q.double() - 8) * expand_scales(scales, k) + expand_scales(zeros, k)).float()

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from runtime.backends.cuda.launch import Launcher, cdiv, kernel
 from runtime.ops.checks import describe, fail
+from runtime.weights import int4
 
 INT4_LAYOUT = "q4g.nk2"
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,12 +40,10 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
         fail("pack_int4", f"q must be uint8 [N, K] with K even, got {describe(q)}")
     if bool((q > 15).any()):
         fail("pack_int4", "q holds codes above 15")
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    return int4.pack_nibbles(q)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> the codes uint8 [N, K] that pack_int4 took."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+unpack_int4 = int4.unpack_nibbles  # uint8 [N, K/2] -> the codes uint8 [N, K] that pack_int4 took
 
 
 # ------------------------------------------------------------------------------------------ int4 kernels
