@@ -206,7 +206,7 @@ class LlamaCppRunner:
 # ------------------------------------------------------------------------------------------ ONNX Runtime GenAI
 
 DEFAULT_ORT_PYTHON = "/tmp/venv-ort/bin/python"  # python -m venv /tmp/venv-ort && /tmp/venv-ort/bin/pip install
-                                                 # onnxruntime-genai onnxruntime torch==2.13.0 transformers onnx
+                                                 # onnxruntime-genai onnxruntime torch==2.13.0 transformers onnx onnx_ir
 
 
 def build_ort_genai(python: str, gguf: Path, out: Path, threads: int) -> Path:
@@ -317,11 +317,16 @@ def main() -> None:
         path, accuracy[f"kiln {method}"] = build_kiln(args.model, method, engines)
         runners[f"kiln {method}"] = KilnRunner(path, args.threads)
     context = max(args.prefill, args.decode_prompt) + args.decode + 64
-    for name, ftype in (("Q4_0", 2), ("Q8_0", 7)):
-        quantized = engines / f"{source.stem}.{name}.gguf"
-        if not quantized.exists():
-            llama_cpp_quantize(source, quantized, ftype, args.threads)
-        runners[f"llama.cpp {name}"] = LlamaCppRunner(quantized, args.threads, context)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp skipped: llama-cpp-python is not installed (pip install -e \".[bench]\")", flush=True)
+    else:
+        for name, ftype in (("Q4_0", 2), ("Q8_0", 7)):
+            quantized = engines / f"{source.stem}.{name}.gguf"
+            if not quantized.exists():
+                llama_cpp_quantize(source, quantized, ftype, args.threads)
+            runners[f"llama.cpp {name}"] = LlamaCppRunner(quantized, args.threads, context)
     if Path(args.ort_genai).exists():
         model = build_ort_genai(args.ort_genai, source, engines / "ort-genai-int4", args.threads)
         runners["ORT GenAI int4"] = OrtGenaiRunner(args.ort_genai, model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import time
@@ -42,12 +43,17 @@ def recycle_large_allocations() -> bool:
 _STEP_FIELDS = ("token_ids", "positions", "slot_mapping", "context_lens", "query_start_loc", "logits_indices")
 
 
+_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")  # [T] each: a tape's own buffers hold REPLAY_MAX_TOKENS
+
+
 def _copy_step(dst: StepMetadata, src: StepMetadata) -> None:
-    """Write src's step inputs into dst's buffers (same shapes; dst's block tables may be wider)."""
+    """Write src's step inputs into the first entries of dst's buffers (the same sizes but the token fields,
+    which may be longer; dst's block tables may be wider)."""
     for name in _STEP_FIELDS:
-        getattr(dst, name).copy_(getattr(src, name))
+        value = getattr(src, name)
+        getattr(dst, name)[:value.shape[0]].copy_(value)
     if src.window_slot_mapping is not None:
-        dst.window_slot_mapping.copy_(src.window_slot_mapping)
+        dst.window_slot_mapping[:src.window_slot_mapping.shape[0]].copy_(src.window_slot_mapping)
     for (_, mine), (_, theirs) in zip(dst.groups, src.groups):
         width = theirs.shape[1]
         mine[:, :width].copy_(theirs)
@@ -80,25 +86,53 @@ class KVCacheStorage:
 class RecordedStep:
     """A step's C calls on tape, with everything they read and write (kept alive, never moved)."""
 
-    shape: tuple[int, int, int]          # (tokens, sequences, logits rows): what the tape is valid for
+    shape: tuple[int, int, int]          # (tokens, sequences, logits rows) recorded; tokens 0: any count
     tape: object
     meta: StepMetadata                   # the step inputs the tape reads: a new step is copied in
     env: dict[str, torch.Tensor]         # every value of the recorded step
     output: torch.Tensor
     rope: list[torch.Tensor]             # the rope tables the tape reads (a grown table needs a new tape)
+    room: int                            # the most tokens its buffers hold (_token_room)
+
+    def fits(self, meta: StepMetadata, rope: list[torch.Tensor]) -> bool:
+        """The step's tokens fit the tape's buffers, its block tables the tape's, and it reads the same rope
+        tables."""
+        return (meta.token_ids.numel() <= self.room and all(new.shape[1] <= old.shape[1] for (_, new), (_, old) in zip(meta.groups, self.meta.groups))
+                and all(a is b for a, b in zip(self.rope, rope)))
+
+
+def _token_room(env: dict[str, torch.Tensor], tokens: int) -> int:
+    """The most tokens a tape recorded on a step of `tokens` tokens may replay: every value whose rows follow
+    the tokens (a multiple of them) must have room in its storage for that many tokens' rows. Kept outputs
+    (tape.Outputs) hold REUSE_ROWS rows; a value made fresh for the step holds the step's own."""
+    room = tape.REUSE_ROWS
+    for value in env.values():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] < tokens \
+                or value.shape[0] % tokens or value.stride(0) == 0:
+            continue
+        rows = (value.untyped_storage().nbytes() // value.element_size() - value.storage_offset()) // value.stride(0)
+        room = min(room, rows // (value.shape[0] // tokens))
+    return room
 
 
 class CpuExecutor(Executor):
     """Runs a rank's program; `execute(meta)` returns the logits rows named by meta.logits_indices.
 
-    Step replay: when a step has a shape (tokens, sequences, logits rows) seen before, at most
-    REPLAY_MAX_TOKENS tokens, and every op of the program is one C call, that step's calls are
-    recorded on a tape (tape.Recording); later steps of the same shape copy their inputs into the
+    Step replay: when every op of the program is one C call, a step of at most REPLAY_MAX_TOKENS
+    tokens records its calls on a tape (tape.Recording); later steps copy their inputs into the
     recorded step's buffers and replay the tape in one C call, with no Python per op. The returned
     logits are then the recorded step's buffer: valid until the next step (callers sample before
-    they step again). The last MAX_TAPES shapes keep their tapes: decode steps of a steady batch
-    repeat one shape, and speculative decoding's verify steps cycle through a few (k + 1 tokens
-    and logits per speculating sequence, k varying). KILN_STEP_REPLAY=0 turns replay off.
+    they step again). Two kinds of tape:
+    - a step with more tokens than sequences and logits rows (a prefill, or a chunk of one beside
+      decodes) records at once a tape of its (sequences, logits rows) that replays any token count
+      up to REPLAY_MAX_TOKENS: the calls' token rows are rewritten at replay (tape.replay), so a
+      prompt length seen for the first time does not run op by op;
+    - other steps (decode: one token and one logits row a sequence; speculative verify steps) are
+      recorded when their shape (tokens, sequences, logits rows) repeats, and replay that shape.
+    The last MAX_TAPES shapes keep their tapes: decode steps of a steady batch repeat one shape, and
+    speculative decoding's verify steps cycle through a few (k + 1 tokens and logits per speculating
+    sequence, k varying). All tapes write the same buffers (tape.Outputs), so a tape costs its calls'
+    arguments only. KILN_STEP_REPLAY=0 turns replay off.
     """
 
     REPLAY_MAX_TOKENS = tape.REUSE_ROWS
@@ -137,26 +171,27 @@ class CpuExecutor(Executor):
             rows = int(meta.positions.max()) + 1
             for table in self.rope_tables.values():
                 table.ensure(rows)
-        if not self.replay or inputs or meta.token_ids.numel() > self.REPLAY_MAX_TOKENS:
+        tokens = meta.token_ids.numel()
+        if not self.replay or inputs or tokens > self.REPLAY_MAX_TOKENS:
             return self._run(meta, {}, inputs)
-        shape = (meta.token_ids.numel(), meta.context_lens.numel(), meta.logits_indices.numel())
-        recorded = self.tapes.get(shape)
-        if (recorded is not None and all(new.shape[1] <= old.shape[1] for (_, new), (_, old) in
-                                         zip(meta.groups, recorded.meta.groups))
-                and all(a is b for a, b in zip(recorded.rope, self._rope_buffers()))):
-            self.tapes.move_to_end(shape)
+        shape = (tokens, meta.context_lens.numel(), meta.logits_indices.numel())
+        any_count = tokens > max(shape[1:])  # a tape of (sequences, logits rows) for every token count
+        key = (0,) + shape[1:] if any_count else shape
+        recorded = self.tapes.get(key)
+        if recorded is not None and recorded.fits(meta, self._rope_buffers()):
+            self.tapes.move_to_end(key)
             _copy_step(recorded.meta, meta)
             started = time.perf_counter()
-            tape.replay(recorded.tape)
+            tape.replay(recorded.tape, tokens)
             self.governor.observe_step(shape, time.perf_counter() - started)
             self.replayed_steps += 1
             return recorded.output
-        if recorded is None and shape not in self.seen_shapes:  # record a shape once it repeats, not every
-            self.seen_shapes[shape] = None                      # prefill chunk
+        if recorded is None and not any_count and shape not in self.seen_shapes:
+            self.seen_shapes[shape] = None  # record a fixed shape once it repeats
             if len(self.seen_shapes) > 4 * self.MAX_TAPES:
                 self.seen_shapes.popitem(last=False)
             return self._run(meta, {}, None)
-        return self._record(meta, shape)
+        return self._record(meta, key)
 
     def _run(self, meta: StepMetadata, env: dict, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
         self.meta, self.arrays = meta, [attention.StepArrays.of(meta, g) for g in range(len(meta.groups))]
@@ -169,21 +204,34 @@ class CpuExecutor(Executor):
         finally:
             self.meta, self.arrays = None, []
 
-    def _record(self, meta: StepMetadata, shape: tuple[int, int, int]) -> torch.Tensor:
-        """Run the step on inputs of its own (room for twice the block table columns) and keep its tape."""
-        self.tapes.pop(shape, None)
+    def _record(self, meta: StepMetadata, key: tuple[int, int, int]) -> torch.Tensor:
+        """Run the step on inputs of its own (room for twice the block table columns, and for REPLAY_MAX_TOKENS
+        tokens) and keep its tape under key (tokens 0: a tape for any token count)."""
+        self.tapes.pop(key, None)
+        tokens = meta.token_ids.numel()
         tables = [torch.full((t.shape[0], max(16, 2 * t.shape[1])), -1, dtype=torch.int32) for _, t in meta.groups]
-        window = {} if len(tables) == 1 else dict(window_slot_mapping=meta.window_slot_mapping.clone(),
+
+        def own(name: str, value: torch.Tensor) -> torch.Tensor:
+            if name not in _TOKEN_FIELDS and name != "window_slot_mapping":
+                return value.clone()
+            return torch.empty(self.REPLAY_MAX_TOKENS, dtype=value.dtype)
+
+        window = {} if len(tables) == 1 else dict(window_slot_mapping=own("window_slot_mapping",
+                                                                          meta.window_slot_mapping),
                                                    window_block_tables=tables[1])
-        own = StepMetadata(**{name: getattr(meta, name).clone() for name in _STEP_FIELDS}, block_tables=tables[0],
-                           **window)
-        _copy_step(own, meta)
+        full = StepMetadata(**{name: own(name, getattr(meta, name)) for name in _STEP_FIELDS},
+                            block_tables=tables[0], **window)
+        _copy_step(full, meta)
+        step = dataclasses.replace(full, **{name: getattr(full, name)[:tokens] for name in _TOKEN_FIELDS},
+                                   **({} if len(tables) == 1 else
+                                      dict(window_slot_mapping=full.window_slot_mapping[:tokens])))
         env: dict[str, torch.Tensor] = {}
-        with tape.Recording() as recording:
-            output = self._run(own, env, None)
-        if recording.tape is not None:
+        with tape.Recording(tokens) as recording:
+            output = self._run(step, env, None)
+        if recording.tape is not None and (key[0] or tape.tape_tokens(recording.tape) > 0):
             self.recorded_steps += 1
-            self.tapes[shape] = RecordedStep(shape, recording.tape, own, env, output, self._rope_buffers())
+            room = key[0] or min(self.REPLAY_MAX_TOKENS, _token_room(env, tokens))
+            self.tapes[key] = RecordedStep(key, recording.tape, full, env, output, self._rope_buffers(), room)
             if len(self.tapes) > self.MAX_TAPES:
                 self.tapes.popitem(last=False)
         return output

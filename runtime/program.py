@@ -259,10 +259,10 @@ def _head_rms_norm(site: Site):
 
 
 def _embedding(site: Site):
-    rows, scale = linear.bind_embedding(site.attrs, site.operands()), site.attrs.get("scale", 1.0)
+    rows, scale = linear.bind_embedding(site.attrs, site.operands(), site.reuse), site.attrs.get("scale", 1.0)
     if scale == 1.0:
         return rows
-    scale_rows = rowops.bind_scale(scale)  # in place: rows' output is fresh at every call
+    scale_rows = rowops.bind_scale(scale)  # in place: rows' output is this node's own
 
     def scaled(tokens: torch.Tensor) -> torch.Tensor:
         return scale_rows(rows(tokens))

@@ -68,18 +68,31 @@ static inline int add_required_cpu_flags(PyObject *module) {
 
 typedef int (*TapeCheck)(const void *args);  /* GIL held: 0, or -1 with a Python exception set */
 typedef int (*TapeRun)(const void *args);    /* GIL released: 0, or -1 when memory runs out */
+/* Rewrites the call's row counts for a step of `to` tokens instead of `from` (tape_rows below). */
+typedef void (*TapeResize)(void *args, Py_ssize_t from, Py_ssize_t to);
 
 typedef struct {
-    TapeCheck check;  /* may be NULL */
+    TapeCheck check;    /* may be NULL */
     TapeRun run;
-    void *args;       /* malloc'd copy */
+    TapeResize resize;  /* NULL: the call cannot follow another token count */
+    void *args;         /* malloc'd copy */
 } TapeEntry;
 
 typedef struct {
     TapeEntry *entries;
     Py_ssize_t count, capacity;
-    int failed;       /* an entry could not be stored: the tape must not be replayed */
+    int failed;         /* an entry could not be stored: the tape must not be replayed */
+    int fixed;          /* an entry has no resize: the tape replays its recorded token count only */
+    Py_ssize_t tokens;  /* the token count its entries hold now (0: not given when recording) */
 } Tape;
+
+/* A row count of a call on a tape that follows the step's token count (tokens x rows per token, as
+ * rms_norm over heads has), rewritten for a step of `to` tokens instead of `from`. Counts below
+ * `from` (sequences, logits rows) stay: a tape follows the token count only while it exceeds both
+ * (runtime/executor.py), so a count at or above it that it divides is token-proportional. */
+static inline Py_ssize_t tape_rows(Py_ssize_t count, Py_ssize_t from, Py_ssize_t to) {
+    return count >= from && from > 0 && count % from == 0 ? count / from * to : count;
+}
 
 typedef struct {
     Tape *recording;       /* NULL when no tape records */
@@ -104,7 +117,9 @@ static inline int live_threads(int requested) {
     return cap > 0 && cap < requested ? cap : requested;
 }
 
-static inline void tape_record(TapeCheck check, TapeRun run, const void *args, size_t size) {
+/* Appends a call to the tape this thread records, if any; resize NULL: it holds its token count. */
+static inline void tape_record_resizable(TapeCheck check, TapeRun run, TapeResize resize, const void *args,
+                                         size_t size) {
     Tape *tape = tape_state ? tape_state->recording : NULL;
     if (!tape || tape->failed || tape_state->thread != PyThread_get_thread_ident())
         return;
@@ -124,7 +139,13 @@ static inline void tape_record(TapeCheck check, TapeRun run, const void *args, s
         return;
     }
     memcpy(copy, args, size);
-    tape->entries[tape->count++] = (TapeEntry){check, run, copy};
+    tape->entries[tape->count++] = (TapeEntry){check, run, resize, copy};
+    if (!resize)
+        tape->fixed = 1;
+}
+
+static inline void tape_record(TapeCheck check, TapeRun run, const void *args, size_t size) {
+    tape_record_resizable(check, run, NULL, args, size);
 }
 
 #endif

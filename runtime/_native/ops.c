@@ -169,12 +169,18 @@ static int run_gather_rows(const void *p) {
     return 0;
 }
 
+static void resize_rows(void *p, Py_ssize_t from, Py_ssize_t to) {
+    RowArgs *a = p;
+    a->rows = tape_rows(a->rows, from, to);
+    a->source_rows = tape_rows(a->source_rows, from, to);
+}
+
 /* Checks (run again at every replay), records when a tape records, and runs the call. */
 static PyObject *record_and_run(TapeCheck check, TapeRun run, RowArgs *a, Py_buffer *b, int count, int status) {
     if (status == 0 && check)
         status = check(a);
     if (status == 0) {
-        tape_record(check, run, a, sizeof *a);
+        tape_record_resizable(check, run, resize_rows, a, sizeof *a);
         Py_BEGIN_ALLOW_THREADS
         run(a);
         Py_END_ALLOW_THREADS
@@ -243,30 +249,34 @@ static PyObject *py_gelu_tanh_mul(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyObject *py_scale(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[2];  /* out, x: n float32 each (out may be x) */
     RowArgs a = {0};
-    if (!PyArg_ParseTuple(args, "w*y*f:scale", &b[0], &b[1], &a.factor))
+    Py_ssize_t width = 0;
+    if (!PyArg_ParseTuple(args, "w*y*f|n:scale", &b[0], &b[1], &a.factor, &width))
         return NULL;
     int status = 0;
-    if (b[1].len != b[0].len || b[0].len % 4) {
-        PyErr_Format(PyExc_ValueError, "scale: out and x must hold the same float32 count, got %zd and %zd bytes",
-                     b[0].len, b[1].len);
+    if (b[1].len != b[0].len || b[0].len % 4 || width < 0 || (width && b[0].len / 4 % width)) {
+        PyErr_Format(PyExc_ValueError, "scale: out and x must hold the same float32 count, in rows of %zd if given, "
+                     "got %zd and %zd bytes", width, b[0].len, b[1].len);
         status = -1;
     }
-    a.out = b[0].buf, a.x = b[1].buf, a.rows = 1, a.n = b[0].len / 4;
+    a.out = b[0].buf, a.x = b[1].buf, a.n = width ? width : b[0].len / 4, a.rows = a.n ? b[0].len / 4 / a.n : 0;
     return record_and_run(NULL, run_scale, &a, b, 2, status);
 }
 
 static PyObject *py_add(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[3];  /* out, x, y: n float32 each */
     RowArgs a = {0};
-    if (!PyArg_ParseTuple(args, "w*y*y*:add", &b[0], &b[1], &b[2]))
+    Py_ssize_t width = 0;
+    if (!PyArg_ParseTuple(args, "w*y*y*|n:add", &b[0], &b[1], &b[2], &width))
         return NULL;
     int status = 0;
-    if (b[1].len != b[0].len || b[2].len != b[0].len || b[0].len % 4) {
-        PyErr_Format(PyExc_ValueError, "add: out, x and y must hold the same float32 count, got %zd, %zd, %zd bytes",
-                     b[0].len, b[1].len, b[2].len);
+    if (b[1].len != b[0].len || b[2].len != b[0].len || b[0].len % 4 || width < 0
+        || (width && b[0].len / 4 % width)) {
+        PyErr_Format(PyExc_ValueError, "add: out, x and y must hold the same float32 count, in rows of %zd if given, "
+                     "got %zd, %zd, %zd bytes", width, b[0].len, b[1].len, b[2].len);
         status = -1;
     }
-    a.out = b[0].buf, a.x = b[1].buf, a.residual = b[2].buf, a.rows = 1, a.n = b[0].len / 4;
+    a.out = b[0].buf, a.x = b[1].buf, a.residual = b[2].buf, a.n = width ? width : b[0].len / 4;
+    a.rows = a.n ? b[0].len / 4 / a.n : 0;
     return record_and_run(NULL, run_add, &a, b, 3, status);
 }
 
@@ -309,12 +319,18 @@ static void tape_capsule_free(PyObject *capsule) {
         tape_free(tape);
 }
 
-static PyObject *py_tape_begin(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused)) {
+static PyObject *py_tape_begin(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_ssize_t tokens = 0;
+    if (!PyArg_ParseTuple(args, "|n:tape_begin", &tokens))
+        return NULL;
+    if (tokens < 0)
+        return PyErr_Format(PyExc_ValueError, "tape_begin: tokens must be 0 (not given) or more, got %zd", tokens);
     if (state.recording)  /* another thread records (one tape at a time per process) */
         Py_RETURN_FALSE;
     state.recording = calloc(1, sizeof(Tape));
     if (!state.recording)
         return PyErr_NoMemory();
+    state.recording->tokens = tokens;
     state.thread = PyThread_get_thread_ident();
     Py_RETURN_TRUE;
 }
@@ -339,10 +355,29 @@ static PyObject *py_tape_size(PyObject *Py_UNUSED(self), PyObject *capsule) {
     return tape ? PyLong_FromSsize_t(tape->count) : NULL;
 }
 
-static PyObject *py_replay(PyObject *Py_UNUSED(self), PyObject *capsule) {
+static PyObject *py_tape_tokens(PyObject *Py_UNUSED(self), PyObject *capsule) {
     Tape *tape = PyCapsule_GetPointer(capsule, "kiln.Tape");
     if (!tape)
         return NULL;
+    return PyLong_FromSsize_t(tape->fixed ? -tape->tokens : tape->tokens);
+}
+
+static PyObject *py_replay(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *capsule;
+    Py_ssize_t tokens = -1;
+    if (!PyArg_ParseTuple(args, "O|n:replay", &capsule, &tokens))
+        return NULL;
+    Tape *tape = PyCapsule_GetPointer(capsule, "kiln.Tape");
+    if (!tape)
+        return NULL;
+    if (tokens >= 0 && tokens != tape->tokens) {
+        if (tape->fixed || tape->tokens <= 0 || tokens == 0)
+            return PyErr_Format(PyExc_ValueError, "replay: this tape runs %zd tokens only, not %zd", tape->tokens,
+                                tokens);
+        for (Py_ssize_t i = 0; i < tape->count; i++)
+            tape->entries[i].resize(tape->entries[i].args, tape->tokens, tokens);
+        tape->tokens = tokens;
+    }
     for (Py_ssize_t i = 0; i < tape->count; i++)
         if (tape->entries[i].check && tape->entries[i].check(tape->entries[i].args) < 0)
             return NULL;
@@ -389,18 +424,27 @@ static PyMethodDef methods[] = {
     {"gelu_tanh_mul", py_gelu_tanh_mul, METH_VARARGS,
      "gelu_tanh_mul(out, gate_up, n, num_threads): out [rows, n] = gelu_tanh(gate_up[:, :n]) * gate_up[:, n:] "
      "(torch's F.gelu(approximate=\"tanh\"))."},
-    {"scale", py_scale, METH_VARARGS, "scale(out, x, factor): out = x * factor, float32 of one size (out may be x)."},
-    {"add", py_add, METH_VARARGS, "add(out, x, y): out = x + y, float32 of one size."},
+    {"scale", py_scale, METH_VARARGS,
+     "scale(out, x, factor, width=0): out = x * factor, float32 of one size (out may be x), rows of `width` if given "
+     "(a tape then follows the rows' count)."},
+    {"add", py_add, METH_VARARGS,
+     "add(out, x, y, width=0): out = x + y, float32 of one size, rows of `width` if given (a tape then follows the "
+     "rows' count)."},
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(out, x, indices, n): out[r] = x[indices[r]], rows of n float32; indices int64 checked."},
-    {"tape_begin", py_tape_begin, METH_NOARGS,
-     "tape_begin() -> bool: this thread's kernel calls (of every Kiln C module) are recorded from now on; "
-     "False if another thread is recording."},
+    {"tape_begin", py_tape_begin, METH_VARARGS,
+     "tape_begin(tokens=0) -> bool: this thread's kernel calls (of every Kiln C module) are recorded from now on, "
+     "for a step of `tokens` tokens (0: not given, the tape replays as recorded); False if another thread is "
+     "recording."},
     {"tape_end", py_tape_end, METH_NOARGS,
      "tape_end() -> tape, or None if a call could not be recorded: stops recording."},
     {"tape_size", py_tape_size, METH_O, "tape_size(tape) -> the number of recorded calls."},
-    {"replay", py_replay, METH_O,
-     "replay(tape): runs the recorded calls again on the same buffers (their index checks first)."},
+    {"tape_tokens", py_tape_tokens, METH_O,
+     "tape_tokens(tape) -> the token count its calls run now; negative if a call cannot run another."},
+    {"replay", py_replay, METH_VARARGS,
+     "replay(tape, tokens=-1): runs the recorded calls again on the same buffers (their index checks first); "
+     "tokens >= 0: for a step of that many tokens, every call's token rows rewritten first (the buffers must "
+     "hold them)."},
     {"set_thread_cap", py_set_thread_cap, METH_O,
      "set_thread_cap(n): every Kiln kernel (of every Kiln C module, replayed tapes too) runs on at most n "
      "threads from now on; 0 lifts the cap."},

@@ -136,15 +136,16 @@ def bind_linear(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool = Fa
     return recordable(run)
 
 
-def bind_embedding(attrs: dict, operands: dict[str, torch.Tensor]):
+def bind_embedding(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool = False):
     """A callable tokens i64 [T] -> f32 [T, H] for an embedding node (a float or packed table [V, H]),
-    taking only this rank's rows [vocab_start, vocab_start + vocab_size) of a sharded vocabulary."""
+    taking only this rank's rows [vocab_start, vocab_start + vocab_size) of a sharded vocabulary. reuse: a
+    packed table's rows go to a kept buffer (runtime.ops.tape.Outputs)."""
     start, vocab = attrs.get("vocab_start", 0), attrs["vocab_size"]
     if attrs.get("quant", "none") == "none":
         weight = operands["weight"]
         rows = lambda ids: weight[ids].float()  # noqa: E731
     else:
-        rows = _packed_rows(attrs, operands)
+        rows = _packed_rows(attrs, operands, reuse)
     if start == 0 and vocab == attrs.get("full_vocab_size", vocab):
         return rows
 
@@ -157,17 +158,18 @@ def bind_embedding(attrs: dict, operands: dict[str, torch.Tensor]):
     return sharded
 
 
-def _packed_rows(attrs: dict, operands: dict[str, torch.Tensor]):
+def _packed_rows(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool = False):
     """Rows of a packed table, dequantized in C with one rounding per element; ids outside the table are a
     ValueError before any row is read."""
     fmt = node_format(attrs)
     v, h = attrs["vocab_size"], attrs.get("hidden_size", attrs.get("in_features"))
     handle = bind(fmt, operands, v, h, attrs.get("group_size")).handle
+    outputs = Outputs((h,), reuse)
 
     def rows(tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous():
             fail("embedding", f"tokens must be a contiguous int64 [T], got {describe(tokens)}")
-        out = torch.empty((tokens.shape[0], h), dtype=torch.float32)
+        out = outputs.for_rows(tokens.shape[0])
         _C.rows(handle, out.data_ptr(), tokens.data_ptr(), tokens.shape[0], threads())
         return out
 

@@ -105,7 +105,7 @@ def bind_scale(factor: float):
 
     def run(x: torch.Tensor) -> torch.Tensor:
         x_np = _f32("scale", "x", x).numpy()
-        _C.scale(x_np, x_np, factor)
+        _C.scale(x_np, x_np, factor, x.shape[-1] if x.dim() else 0)
         return x
 
     return recordable(run)
@@ -124,7 +124,7 @@ def bind_add(reuse: bool = False):
         if outputs is None or outputs.widths != (x.shape[1],):
             outputs = Outputs((x.shape[1],), reuse)
         (out, out_np), = outputs.get(x)
-        _C.add(out_np, x.numpy(), y.numpy())
+        _C.add(out_np, x.numpy(), y.numpy(), x.shape[1])
         return out
 
     return recordable(run)

@@ -3,6 +3,11 @@
 A bound op marked `recordable` does all its work in C calls a tape records; one that had to take another
 path calls `unrecorded()`. `Outputs` keeps a node's small outputs from step to step, so a replayed
 tape finds its buffers where the recording left them.
+
+A tape recorded with its step's token count can replay a step of another count: every call's row counts
+that follow the tokens are rewritten first (C's tape_rows). The buffers must hold the rows, so kept
+outputs are allocated for REUSE_ROWS rows whatever the step's count, one buffer per node: every tape of
+an executor shares them, and a step of up to REUSE_ROWS tokens finds its rows where any tape points.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ class Recording:
 
     active: Recording | None = None
 
+    def __init__(self, tokens: int = 0):
+        """tokens: the step's token count, so that the tape can replay other counts (0: it replays this step's)."""
+        self.tokens = tokens
+
     def __enter__(self) -> Recording:
         self.tape = None
-        self.recording = self.complete = _C.tape_begin()  # False: another thread records; run unrecorded
+        self.recording = self.complete = _C.tape_begin(self.tokens)  # False: another thread records; unrecorded
         if self.recording:
             Recording.active = self
         return self
@@ -51,32 +60,54 @@ def unrecorded() -> None:
         Recording.active.complete = False
 
 
-def replay(tape) -> None:
-    """Run a recorded tape again (the index checks of its calls first; a ValueError if one fails)."""
-    _C.replay(tape)
+def replay(tape, tokens: int = -1) -> None:
+    """Run a recorded tape again (the index checks of its calls first; a ValueError if one fails); tokens >= 0:
+    for a step of that many tokens (a tape recorded with its count; the buffers must hold the rows)."""
+    _C.replay(tape, tokens)
 
 
 def tape_size(tape) -> int:
     return _C.tape_size(tape)
 
 
+def tape_tokens(tape) -> int:
+    """The token count the tape's calls run now; negative if one of them cannot run another count."""
+    return _C.tape_tokens(tape)
+
+
 class Outputs:
     """Output buffers of one node, as (tensor, numpy view) pairs shaped like x with new last sizes.
 
-    Fresh per call; with reuse=True, 2-D outputs of at most REUSE_ROWS rows are kept while the row
-    count stays the same (decode steps repeat it), saving the allocation and the numpy view. A kept
-    output is overwritten when the node runs again: only for runners whose values live one step.
+    Fresh per call; with reuse=True, a 2-D output of at most REUSE_ROWS rows is the first rows of one
+    buffer of REUSE_ROWS rows per width, kept for the node's life, so that its address is the same
+    whatever the step's row count (a tape replays other counts on it), and the views of the last row
+    count are kept (decode steps repeat it). A kept output is overwritten when the node runs again:
+    only for runners whose values live one step.
     """
 
     def __init__(self, widths: tuple[int, ...], reuse: bool = False):
         self.widths, self.reuse = widths, reuse
-        self.rows, self.kept = -1, ()
+        self.rows, self.kept, self.full = -1, (), ()
 
     def get(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, object], ...]:
+        """Outputs shaped like x (2-D x: rows x.shape[0]) with the node's widths."""
         rows = x.shape[0] if x.dim() == 2 else -1
         if self.reuse and rows == self.rows:
             return self.kept
-        made = tuple((t, t.numpy()) for t in (x.new_empty(x.shape[:-1] + (w,)) for w in self.widths))
-        if self.reuse and 0 <= rows <= REUSE_ROWS:
-            self.rows, self.kept = rows, made
-        return made
+        if not self.reuse or not 0 <= rows <= REUSE_ROWS:
+            return tuple((t, t.numpy()) for t in (x.new_empty(x.shape[:-1] + (w,)) for w in self.widths))
+        return self._kept(rows)
+
+    def for_rows(self, rows: int) -> torch.Tensor:
+        """The first output, f32 [rows, width] (an embedding's rows of its token ids)."""
+        if self.reuse and rows == self.rows:
+            return self.kept[0][0]
+        if not self.reuse or rows > REUSE_ROWS:
+            return torch.empty((rows, self.widths[0]), dtype=torch.float32)
+        return self._kept(rows)[0][0]
+
+    def _kept(self, rows: int) -> tuple[tuple[torch.Tensor, object], ...]:
+        if not self.full:
+            self.full = tuple(torch.empty((REUSE_ROWS, w), dtype=torch.float32) for w in self.widths)
+        self.rows, self.kept = rows, tuple((t, t.numpy()) for t in (full[:rows] for full in self.full))
+        return self.kept

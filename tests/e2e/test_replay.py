@@ -7,7 +7,9 @@ import torch
 from conftest import exact_plan
 
 from builder.build import build_engine
+from runtime.ops import linear as ql
 from runtime.ops import rowops, tape
+from runtime.weights import int8
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import open_engine
 from runtime.executor import CpuExecutor
@@ -28,6 +30,40 @@ def test_a_tape_replays_its_calls_on_what_the_buffers_hold_now():
     fresh_out, fresh_total = rowops.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(out, fresh_out) and torch.equal(total, fresh_total)
     assert torch.equal(act, rowops.bind_silu_mul(32)(fresh_out))
+
+
+def test_a_tape_recorded_with_its_token_count_replays_another():
+    """Row counts that follow the tokens (rows, rows x heads) are rewritten; the logits rows' count is kept.
+    Every output is a kept buffer of REUSE_ROWS rows (4 rows a token here: up to 16 tokens)."""
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
+    weight, packed = torch.randn(64, generator=g), int8.pack(codes, torch.rand(32, generator=g) * 1e-2, None)
+    norm, heads = rowops.bind_rms_norm(weight, 1e-5, reuse=True), rowops.bind_rms_norm(weight[:16], 1e-5, reuse=True)
+    linear = ql.bind_linear({"quant": "int8", "layout": int8.LAYOUT, "out_features": 32, "in_features": 64},
+                            packed, reuse=True)
+    x = torch.empty(tape.REUSE_ROWS, 64)
+    rows = torch.tensor([0, 0])
+
+    def step(tokens: int) -> torch.Tensor:
+        rows[1] = tokens - 1
+        per_head = heads(norm(x[:tokens]).view(-1, 16))
+        return rowops.gather_rows(linear(per_head.view(tokens, 64)), rows)
+
+    x.normal_(generator=g)
+    with tape.Recording(tokens=9) as recording:
+        logits = step(9)
+    assert tape.tape_tokens(recording.tape) == 9
+    for tokens in (5, 16, 3, 9):
+        x.normal_(generator=g)
+        rows[1] = tokens - 1
+        tape.replay(recording.tape, tokens)
+        replayed = logits.clone()
+        assert logits.shape == (2, 32) and torch.equal(replayed, step(tokens)), tokens
+    with tape.Recording() as untold:  # no count given: it replays its own only
+        kept = step(3)  # noqa: F841 (a tape writes its buffers: they must live)
+    tape.replay(untold.tape)
+    with pytest.raises(ValueError, match="this tape runs 0 tokens only, not 4"):
+        tape.replay(untold.tape, 4)
 
 
 def test_a_replay_checks_indices_again_before_computing():
@@ -112,6 +148,28 @@ def test_replayed_steps_give_the_tokens_of_steps_run_op_by_op(replay_engine_dir,
     monkeypatch.setenv("KILN_STEP_REPLAY", "0")
     expected, llm = run_mixed(replay_engine_dir)
     assert not llm.executor.replay and llm.executor.replayed_steps == 0
+    assert replayed == expected
+
+
+def test_a_prompt_length_seen_for_the_first_time_replays(replay_engine_dir, monkeypatch):
+    """One tape of (1 sequence, 1 logits row) serves every prefill length up to REPLAY_MAX_TOKENS: after the
+    first prompt, the others replay, and answer as steps run op by op do."""
+    def answers(llm):
+        g = torch.Generator().manual_seed(9)
+        out = []
+        for length in (12, 5, 23, 64, 2, 40):
+            prompt = torch.randint(3, 250, (length,), generator=g).tolist()
+            out.append(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0].token_ids)
+        return out
+
+    llm = LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.02, enable_prefix_caching=False))
+    replayed = answers(llm)
+    tapes = llm.executor.tapes
+    assert (0, 1, 1) in tapes and sum(key[0] == 0 for key in tapes) == 1
+    assert llm.executor.replayed_steps >= 5 + 6  # every prefill but the first, and the decodes after the first
+    monkeypatch.setenv("KILN_STEP_REPLAY", "0")
+    expected = answers(LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.02,
+                                                                           enable_prefix_caching=False)))
     assert replayed == expected
 
 

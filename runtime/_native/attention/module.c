@@ -255,6 +255,11 @@ static int run_qkv_call(const void *p) {
     return qkv_attention_compute(&c->r, &a, live_threads(c->threads));
 }
 
+static void resize_qkv_call(void *p, Py_ssize_t from, Py_ssize_t to) {
+    QKVCall *c = p;
+    c->r.num_tokens = tape_rows(c->r.num_tokens, from, to);
+}
+
 static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[14] = {{0}};  /* the optional q_norm, k_norm, k, v stay empty (buf NULL) when not passed */
     QKVCall c = {0};
@@ -270,7 +275,7 @@ static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
         c.num_blocks = b[2].len / ((Py_ssize_t)a->block_size * a->num_kv_heads * a->head_dim
                                    * cache_elem_size[a->cache_dtype]);
         c.threads = resolve_threads(num_threads);
-        tape_record(check_qkv_call, run_qkv_call, &c, sizeof c);
+        tape_record_resizable(check_qkv_call, run_qkv_call, resize_qkv_call, &c, sizeof c);
         Py_BEGIN_ALLOW_THREADS
         status = run_qkv_call(&c);
         Py_END_ALLOW_THREADS

@@ -158,6 +158,12 @@ static int run_linear(const void *p)
     return run_kernels(kern, &job, live_threads(a->threads));
 }
 
+static void resize_call(void *p, Py_ssize_t from, Py_ssize_t to)
+{
+    CallArgs *a = p;
+    a->count = tape_rows((Py_ssize_t)a->count, from, to);
+}
+
 /* run(handle, y_address, x_address, T, threads): y[T, N] = x[T, K] @ W^T (+ bias) */
 static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -167,7 +173,7 @@ static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (status <= 0)
         return status < 0 ? NULL : Py_NewRef(Py_None);
     a.threads = (int)threads;
-    tape_record(NULL, run_linear, &a, sizeof a);
+    tape_record_resizable(NULL, run_linear, resize_call, &a, sizeof a);
     int result;
     Py_BEGIN_ALLOW_THREADS
     result = run_linear(&a);
@@ -234,7 +240,7 @@ static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     a.threads = (int)threads;
     if (check_rows(&a) < 0)
         return NULL;
-    tape_record(check_rows, run_rows, &a, sizeof a);
+    tape_record_resizable(check_rows, run_rows, resize_call, &a, sizeof a);
     Py_BEGIN_ALLOW_THREADS
     run_rows(&a);
     Py_END_ALLOW_THREADS
