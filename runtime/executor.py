@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.backend import Executor
@@ -46,17 +47,25 @@ _STEP_FIELDS = ("token_ids", "positions", "slot_mapping", "context_lens", "query
 _TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")  # [T] each: a tape's own buffers hold REPLAY_MAX_TOKENS
 
 
-def _copy_step(dst: StepMetadata, src: StepMetadata) -> None:
-    """Write src's step inputs into the first entries of dst's buffers (the same sizes but the token fields,
-    which may be longer; dst's block tables may be wider)."""
-    for name in _STEP_FIELDS:
-        value = getattr(src, name)
-        getattr(dst, name)[:value.shape[0]].copy_(value)
-    if src.window_slot_mapping is not None:
-        dst.window_slot_mapping[:src.window_slot_mapping.shape[0]].copy_(src.window_slot_mapping)
-    for (_, mine), (_, theirs) in zip(dst.groups, src.groups):
+def _step_arrays(meta: StepMetadata) -> list[np.ndarray]:
+    """numpy views of a step's input buffers: its _STEP_FIELDS, then the window slots if any, then each KV
+    group's block tables."""
+    fields = [getattr(meta, name) for name in _STEP_FIELDS]
+    if meta.window_slot_mapping is not None:
+        fields.append(meta.window_slot_mapping)
+    return [t.numpy() for t in fields + [tables for _, tables in meta.groups]]
+
+
+def _copy_step(dst: list[np.ndarray], src: StepMetadata) -> None:
+    """Write src's step inputs into the first entries of dst's buffers (_step_arrays of a step of the same
+    sizes but the token fields, which may be longer, and block tables, which may be wider)."""
+    arrays = _step_arrays(src)
+    groups = len(src.groups)
+    for mine, theirs in zip(dst[:-groups], arrays[:-groups]):
+        mine[:theirs.shape[0]] = theirs
+    for mine, theirs in zip(dst[-groups:], arrays[-groups:]):
         width = theirs.shape[1]
-        mine[:, :width].copy_(theirs)
+        mine[:, :width] = theirs
         mine[:, width:] = -1
 
 
@@ -89,6 +98,7 @@ class RecordedStep:
     shape: tuple[int, int, int]          # (tokens, sequences, logits rows) recorded; tokens 0: any count
     tape: object
     meta: StepMetadata                   # the step inputs the tape reads: a new step is copied in
+    arrays: list[np.ndarray]             # their numpy views (_step_arrays)
     env: dict[str, torch.Tensor]         # every value of the recorded step
     output: torch.Tensor
     rope: list[torch.Tensor]             # the rope tables the tape reads (a grown table needs a new tape)
@@ -180,7 +190,7 @@ class CpuExecutor(Executor):
         recorded = self.tapes.get(key)
         if recorded is not None and recorded.fits(meta, self._rope_buffers()):
             self.tapes.move_to_end(key)
-            _copy_step(recorded.meta, meta)
+            _copy_step(recorded.arrays, meta)
             started = time.perf_counter()
             tape.replay(recorded.tape, tokens)
             self.governor.observe_step(shape, time.perf_counter() - started)
@@ -221,7 +231,8 @@ class CpuExecutor(Executor):
                                                    window_block_tables=tables[1])
         full = StepMetadata(**{name: own(name, getattr(meta, name)) for name in _STEP_FIELDS},
                             block_tables=tables[0], **window)
-        _copy_step(full, meta)
+        arrays = _step_arrays(full)
+        _copy_step(arrays, meta)
         step = dataclasses.replace(full, **{name: getattr(full, name)[:tokens] for name in _TOKEN_FIELDS},
                                    **({} if len(tables) == 1 else
                                       dict(window_slot_mapping=full.window_slot_mapping[:tokens])))
@@ -231,7 +242,7 @@ class CpuExecutor(Executor):
         if recording.tape is not None and (key[0] or tape.tape_tokens(recording.tape) > 0):
             self.recorded_steps += 1
             room = key[0] or min(self.REPLAY_MAX_TOKENS, _token_room(env, tokens))
-            self.tapes[key] = RecordedStep(key, recording.tape, full, env, output, self._rope_buffers(), room)
+            self.tapes[key] = RecordedStep(key, recording.tape, full, arrays, env, output, self._rope_buffers(), room)
             if len(self.tapes) > self.MAX_TAPES:
                 self.tapes.popitem(last=False)
         return output

@@ -24,10 +24,26 @@ model's own probability of the chosen token, comparable across requests whatever
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from runtime._native import _ops
+from runtime.ops.checks import threads
 
 from runtime.sequence import Sequence
 from runtime.speculative import Proposal, accept_greedy
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (the first of equals; a NaN counts as largest, as torch's argmax
+    has it). In C on the host, tens of microseconds faster a step than torch's argmax. One row runs on the
+    calling thread: between steps the kernels' other threads have gone to sleep, and waking them costs more
+    than they save."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous() or logits.dim() != 2:
+        return logits.argmax(dim=-1)
+    out = np.empty(logits.shape[0], dtype=np.int64)
+    _ops.argmax_rows(out, logits.numpy(), logits.shape[1], 1 if logits.shape[0] == 1 else threads())
+    return torch.from_numpy(out)
 
 
 class Sampler:
@@ -47,7 +63,7 @@ class Sampler:
         greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
         random = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         if len(greedy) == len(seqs):  # all greedy: no copy of the rows
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if random:

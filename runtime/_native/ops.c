@@ -301,6 +301,96 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 /* ----------------------------------------------------------------------------------------
+ * Greedy picks: the index of each logits row's largest value
+ */
+
+/* The first index of the largest of x[0..n) (a NaN counts as largest: the first NaN), as torch's argmax. */
+static Py_ssize_t argmax_span(const float *x, Py_ssize_t n, float *best_value) {
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        top = _mm256_max_ps(top, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, top);
+    for (int j = 0; j < 8; j++)
+        best = lanes[j] > best ? lanes[j] : best;
+    int nan = _mm256_movemask_ps(unordered) != 0;
+    for (Py_ssize_t j = i; j < n; j++) {
+        nan |= isnan(x[j]);
+        best = x[j] > best ? x[j] : best;
+    }
+    Py_ssize_t j = 0;
+    if (!nan) {  /* the first equal, eight at a time */
+        const __m256 b = _mm256_set1_ps(best);
+        for (; j + 8 <= n; j += 8) {
+            const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), b, _CMP_EQ_OQ));
+            if (hits) {
+                *best_value = best;
+                return j + __builtin_ctz((unsigned)hits);
+            }
+        }
+    }
+    for (; j < n; j++)  /* the rest, or the first NaN */
+        if (nan ? isnan(x[j]) : x[j] == best) {
+            *best_value = x[j];
+            return j;
+        }
+    *best_value = -INFINITY;  /* n == 0, or every value -inf: the first */
+    return 0;
+}
+
+/* Each thread's first largest over its own contiguous part of a row: the part a linear's threads wrote
+ * (qlinear splits its output columns the same way), so that it is read from that core's cache. */
+#define ARGMAX_MAX_THREADS 64
+
+static void argmax_rows_compute(int64_t *out, const float *x, Py_ssize_t rows, Py_ssize_t n, int threads) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        float values[ARGMAX_MAX_THREADS];
+        Py_ssize_t at[ARGMAX_MAX_THREADS];
+        int parts = threads < ARGMAX_MAX_THREADS ? threads : ARGMAX_MAX_THREADS;
+        if (n < 4096)
+            parts = 1;
+        #pragma omp parallel num_threads(parts) if (parts > 1)
+        {
+            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            const Py_ssize_t lo = n * tid / nt, hi = n * (tid + 1) / nt;
+            at[tid] = lo + argmax_span(row + lo, hi - lo, &values[tid]);
+            if (tid == 0)
+                parts = nt;
+        }
+        Py_ssize_t best = at[0];
+        float value = values[0];
+        for (int t = 1; t < parts; t++)  /* later parts win only when strictly larger (or the first NaN) */
+            if (!isnan(value) && (isnan(values[t]) || values[t] > value))
+                best = at[t], value = values[t];
+        out[r] = best;
+    }
+}
+
+static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b[2];  /* out [R] int64, x [R, n] float32 */
+    Py_ssize_t n;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*y*ni:argmax_rows", &b[0], &b[1], &n, &threads))
+        return NULL;
+    const Py_ssize_t rows = b[0].len / 8;
+    if (n <= 0 || b[0].len % 8 || b[1].len != rows * n * 4) {
+        release_buffers(b, 2);
+        return PyErr_Format(PyExc_ValueError, "argmax_rows: out must be int64 [R] and x float32 [R, %zd], got %zd "
+                            "and %zd bytes", n, b[0].len, b[1].len);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    argmax_rows_compute(b[0].buf, b[1].buf, rows, n, live_threads(resolve_threads(threads)));
+    Py_END_ALLOW_THREADS
+    release_buffers(b, 2);
+    Py_RETURN_NONE;
+}
+
+/* ----------------------------------------------------------------------------------------
  * Tapes
  */
 
@@ -432,6 +522,9 @@ static PyMethodDef methods[] = {
      "rows' count)."},
     {"gather_rows", py_gather_rows, METH_VARARGS,
      "gather_rows(out, x, indices, n): out[r] = x[indices[r]], rows of n float32; indices int64 checked."},
+    {"argmax_rows", py_argmax_rows, METH_VARARGS,
+     "argmax_rows(out, x, n, num_threads): out[r] = the first index of row r's largest value (a NaN counts as "
+     "largest), rows of n float32, each row split among the threads."},
     {"tape_begin", py_tape_begin, METH_VARARGS,
      "tape_begin(tokens=0) -> bool: this thread's kernel calls (of every Kiln C module) are recorded from now on, "
      "for a step of `tokens` tokens (0: not given, the tape replays as recorded); False if another thread is "

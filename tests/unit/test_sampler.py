@@ -2,6 +2,8 @@
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -132,3 +134,26 @@ def test_params_defaults_and_normalisation():
 def test_invalid_params_are_rejected_by_name(field, value):
     with pytest.raises(ValueError, match=rf"^{field} "):
         SamplingParams(**{field: value})
+
+
+def test_greedy_picks_in_c_are_torch_argmax_ties_and_nans_included():
+    """argmax_rows: the first of equal largest values, a NaN counting as largest (the first NaN), over rows
+    split among threads (a tie across the split goes to the lower index)."""
+    from runtime._native import _ops
+    from runtime.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 7, 8, 33, 4096, 49157):
+        x = torch.randn(4, n, generator=g)
+        x[1] = -float("inf")
+        x[2, n // 3] = x[2, -1] = 1e9  # a tie: the first
+        if n > 1:
+            x[3, n - 1], x[3, n // 2] = float("nan"), float("nan")
+        expected = x.argmax(dim=-1)
+        assert torch.equal(argmax_rows(x), expected), n
+        for threads in (1, 2, 3):
+            out = np.empty(4, dtype=np.int64)
+            _ops.argmax_rows(out, x.numpy(), n, threads)
+            assert out.tolist() == expected.tolist(), (n, threads)
+    with pytest.raises(ValueError, match="argmax_rows: out must be int64"):
+        _ops.argmax_rows(np.empty(2, dtype=np.int64), torch.zeros(3, 5).numpy(), 5, 1)
