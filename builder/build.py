@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -41,6 +42,10 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
         if not target(plan.target).RANKS_ALONE:
             raise KilnError(f"--rank: a {plan.target} build checks its ranks' engines against each other (the ONNX "
                             f"across ranks): build a {plan.target} plan whole; --rank takes cpu and cuda plans")
+        if plan.quant.activations == "auto":
+            raise KilnError("--rank: activations = \"auto\" times the paths on the host that builds, and ranks built "
+                            "apart could choose differently: build the engine whole, or set [quant] activations to "
+                            "the path a whole build chose (its report says which)")
         if not 0 <= rank < plan.world_size:
             raise KilnError(f"--rank {rank}: the plan has {plan.world_size} rank(s) (tp {plan.tp} x pp {plan.pp}), "
                             f"numbered 0 to {plan.world_size - 1}")
@@ -84,6 +89,11 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     graphs, write_ranks = kind.run(pipeline, graph, ctx, options, onnx_only)
     # The figures go into the manifest and report, not into every rank's program.
     accuracy = [g.meta.pop("accuracy", None) for g in graphs][0]
+    choice = [g.meta.pop("activation_choice", None) for g in graphs][0]
+    for g in graphs:
+        g.meta.pop("activation_figures", None)
+    if choice:  # the plan as built: the path auto chose (the request, "auto", is in the build id)
+        plan = dataclasses.replace(plan, quant=dataclasses.replace(plan.quant, activations=choice["chosen"]))
 
     manifest = {
         **manifest_header(__version__),
@@ -97,6 +107,8 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     }
     if accuracy:
         manifest["accuracy"] = accuracy
+    if choice:
+        manifest["activation_choice"] = choice
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch:  # reproducible-builds convention: a build time only when the caller fixes it
         manifest["build_time"] = int(epoch)

@@ -57,8 +57,11 @@ def build(
                                               help="Override [quant] activations (cpu): f32 (exact, the default), "
                                                    "int16 or int8 (int4/int8 layers quantize activations per token and "
                                                    "block of 32; "
-                                                   "int8 is faster for prefill on AVX-512 VNNI, on par with f32 on "
-                                                   "AVX2, and changes answers)."),
+                                                   "int8 is faster on AVX-512 VNNI, on par with f32 on "
+                                                   "AVX2, and changes answers), or auto (each timed on this host; "
+                                                   "the fastest whose greedy chat agreement reaches "
+                                                   "--min-greedy-agreement, default 95%; the report shows the "
+                                                   "table)."),
     rounding: Optional[str] = typer.Option(None, "--rounding",
                                            help="Override [quant] rounding for int4-awq: gptq (grids fitted to "
                                                 "the calibration activations, GPTQ rounding layer by layer) or "

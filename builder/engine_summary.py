@@ -167,6 +167,24 @@ def _accuracy(m: dict) -> list[str]:
     return lines
 
 
+def _activation_choice(m: dict) -> list[str]:
+    """activations = "auto": the paths timed on the build host, and why one was taken."""
+    c = m.get("activation_choice")
+    if not c:
+        return ["set by the plan" + ("" if m["plan"]["target"] != "cpu" else
+                                     " (activations = \"auto\" times each cpu path and takes the fastest that "
+                                     "keeps the greedy gate)")]
+    lines = [f"auto, on the build host's {c['threads']} thread(s): {c['why']}",
+             f"{'path':<6} {'decode tok/s':>12} {'prefill tok/s':>13} {'greedy agree':>12} {'ppl':>9} {'KL':>10}"]
+    for row in c["paths"]:
+        agree, ppl, kl = row["greedy_agreement_pct"], row["ppl_increase_pct"], row["kl_mean"]
+        lines.append(f"{row['activations']:<6} {row['decode_tok_s']:>12.1f} {row['prefill_tok_s']:>13.1f} "
+                     f"{agree:>11.1f}% {ppl:>+8.3f}% {kl:>10.3g}" + ("  exact" if row["exact"] else ""))
+    lines.append(f"decode: one sequence after {c['prompt_tokens']} tokens, {c['decode_steps']} steps; prefill: "
+                 f"{c['prompt_tokens']} tokens; medians of {c['rounds']} rounds")
+    return lines
+
+
 def _ranks(m: dict) -> list[str]:
     lines = []
     sharding = {s["rank"]: s for s in m.get("sharding", {}).get("ranks", [])}
@@ -261,7 +279,8 @@ def _passes(m: dict) -> list[str]:
 
 SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("model", _model), ("plan", _plan), ("limits", _limits), ("kv cache", _kv_cache),
-    ("quantization", _quantization), ("accuracy", _accuracy), ("ranks", _ranks), ("memory", _memory),
+    ("quantization", _quantization), ("activations", _activation_choice), ("accuracy", _accuracy),
+    ("ranks", _ranks), ("memory", _memory),
     ("requires", _requires), ("passes", _passes),
 ]
 

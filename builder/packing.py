@@ -49,6 +49,12 @@ def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, 
 INTEGER_ACTIVATIONS = ("int8", "int16")
 
 
+def plan_activations(graph: Graph, plan) -> str:
+    """The activation path the program computes with: the plan's, or the one `activations = "auto"` chose
+    (passes/choose_activations.py records it in the graph's meta)."""
+    return graph.meta.get("activations", plan.quant.activations)
+
+
 def integer_activations(op: str, attrs: dict, activations: str) -> bool:
     """The integer activation paths (int8, int16) take int4/int8 linears (and logits) whose input
     width is a multiple of 32; other nodes compute on f32 activations."""

@@ -24,6 +24,7 @@ from builder.targets import target
 from passes.calibrate_fp8_activations import calibrate_fp8_activations
 from passes.calibrate_kv_scales import calibrate_kv_scales
 from passes.canonicalize import canonicalize
+from passes.choose_activations import choose_activations
 from passes.clip_awq_weights import clip_awq_weights
 from passes.context import PassContext
 from passes.fold_awq_scales import fold_awq_scales
@@ -95,6 +96,13 @@ def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass
         # their scales on the fused program, before the accuracy measures, which then include them.
         (quant.method == "fp8" and getattr(target(plan.target), "FP8_ACTIVATIONS", False),
          Pass("calibrate_fp8_activations", calibrate_fp8_activations, calibrated)),
+        # activations = "auto" (cpu): each activation path timed on this host and measured like a lossy plan; the
+        # fastest that keeps the greedy gate is the program's (measure_accuracy reuses its figures).
+        (quant.activations == "auto",
+         Pass("choose_activations", choose_activations,
+              {"min_greedy_agreement": quant.min_greedy_agreement,
+               "evaluation_sha256": _sha256(shipped_text("evaluation")),
+               "chat_prompts_sha256": _sha256(shipped_text("chat_prompts"))})),
         # Analysis of the whole quantized program, before sharding splits it: perplexity, KL and
         # greedy chat agreement against the float model, and the max_ppl_increase and
         # min_greedy_agreement gates (a failing build writes nothing). A float build with an f32

@@ -22,7 +22,7 @@ from runtime.engine_format import KV_CACHE_DTYPES
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
-ACTIVATIONS = ("f32", "int16", "int8", "f16", "bf16")
+ACTIVATIONS = ("f32", "int16", "int8", "auto", "f16", "bf16")
 # What each target takes (activations, KV dtypes, quant methods) is the target's own: builder/targets.
 BF16_MIN_CC = (8, 0)  # bf16 tensor cores: Ampere or newer
 FP8_MIN_CC = (8, 9)   # FP8 tensor cores: Ada, Hopper or newer
@@ -86,7 +86,8 @@ class Quant:
     calib: str | None = None
     max_ppl_increase: float | None = None
     min_greedy_agreement: float | None = None  # percent of the shipped chat prompts answered as the reference
-    # cpu: f32, or int16 / int8 (int4/int8 linears quantize activations per token and block);
+    # cpu: f32, or int16 / int8 (int4/int8 linears quantize activations per token and block), or auto (the fastest
+    # of them on the build host whose greedy chat agreement reaches min_greedy_agreement, default 95%);
     # tensorrt: f16, bf16 (compute capability 8.0+) or f32. Unset, it is the target's first choice.
     activations: str = "f32"
     rounding: str = "gptq"    # int4-awq: gptq (grids fitted, rounding errors compensated) or nearest (AWQ clip)
@@ -254,8 +255,10 @@ def _validate(plan: Plan, origin: str) -> None:
         fail("[quant] activations", f"must be one of {', '.join(ACTIVATIONS)}, got {q.activations!r}")
     if q.activations not in target.ACTIVATIONS:
         takes = " or ".join(target.ACTIVATIONS)
-        fail("[quant] activations", f"{q.activations} is a cpu kernel path (integer activations per token); the "
-                                    f"{plan.target} target takes {takes}: use activations = \"{target.ACTIVATIONS[0]}\"")
+        what = ("auto chooses among the cpu kernel paths" if q.activations == "auto"
+                else f"{q.activations} is a cpu kernel path (integer activations per token)")
+        fail("[quant] activations", f"{what}; the {plan.target} target takes {takes}: use activations = "
+                                    f"\"{target.ACTIVATIONS[0]}\"")
     if q.activations == "bf16" and gpu and device.cc < BF16_MIN_CC:
         fail("[quant] activations", f"bf16 needs compute capability 8.0+; {cc}: use activations = \"f16\"")
     if q.rounding not in ROUNDINGS:

@@ -12,9 +12,20 @@ from builder.accuracy import check_gate, evaluate, reference_graph
 from builder.calibration import chat_prompts, evaluation_windows
 from builder.errors import KilnError
 from builder.ir import Graph
-from builder.packing import INTEGER_ACTIVATIONS
+from builder.packing import INTEGER_ACTIVATIONS, plan_activations
 from passes.context import PassContext
 from passes.quant_rewrite import REQUANT_METHODS
+
+
+def is_exact(graph: Graph, ctx: PassContext, activations: str) -> bool:
+    """Whether the program runs the source's blocks (or float weights) with f32 activations and an f32 cache: the
+    one kind of build not evaluated. An f16 cache rounds K and V (SmolLM2: +0.0005% perplexity), so a default build
+    measures it too, greedy chat answers included."""
+    quant, kv_dtype = ctx.plan.quant, ctx.plan.kv_cache.dtype
+    quantized = sum(n.attrs.get("quant", "none") != "none" for n in graph.nodes)
+    integer = activations in INTEGER_ACTIVATIONS and quantized > 0
+    requantized = graph.meta.get("source_requantized", [])  # GGUF blocks with no exact Kiln format
+    return quant.method not in REQUANT_METHODS and kv_dtype == "f32" and not integer and not requantized
 
 
 def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
@@ -22,13 +33,12 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     errors = out.meta.pop("quant_error", {})
     alphas = out.meta.pop("awq_alpha", {})
+    activations = plan_activations(out, ctx.plan)
+    measured = out.meta.pop("activation_figures", {})  # what choose_activations measured, by path
     quantized = sum(n.attrs.get("quant", "none") != "none" for n in out.nodes)
-    integer_activations = quant.activations in INTEGER_ACTIVATIONS and quantized > 0
-    # Only an exact build is not evaluated: the source's blocks (or float weights) with f32
-    # activations and an f32 cache. An f16 cache rounds K and V (SmolLM2: +0.0005% perplexity), so a
-    # default build measures it too, greedy chat answers included.
-    requantized = out.meta.pop("source_requantized", [])  # GGUF blocks with no exact Kiln format
-    if quant.method not in REQUANT_METHODS and kv_dtype == "f32" and not integer_activations and not requantized:
+    exact = is_exact(out, ctx, activations)
+    requantized = out.meta.pop("source_requantized", [])
+    if exact:
         if quant.method == "source" and quantized:
             out.meta["accuracy"] = {"method": "source", "evaluated": False, "quantized_nodes": quantized,
                                     "note": "the source's quantized blocks are kept bit for bit: logits equal "
@@ -36,9 +46,27 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
         return out
     if ctx.only_rank not in (None, 0):  # one rank of many: the rank-0 build measures the whole program once
         return out
+    figures = measured.get(activations) or evaluated(out, ctx, activations, requantized)
+    if errors:
+        figures["layer_error_max"] = max(errors.values())
+        figures["layer_error_mean"] = round(sum(errors.values()) / len(errors), 6)
+        figures["layer_error"] = errors
+    if alphas:
+        figures["awq_alpha"] = alphas
+    if kv_dtype in ("int8", "fp8"):
+        figures["kv_scale"] = {str(n.attrs["layer"]): n.attrs["kv_scale"] for n in out.nodes if n.op == "attention"}
+    check_gate(figures, quant.max_ppl_increase, quant.min_greedy_agreement)
+    out.meta["accuracy"] = figures
+    return out
+
+
+def evaluated(out: Graph, ctx: PassContext, activations: str, requantized: list) -> dict:
+    """The program's perplexity, KL and greedy chat agreement against the reference, run with `activations`."""
+    quant, kv_dtype = ctx.plan.quant, ctx.plan.kv_cache.dtype
     if ctx.model is None:
         raise KilnError("measure_accuracy: the evaluation needs the model source")
-    figures = {"method": quant.method, "kv_cache_dtype": kv_dtype, "activations": quant.activations,
+    quantized = sum(n.attrs.get("quant", "none") != "none" for n in out.nodes)
+    figures = {"method": quant.method, "kv_cache_dtype": kv_dtype, "activations": activations,
                "quantized_nodes": quantized}
     # Without requantization the graph's weights are the reference's (float, or the source's blocks
     # bit for bit): the graph itself, run exactly, is the reference, and no second model is loaded.
@@ -51,19 +79,9 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     answers_key = {"model": ctx.model.weights_sha256(), "reference": "float" if reference is not out else [
         (n.name, n.attrs.get("quant", "none"), n.attrs.get("group_size")) for n in out.nodes
         if n.op in ("linear", "logits", "embedding")]}
-    figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, quant.activations, ctx.show_progress,
+    figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, activations, ctx.show_progress,
                             prompts, set(ctx.model.config.eos_token_ids), answers_key))
     figures["greedy_chat_template"] = templated
     figures["max_ppl_increase"] = quant.max_ppl_increase
     figures["min_greedy_agreement"] = quant.min_greedy_agreement
-    if errors:
-        figures["layer_error_max"] = max(errors.values())
-        figures["layer_error_mean"] = round(sum(errors.values()) / len(errors), 6)
-        figures["layer_error"] = errors
-    if alphas:
-        figures["awq_alpha"] = alphas
-    if kv_dtype in ("int8", "fp8"):
-        figures["kv_scale"] = {str(n.attrs["layer"]): n.attrs["kv_scale"] for n in out.nodes if n.op == "attention"}
-    check_gate(figures, quant.max_ppl_increase, quant.min_greedy_agreement)
-    out.meta["accuracy"] = figures
-    return out
+    return figures

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from builder.ir import Graph
-from builder.packing import pack_graph
+from builder.packing import pack_graph, plan_activations
 from passes.context import PassContext
 from runtime.weights import QUANTIZED_FORMATS
 
@@ -12,4 +12,4 @@ LAYOUTS = {name: fmt.layout for name, fmt in QUANTIZED_FORMATS.items()}
 
 def pack_weights(graph: Graph, ctx: PassContext) -> Graph:
     # The panel layout is the cpu target's; the tensorrt target exports the logical operands (ONNX Q/DQ).
-    return pack_graph(graph, ctx.plan.quant.activations)
+    return pack_graph(graph, plan_activations(graph, ctx.plan))

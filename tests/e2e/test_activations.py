@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from builder.interpret import Interpreter
@@ -48,3 +49,36 @@ def test_int16_activations_take_their_kernel_and_stay_closer_than_int8(tiny_llam
         assert acts == {act}
         errors[act] = (Interpreter(program, tensors, all_logits=True).logits(ids) - reference).abs().max()
     assert 0 < errors["int16"] < errors["int8"] / 50  # 8 more bits: about 256x less rounding
+
+
+def test_auto_times_every_path_and_builds_the_chosen_one(tiny_llama_dir, build_tiny_engine):
+    """activations = "auto": each path timed on this host and measured; with no gate the fastest is taken, and the
+    engine, its plan and its accuracy figures are the chosen path's."""
+    engine = build_tiny_engine(tiny_llama_dir, "int4-auto", method="int4", activations="auto", min_greedy_agreement=0)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    choice = manifest["activation_choice"]
+    paths = {row["activations"]: row for row in choice["paths"]}
+    assert set(paths) == {"f32", "int16", "int8"} and choice["gate_greedy_agreement_pct"] == 0
+    assert all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in paths.values())
+    # int4 rounds the float weights: every path is measured against the float model
+    assert not any(row["exact"] for row in paths.values())
+    assert all(0 <= row["greedy_agreement_pct"] <= 100 and row["kl_mean"] > 0 for row in paths.values())
+    chosen = choice["chosen"]
+    score = {m: (r["decode_tok_s"] / paths["f32"]["decode_tok_s"] * r["prefill_tok_s"] / paths["f32"]["prefill_tok_s"])
+             for m, r in paths.items()}
+    assert chosen == max(score, key=score.get) and chosen in choice["why"]
+    assert manifest["plan"]["quant"]["activations"] == chosen
+    program, _ = map_rank_file(engine / "rank0.engine")
+    acts = {n["attrs"].get("act") for n in json.loads(program)["nodes"] if n["op"] == "linear"}
+    assert acts == ({None} if chosen == "f32" else {chosen})
+    if chosen != "f32":
+        assert manifest["accuracy"]["activations"] == chosen
+
+
+def test_auto_is_refused_for_a_rank_built_alone(tiny_llama_dir, tmp_path):
+    from builder.build import build_engine
+    from builder.errors import KilnError
+    from conftest import exact_plan
+
+    with pytest.raises(KilnError, match="--rank: activations = \"auto\" times the paths"):
+        build_engine(str(tiny_llama_dir), exact_plan(activations="auto"), tmp_path / "e", show_progress=False, rank=0)

@@ -152,3 +152,16 @@ def test_the_cuda_plan_and_what_the_cuda_target_takes():
         with pytest.raises(PlanError) as info:
             plan_from_dict(doc, "test")
         assert f"plan test: {key} " in str(info.value) and fragment in str(info.value), str(info.value)
+
+
+def test_auto_activations_choose_the_fastest_path_that_keeps_the_gate():
+    from builder.activation_choice import Speed, choose
+
+    speeds = {"f32": Speed(100, 1000), "int16": Speed(90, 900), "int8": Speed(180, 1500)}
+    assert choose(speeds, {"f32": None, "int16": 100.0, "int8": 96.0}, 95)[0] == "int8"
+    chosen, why = choose(speeds, {"f32": None, "int16": 100.0, "int8": 40.0}, 95)
+    assert chosen == "f32" and "int8 answered 40.0%" in why
+    # a path must not buy decode speed with prefill: geometric mean of both
+    lopsided = {"f32": Speed(100, 1000), "int8": Speed(130, 600)}
+    assert choose(lopsided, {"f32": None, "int8": 100.0}, 95)[0] == "f32"
+    assert choose({"f32": Speed(100, 1000), "int8": Speed(200, 2000)}, {"f32": 80.0, "int8": 90.0}, 95)[0] == "f32"

@@ -1,0 +1,108 @@
+"""activations = "auto" (cpu target): the activation path chosen by measurement on the build host.
+
+Each candidate path (f32, int16, int8) runs the quantized, fused program on this host, with this
+build's threads: a prefill of PROMPT_TOKENS tokens, then DECODE_STEPS single-sequence decode steps
+replayed from a tape as the engine serves them, ROUNDS times, medians kept. A path that rounds
+activations is also measured for accuracy the way every lossy plan is (builder/accuracy.py:
+perplexity, KL and greedy chat agreement); f32 on weights the build keeps exactly is exact.
+
+The choice: the fastest path whose greedy agreement reaches the gate (the plan's
+min_greedy_agreement, else DEFAULT_GATE), where fastest is the geometric mean of decode and prefill
+speed relative to f32 (a path must not buy one with the other). f32 when none does. The report and
+the manifest show the table and the reason.
+
+A choice by timing depends on the host it was made on: the engine's bytes follow the choice, and the
+manifest says which was made and why; pin `activations` for an engine built the same anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from builder.evaluation import BLOCK_SIZE, _rank_file
+from builder.ir import Graph
+from builder.packing import INTEGER_ACTIVATIONS, integer_activations
+from runtime.executor import CpuExecutor
+from runtime.step import StepMetadata
+
+CANDIDATES = ("f32", "int16", "int8")
+DEFAULT_GATE = 95.0   # percent of the shipped chat prompts answered as the reference does
+PROMPT_TOKENS = 128
+DECODE_STEPS = 16
+ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Speed:
+    decode_tok_s: float   # one sequence, after PROMPT_TOKENS tokens
+    prefill_tok_s: float  # PROMPT_TOKENS tokens in one step
+
+
+def candidates(graph: Graph) -> list[str]:
+    """f32, and the integer paths when some linear of the program can take them."""
+    return [mode for mode in CANDIDATES
+            if mode == "f32" or any(integer_activations(n.op, n.attrs, mode) for n in graph.nodes)]
+
+
+def _step(tokens: list[int], start: int) -> StepMetadata:
+    """One sequence's step: `tokens` at positions start.., its slots the positions (blocks in order)."""
+    count, end = len(tokens), start + len(tokens)
+    blocks = math.ceil((PROMPT_TOKENS + DECODE_STEPS + 1) / BLOCK_SIZE)
+    return StepMetadata(
+        token_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.arange(start, end, dtype=torch.int64),
+        slot_mapping=torch.arange(start, end, dtype=torch.int64),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None, :],
+        context_lens=torch.tensor([end], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, count], dtype=torch.int32),
+        logits_indices=torch.tensor([count - 1], dtype=torch.int64))
+
+
+def time_path(graph: Graph, activations: str, kv_dtype: str, vocab_size: int) -> Speed:
+    """Decode and prefill speed of the program packed for `activations`, on this host's kernels and threads."""
+    blocks = math.ceil((PROMPT_TOKENS + DECODE_STEPS + 1) / BLOCK_SIZE)
+    executor = CpuExecutor(_rank_file(graph, activations), blocks, BLOCK_SIZE, kv_dtype)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(min(100, vocab_size - 1), vocab_size, (PROMPT_TOKENS,), generator=generator).tolist()
+    prefill, decode = [], []
+    for _ in range(ROUNDS + 1):  # the first round warms the kernels and records the decode tape
+        started = time.perf_counter()
+        logits = executor.execute(_step(prompt, 0))
+        prefill.append(time.perf_counter() - started)
+        token = int(logits.argmax())
+        steps = []
+        for position in range(PROMPT_TOKENS, PROMPT_TOKENS + DECODE_STEPS):
+            started = time.perf_counter()
+            token = int(executor.execute(_step([token], position)).argmax())
+            steps.append(time.perf_counter() - started)
+        decode.append(statistics.median(steps[2:]))  # past the steps that record the tape
+    return Speed(1 / statistics.median(decode[1:]), PROMPT_TOKENS / statistics.median(prefill[1:]))
+
+
+def choose(speeds: dict[str, Speed], agreement: dict[str, float | None], gate: float) -> tuple[str, str]:
+    """(the chosen path, why): the fastest whose greedy agreement (None: exact) reaches the gate."""
+    base = speeds["f32"]
+
+    def score(mode: str) -> float:
+        s = speeds[mode]
+        return math.sqrt(s.decode_tok_s / base.decode_tok_s * s.prefill_tok_s / base.prefill_tok_s)
+
+    passing = [m for m in speeds if agreement.get(m) is None or agreement[m] >= gate]
+    if not passing:
+        return "f32", f"no path answers at least {gate:g}% of the chat prompts as the reference does: f32"
+    best = max(passing, key=score)
+    failed = [m for m in speeds if m not in passing]
+    why = (f"{best}: the fastest (geometric mean of decode and prefill speed, x{score(best):.2f} of f32) of the paths "
+           f"whose greedy agreement reaches {gate:g}%")
+    if failed:
+        why += "; " + ", ".join(f"{m} answered {agreement[m]:.1f}%" for m in failed)
+    return best, why
+
+
+def is_integer(mode: str) -> bool:
+    return mode in INTEGER_ACTIVATIONS
