@@ -360,9 +360,16 @@ def time_rounds(runners: dict, args, short: list[int], long: list[int]) -> tuple
     prefill = {name: [] for name in runners}
     for _ in range(args.rounds):
         for name, runner in runners.items():
+            time.sleep(SETTLE_SECONDS)
             decode[name].append(runner.decode(short, args.decode))
             prefill[name].append(runner.prefill(long))
     return decode, prefill
+
+
+# Idle time before each engine's turn: an engine's worker threads spin for a while after its last kernel (ONNX Runtime's
+# intra-op pool, OpenMP's), and on 2 cores the next engine timed during that spin lost up to 30% (measured: Kiln's
+# decode at 155 tok/s right after ORT GenAI's turn, 223 with ORT's process absent).
+SETTLE_SECONDS = 0.5
 
 
 def busy_beside(runners: dict, args, short: list[int], long: list[int], decode: dict, prefill: dict) -> None:

@@ -104,7 +104,9 @@ def free_cpus(before: CpuTimes, after: CpuTimes, count: int) -> float | None:
 class ThreadGovernor:
     """Caps the threads of every Kiln kernel in this process at what runs fastest beside other processes.
 
-    `tick()` is called once a step; every `interval` seconds it reads /proc. While the CPUs that were
+    `tick()` is called once a step; every `interval` seconds it reads /proc (after a gap of more than
+    `interval` between steps it only reads afresh: while this process was idle, other processes' work
+    is not contention). While the CPUs that were
     idle or this process's own add up to all of them (within HEADROOM), the cap is lifted. When they
     fall short, another process holds CPUs: the cap drops at once to what is left, rounded up from
     0.7. Which count is then fastest depends on the contention: beside one busy core of two, one
@@ -140,6 +142,7 @@ class ThreadGovernor:
         enabled = (self.threads > 1 and len(self.cpus) > 0
                    and os.environ.get("KILN_ADAPTIVE_THREADS", "1") != "0")
         self._last = read_cpu_times(self.cpus, proc) if enabled else None  # None: it never acts
+        self._ticked = time.monotonic()  # the last tick: a longer gap than `interval` was idle time
 
     @property
     def active(self) -> bool:
@@ -147,7 +150,16 @@ class ThreadGovernor:
 
     def tick(self) -> None:
         last = self._last
-        if last is None or time.monotonic() - last.at < self.interval:
+        if last is None:
+            return
+        at, previous = time.monotonic(), self._ticked
+        self._ticked = at
+        if at - previous > self.interval:
+            # No step for a whole interval: this process was idle, and what others ran meanwhile (a benchmark's
+            # other engine, a client) says nothing about who holds the CPUs while it steps. Read afresh.
+            self._last = read_cpu_times(self.cpus, self.proc) or last
+            return
+        if at - last.at < self.interval:
             return
         now = read_cpu_times(self.cpus, self.proc)
         if now is None:

@@ -107,7 +107,8 @@ class RecordedStep:
     def fits(self, meta: StepMetadata, rope: list[torch.Tensor]) -> bool:
         """The step's tokens fit the tape's buffers, its block tables the tape's, and it reads the same rope
         tables."""
-        return (meta.token_ids.numel() <= self.room and all(new.shape[1] <= old.shape[1] for (_, new), (_, old) in zip(meta.groups, self.meta.groups))
+        return (meta.token_ids.numel() <= self.room
+                and all(new.shape[1] <= old.shape[1] for (_, new), (_, old) in zip(meta.groups, self.meta.groups))
                 and all(a is b for a, b in zip(self.rope, rope)))
 
 

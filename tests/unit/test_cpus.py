@@ -198,3 +198,44 @@ def test_a_busy_process_on_one_of_two_cpus_takes_the_kernels_to_one_thread_and_b
         governor.close()
         os.sched_setaffinity(0, saved)
         torch.set_num_threads(threads_before)
+
+
+def test_what_others_ran_while_this_process_was_idle_is_not_contention(tmp_path):
+    """A reading that spans a gap between steps (a benchmark's other engine ran, then went quiet) is dropped; the
+    same share of the CPUs taken while this process steps caps the threads."""
+    cpus = sorted(os.sched_getaffinity(0))
+    (tmp_path / "self").mkdir()
+    ticks = {"other": 0, "own": 0, "idle": 0}
+
+    def write():
+        user = (ticks["other"] + ticks["own"]) // len(cpus)  # this process's time is CPU time too
+        lines = [f"cpu{c} {user} 0 0 {ticks['idle'] // len(cpus)} 0 0 0 0 0 0" for c in cpus]
+        (tmp_path / "stat").write_text("cpu  0 0 0 0 0 0 0 0 0 0\n" + "\n".join(lines) + "\n")
+        (tmp_path / "self" / "stat").write_text(f"1 (python) R 1 1 1 1 1 1 1 1 1 1 {ticks['own']} 0 0 0 20 0\n")
+
+    def busy_others(share: float, seconds: float = 0.12):
+        """Tick every 10 ms while the CPUs are this process's, or `share` of them someone else's."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ticks["other"] += round(share * 2 * len(cpus))
+            ticks["own"] += round((1 - share) * 2 * len(cpus))
+            write()
+            governor.tick()
+            time.sleep(0.01)
+
+    write()
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    governor = ThreadGovernor(len(cpus), interval=0.05, proc=tmp_path)
+    try:
+        busy_others(0.0)
+        assert governor.live == len(cpus)
+        time.sleep(0.1)  # idle: someone else takes every CPU meanwhile, then stops
+        ticks["other"] += 1000
+        write()
+        busy_others(0.0)
+        assert governor.live == len(cpus) and governor.changes == 0
+        busy_others(0.5)  # the same while stepping: capped
+        assert governor.live < len(cpus)
+    finally:
+        governor.close()
