@@ -26,7 +26,7 @@ import torch
 
 from builder.evaluation import BLOCK_SIZE, _rank_file
 from builder.ir import Graph
-from builder.packing import INTEGER_ACTIVATIONS, integer_activations
+from builder.packing import integer_activations
 from runtime.executor import CpuExecutor
 from runtime.step import StepMetadata
 
@@ -66,7 +66,8 @@ def _step(tokens: list[int], start: int) -> StepMetadata:
 def time_path(graph: Graph, activations: str, kv_dtype: str, vocab_size: int) -> Speed:
     """Decode and prefill speed of the program packed for `activations`, on this host's kernels and threads."""
     blocks = math.ceil((PROMPT_TOKENS + DECODE_STEPS + 1) / BLOCK_SIZE)
-    executor = CpuExecutor(_rank_file(graph, activations), blocks, BLOCK_SIZE, kv_dtype)
+    # serving=False: the build process keeps giving freed memory back (every path pays the same page faults)
+    executor = CpuExecutor(_rank_file(graph, activations), blocks, BLOCK_SIZE, kv_dtype, serving=False)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(min(100, vocab_size - 1), vocab_size, (PROMPT_TOKENS,), generator=generator).tolist()
     prefill, decode = [], []
@@ -102,7 +103,3 @@ def choose(speeds: dict[str, Speed], agreement: dict[str, float | None], gate: f
     if failed:
         why += "; " + ", ".join(f"{m} answered {agreement[m]:.1f}%" for m in failed)
     return best, why
-
-
-def is_integer(mode: str) -> bool:
-    return mode in INTEGER_ACTIVATIONS

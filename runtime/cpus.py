@@ -105,16 +105,15 @@ class ThreadGovernor:
     """Caps the threads of every Kiln kernel in this process at what runs fastest beside other processes.
 
     `tick()` is called once a step; every `interval` seconds it reads /proc (after a gap of more than
-    `interval` between steps it only reads afresh: while this process was idle, other processes' work
-    is not contention). While the CPUs that were
-    idle or this process's own add up to all of them (within HEADROOM), the cap is lifted. When they
-    fall short, another process holds CPUs: the cap drops at once to what is left, rounded up from
-    0.7. Which count is then fastest depends on the contention: beside one busy core of two, one
-    thread decoded 4-8x faster than two; with both cores busy, two threads (a larger share of the
-    contended cores) beat one by a third (measured). So while contended, the governor tries the other
-    count now and then on steps of one shape (`observe_step`: replayed decode steps) and keeps the
-    faster, waiting twice as long after each try that loses. The cap is lifted again after
-    RISE_AFTER readings in a row see the CPUs free.
+    `interval` between steps it only reads afresh: while this process was idle, other processes' work is
+    not contention). While the CPUs that were idle or this process's own add up to all of them (within
+    HEADROOM), the cap is lifted. When they fall short, another process holds CPUs: the cap drops at
+    once to what is left, rounded up from 0.7. Which count is then fastest depends on the contention:
+    beside one busy core of two, one thread decoded 4-8x faster than two; with both cores busy, two
+    threads (a larger share of the contended cores) beat one by a third (measured). So while contended,
+    the governor tries the other count now and then on steps of one shape (`observe_step`: replayed
+    decode steps) and keeps the faster, waiting twice as long after each try that loses. The cap is
+    lifted again after RISE_AFTER readings in a row see the CPUs free.
 
     The cap lives in the C modules and each kernel reads it when it runs, so recorded step tapes follow
     it; torch's own thread count is left alone. One governor serves a process (`process_governor`).
