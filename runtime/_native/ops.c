@@ -533,7 +533,7 @@ static PyMethodDef methods[] = {
      "tape_end() -> tape, or None if a call could not be recorded: stops recording."},
     {"tape_size", py_tape_size, METH_O, "tape_size(tape) -> the number of recorded calls."},
     {"tape_tokens", py_tape_tokens, METH_O,
-     "tape_tokens(tape) -> the token count its calls run now; negative if a call cannot run another."},
+     "tape_tokens(tape) -> the token count its calls run now; minus it (or 0) if a call cannot run another."},
     {"replay", py_replay, METH_VARARGS,
      "replay(tape, tokens=-1): runs the recorded calls again on the same buffers (their index checks first); "
      "tokens >= 0: for a step of that many tokens, every call's token rows rewritten first (the buffers must "

@@ -71,7 +71,7 @@ def tape_size(tape) -> int:
 
 
 def tape_tokens(tape) -> int:
-    """The token count the tape's calls run now; negative if one of them cannot run another count."""
+    """The token count the tape's calls run now; minus it (or 0) if one of them cannot run another count."""
     return _C.tape_tokens(tape)
 
 

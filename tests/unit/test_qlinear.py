@@ -17,7 +17,8 @@ from runtime.weights import int4, int5, int6, int8
 EPS32 = 2.0 ** -24
 SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ODD = {"n40_k96": (40, 96), "n17_k320": (17, 320), "n1_k384": (1, 384)}  # N % 16 != 0, K = G * odd
-TOKENS = (1, 2, 3, 4, 8, 13, 17, 64)  # each AVX2 direct width, then tiles split 4+4, 6+6+1, 6+6+5, 6+6
+# each AVX2 direct width, AVX-512's widest direct ones (11, 12), then tiles (13 and more: AVX-512's MR = 12)
+TOKENS = (1, 2, 3, 4, 8, 11, 12, 13, 17, 64)
 ISAS = (["avx512"] if ql.set_isa("auto") == "avx512" else []) + ["avx2", "portable"]  # those this CPU runs
 
 

@@ -268,7 +268,11 @@ INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p
         case 5: direct_kernel(fmt, 5, job, p); break;                                      \
         case 6: direct_kernel(fmt, 6, job, p); break;                                      \
         case 7: direct_kernel(fmt, 7, job, p); break;                                      \
-        default: direct_kernel(fmt, 8, job, p); break;                                     \
+        case 8: direct_kernel(fmt, 8, job, p); break;                                      \
+        case 9: direct_kernel(fmt, 9, job, p); break;                                      \
+        case 10: direct_kernel(fmt, 10, job, p); break;                                    \
+        case 11: direct_kernel(fmt, 11, job, p); break;                                    \
+        default: direct_kernel(fmt, 12, job, p); break;                                    \
         }                                                                                  \
     }
 DIRECT_CASES(FMT_Q4)
