@@ -366,9 +366,8 @@ def time_rounds(runners: dict, args, short: list[int], long: list[int]) -> tuple
     return decode, prefill
 
 
-# Idle time before each engine's turn: an engine's worker threads spin for a while after its last kernel (ONNX Runtime's
-# intra-op pool, OpenMP's), and on 2 cores the next engine timed during that spin lost up to 30% (measured: Kiln's
-# decode at 155 tok/s right after ORT GenAI's turn, 223 with ORT's process absent).
+# Idle time before each engine's turn, so that the worker threads of the engine before it (OpenMP's spin after its
+# last kernel, ONNX Runtime's intra-op pool) have gone to sleep and share no core with the next one's timing.
 SETTLE_SECONDS = 0.5
 
 

@@ -35,6 +35,7 @@ DEFAULT_GATE = 95.0   # percent of the shipped chat prompts answered as the refe
 PROMPT_TOKENS = 128
 DECODE_STEPS = 16
 ROUNDS = 3
+BLOCKS = math.ceil((PROMPT_TOKENS + DECODE_STEPS + 1) / BLOCK_SIZE)  # the KV cache the timing uses
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,11 @@ def candidates(graph: Graph) -> list[str]:
 def _step(tokens: list[int], start: int) -> StepMetadata:
     """One sequence's step: `tokens` at positions start.., its slots the positions (blocks in order)."""
     count, end = len(tokens), start + len(tokens)
-    blocks = math.ceil((PROMPT_TOKENS + DECODE_STEPS + 1) / BLOCK_SIZE)
     return StepMetadata(
         token_ids=torch.tensor(tokens, dtype=torch.int64),
         positions=torch.arange(start, end, dtype=torch.int64),
         slot_mapping=torch.arange(start, end, dtype=torch.int64),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None, :],
+        block_tables=torch.arange(BLOCKS, dtype=torch.int32)[None, :],
         context_lens=torch.tensor([end], dtype=torch.int32),
         query_start_loc=torch.tensor([0, count], dtype=torch.int32),
         logits_indices=torch.tensor([count - 1], dtype=torch.int64))
@@ -65,9 +65,8 @@ def _step(tokens: list[int], start: int) -> StepMetadata:
 
 def time_path(graph: Graph, activations: str, kv_dtype: str, vocab_size: int) -> Speed:
     """Decode and prefill speed of the program packed for `activations`, on this host's kernels and threads."""
-    blocks = math.ceil((PROMPT_TOKENS + DECODE_STEPS + 1) / BLOCK_SIZE)
     # serving=False: the build process keeps giving freed memory back (every path pays the same page faults)
-    executor = CpuExecutor(_rank_file(graph, activations), blocks, BLOCK_SIZE, kv_dtype, serving=False)
+    executor = CpuExecutor(_rank_file(graph, activations), BLOCKS, BLOCK_SIZE, kv_dtype, serving=False)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(min(100, vocab_size - 1), vocab_size, (PROMPT_TOKENS,), generator=generator).tolist()
     prefill, decode = [], []

@@ -14,6 +14,10 @@ from passes.context import PassContext
 from passes.measure_accuracy import evaluated, is_exact
 
 
+# The figures of a path that loses nothing (not evaluated)
+EXACT = {"greedy_agreement_pct": 100.0, "ppl_increase_pct": 0.0, "kl_mean": 0.0}
+
+
 def choose_activations(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     quant, kv_dtype = ctx.plan.quant, ctx.plan.kv_cache.dtype
@@ -27,14 +31,10 @@ def choose_activations(graph: Graph, ctx: PassContext) -> Graph:
         speeds[mode] = choice.time_path(out, mode, kv_dtype, vocab)
         if not is_exact(out, ctx, mode):
             figures[mode] = evaluated(out, ctx, mode, requantized)
-        measured = figures.get(mode, {})
+        measured = figures.get(mode, EXACT)
         rows.append({"activations": mode, "decode_tok_s": round(speeds[mode].decode_tok_s, 1),
                      "prefill_tok_s": round(speeds[mode].prefill_tok_s, 1),
-                     "greedy_agreement_pct": measured.get("greedy_agreement_pct", 100.0 if mode not in figures
-                                                          else None),
-                     "ppl_increase_pct": measured.get("ppl_increase_pct", 0.0 if mode not in figures else None),
-                     "kl_mean": measured.get("kl_mean", 0.0 if mode not in figures else None),
-                     "exact": mode not in figures})
+                     **{key: measured[key] for key in EXACT}, "exact": mode not in figures})
         if ctx.show_progress:
             bar.update(1)
     if ctx.show_progress:

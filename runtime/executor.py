@@ -221,22 +221,15 @@ class CpuExecutor(Executor):
         self.tapes.pop(key, None)
         tokens = meta.token_ids.numel()
         tables = [torch.full((t.shape[0], max(16, 2 * t.shape[1])), -1, dtype=torch.int32) for _, t in meta.groups]
-
-        def own(name: str, value: torch.Tensor) -> torch.Tensor:
-            if name not in _TOKEN_FIELDS and name != "window_slot_mapping":
-                return value.clone()
-            return torch.empty(self.REPLAY_MAX_TOKENS, dtype=value.dtype)
-
-        window = {} if len(tables) == 1 else dict(window_slot_mapping=own("window_slot_mapping",
-                                                                          meta.window_slot_mapping),
-                                                   window_block_tables=tables[1])
-        full = StepMetadata(**{name: own(name, getattr(meta, name)) for name in _STEP_FIELDS},
-                            block_tables=tables[0], **window)
+        window = ("window_slot_mapping",) if len(tables) == 2 else ()
+        token_fields = _TOKEN_FIELDS + window
+        full = StepMetadata(**{name: torch.empty(self.REPLAY_MAX_TOKENS, dtype=getattr(meta, name).dtype)
+                               if name in token_fields else getattr(meta, name).clone()
+                               for name in _STEP_FIELDS + window},
+                            block_tables=tables[0], **({"window_block_tables": tables[1]} if window else {}))
         arrays = _step_arrays(full)
         _copy_step(arrays, meta)
-        step = dataclasses.replace(full, **{name: getattr(full, name)[:tokens] for name in _TOKEN_FIELDS},
-                                   **({} if len(tables) == 1 else
-                                      dict(window_slot_mapping=full.window_slot_mapping[:tokens])))
+        step = dataclasses.replace(full, **{name: getattr(full, name)[:tokens] for name in token_fields})
         env: dict[str, torch.Tensor] = {}
         with tape.Recording(tokens) as recording:
             output = self._run(step, env, None)
