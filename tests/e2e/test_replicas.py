@@ -156,6 +156,12 @@ def kill_mid_run(server: ServerProcess, kill, error_says: str, max_tokens: int =
             during = await asyncio.to_thread(replicas, server)
             routed = {rid: during[rid]["routed"] - before[rid]["routed"] for rid in during}
             victim = max(routed, key=routed.get)
+            # The router counts a request at once; a replica's own figures (its pid) arrive with its next stats
+            # report, which a loaded host can delay past the first streamed token.
+            deadline = time.monotonic() + 30
+            while "pid" not in during.get(victim, {}) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                during = await asyncio.to_thread(replicas, server)
             kill(int(during[victim]["pid"]))
             return victim, routed, await asyncio.gather(*tasks)
 
