@@ -22,6 +22,7 @@ from builder.planner import load_shape
 from builder.targets import target
 from builder.trace import trace
 from passes.context import PassContext
+from passes.quant_rewrite import weight_nodes
 from runtime import __version__
 from runtime.engine_format import manifest_header
 
@@ -136,15 +137,14 @@ def _read_calibration(path: str) -> str:
 def _quantization_summary(plan: Plan, graph) -> dict:
     """How the weights of rank 0 are stored and computed (counts of weight nodes per format)."""
     formats = Counter()
-    for node in graph.nodes:
-        if node.op in ("linear", "logits", "embedding"):
-            a = node.attrs
-            quant = a.get("quant", "none")
-            formats[quant if quant == "none" or not a.get("group_size") else f"{quant} g{a['group_size']}"] += 1
+    for node in weight_nodes(graph):
+        a = node.attrs
+        quant = a.get("quant", "none")
+        formats[quant if quant == "none" or not a.get("group_size") else f"{quant} g{a['group_size']}"] += 1
     summary = {"method": plan.quant.method, "kv_cache_dtype": plan.kv_cache.dtype,
                "nodes": dict(sorted(formats.items()))}
     if plan.target == "cpu" and set(formats) != {"none"}:
-        act_nodes = sum(n.attrs.get("act") == plan.quant.activations for n in graph.nodes)
+        act_nodes = sum(n.attrs.get("act") == plan.quant.activations for n in weight_nodes(graph))
         summary["compute"] = ("weights stay quantized in memory and are widened inside the kernels; f32 activations"
                               + (f", {plan.quant.activations} per token in {act_nodes} int4/int8 linears"
                                  if act_nodes else ""))

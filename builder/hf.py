@@ -17,8 +17,16 @@ from builder.model import ModelConfig, ModelSpec, canonical_weight_shapes, make_
 # The Llama decoder: Qwen2 adds biases on q, k and v, Mistral a sliding window, Phi-3 fuses q|k|v and
 # gate|up in its checkpoint (split on load) and may scale its rope with LongRoPE.
 # Gemma 3's text model (gemma3_text) is the same decoder with the switches of ModelConfig's Gemma fields.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")
+# Mixtures of experts on the same decoder: Mixtral (top-2, renormalised), Qwen2-MoE (a shared expert with a
+# sigmoid gate; dense layers by decoder_sparse_step / mlp_only_layers), Qwen3-MoE (q/k norms per head) and OLMoE
+# (q/k norms over the whole projection).
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "phi3", "gemma3_text", *MOE_FAMILY)
 GEMMA = ("gemma3_text",)
+# model_type -> (Kiln module, its checkpoint name) pairs of the MoE block, replaced in that order
+MOE_NAMES = {"mixtral": (("mlp.router", "block_sparse_moe.gate"), ("mlp.experts", "block_sparse_moe.experts"),
+                         (".gate_proj", ".w1"), (".up_proj", ".w3"), (".down_proj", ".w2")),
+             **{family: (("mlp.router", "mlp.gate"),) for family in ("qwen2_moe", "qwen3_moe", "olmoe")}}
 # model_type -> {fused checkpoint module: the Kiln modules stacked in its rows, in order}
 FUSED_MODULES = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
@@ -27,15 +35,20 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def hf_weight_key(name: str) -> str:
+def hf_weight_key(name: str, model_type: str = "llama") -> str:
     """The Hugging Face checkpoint key of a Kiln weight name."""
-    return name if name == "lm_head.weight" else f"model.{name}"
+    if name == "lm_head.weight":
+        return name
+    if ".mlp.router." in name or ".mlp.experts." in name:
+        for kiln, theirs in MOE_NAMES.get(model_type, ()):
+            name = name.replace(kiln, theirs)
+    return f"model.{name}"
 
 
 def checkpoint_layout(config: ModelConfig, model_type: str) -> dict[str, tuple[str, int, int]]:
     """Kiln weight name -> (checkpoint key, first row, end row) of the rows holding it."""
     shapes = canonical_weight_shapes(config)
-    layout = {name: (hf_weight_key(name), 0, shape[0]) for name, shape in shapes.items()}
+    layout = {name: (hf_weight_key(name, model_type), 0, shape[0]) for name, shape in shapes.items()}
     for fused, parts in FUSED_MODULES.get(model_type, {}).items():
         for i in range(config.num_layers):
             row = 0
@@ -135,6 +148,7 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
     if rotary != 1.0:
         raise KilnError(f"model: {where}: partial rotary embeddings (partial_rotary_factor {rotary}) are not supported")
     rope_theta = hf_config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    moe = _moe_fields(hf_config, model_type, where) if model_type in MOE_FAMILY else {}
     return make_config(
         where,
         architecture="gemma3" if gemma else "llama",
@@ -151,18 +165,42 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", gemma)),
         max_position_embeddings=required("max_position_embeddings"),
         attention_bias=bool(hf_config.get("attention_bias", False)),
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=bool(hf_config.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))),
         mlp_bias=bool(hf_config.get("mlp_bias", False)),
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf_config.get("eos_token_id"), generation.get("eos_token_id")),
         layer_windows=layer_windows(hf_config, where),
         hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
-        qk_norm=gemma,
+        qk_norm=gemma or model_type in ("qwen3_moe", "olmoe"),
         sandwich_norms=gemma,
         embedding_scale=float(np.float32(required("hidden_size") ** 0.5)) if gemma else 1.0,
         attention_scale=float(required("query_pre_attn_scalar")) ** -0.5 if gemma else 0.0,
         local_rope_theta=float(local_theta) if gemma else 0.0,
+        **moe,
     )
+
+
+def _moe_fields(hf_config: dict, model_type: str, where: str) -> dict:
+    """The ModelConfig fields of a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+    if hf_config.get("clip_qkv") is not None:
+        raise KilnError(f"model: {where}: clip_qkv={hf_config['clip_qkv']} (OLMoE's clamped q, k and v) is not supported")
+    experts = hf_config.get("num_local_experts") or hf_config.get("num_experts")
+    top_k = hf_config.get("num_experts_per_tok")
+    if not experts or not top_k:
+        raise KilnError(f"model: {where}: a {model_type} config needs num_experts and num_experts_per_tok")
+    layers = hf_config["num_hidden_layers"]
+    step = hf_config.get("decoder_sparse_step") or 1
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if not moe_layers:
+        raise KilnError(f"model: {where}: no layer is a mixture (decoder_sparse_step {step}, mlp_only_layers "
+                        f"{sorted(dense)})")
+    intermediate = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
+    shared = hf_config.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0
+    return dict(num_experts=int(experts), experts_per_token=int(top_k), expert_intermediate_size=int(intermediate),
+                norm_topk_prob=True if model_type == "mixtral" else bool(hf_config.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(shared), moe_layers=moe_layers,
+                qk_norm_full=model_type == "olmoe")
 
 
 def layer_windows(hf_config: dict, where: str) -> tuple[int, ...]:

@@ -31,6 +31,8 @@ OPS = {
     "all_gather": ((1, 1), 1),
     "send": ((1, 1), 0),
     "recv": ((0, 0), 1),
+    # x, then the weights of each linear inside (attrs["linears"]: the router, the experts', the shared expert's)
+    "moe": ((2, 1 << 20), 1),
 }
 
 
@@ -271,6 +273,19 @@ def _check_shapes(graph: Graph, node: Node, where: str) -> None:
         expect(outs[0].shape == (ins[0].shape[0], node.attrs["hidden_size"]), "embedding output [T, hidden]")
     elif op == "gather_last":
         expect(outs[0].shape[1:] == ins[0].shape[1:], "gather_last keeps the row width")
+    elif op == "moe":
+        from builder.experts import expert_linears
+
+        expect(outs[0].shape == ins[0].shape, "moe output has its input's shape")
+        views = expert_linears(node)
+        expect(sum(len(v.attrs["operands"]) for v in views) == len(ins) - 1, "the linears' operands are its inputs")
+        for view in views:
+            n, k = view.attrs["out_features"], view.attrs["in_features"]
+            operands = [graph.type_of(i) for i in view.inputs[1:]]
+            if view.attrs.get("quant", "none") == "none":
+                expect(operands[0].shape == (n, k), f"{view.name}: float weight must be [{n}, {k}]")
+            else:
+                _check_logical_operands(view, operands, n, k, expect)
 
 
 # Logical quantized operands (before pack_weights gives them the kernels' layout): role -> dtypes

@@ -58,6 +58,17 @@ class ModelConfig:
     embedding_scale: float = 1.0
     attention_scale: float = 0.0      # 0: head_dim ** -0.5
     local_rope_theta: float = 0.0     # 0: rope_theta on every layer
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the MLP of each layer in moe_layers is a router
+    # over num_experts gated MLPs of expert_intermediate_size, of which a token runs experts_per_token, weighted
+    # by the router's softmax (renormalised over the chosen ones with norm_topk_prob), plus, with
+    # shared_expert_intermediate_size, one MLP every token runs, scaled by sigmoid of its own gate (Qwen2-MoE).
+    num_experts: int = 0               # 0: a dense model
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()   # the layers whose MLP is a mixture (() with experts: every layer)
+    qk_norm_full: bool = False         # q and k norms over the whole projection (OLMoE), not per head
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -93,6 +104,20 @@ class ModelConfig:
                              f"got {list(self.layer_windows)}")
         if not any(self.layer_windows):
             object.__setattr__(self, "layer_windows", ())
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                raise ValueError(f"experts_per_token: expected 1..{self.num_experts} (num_experts), "
+                                 f"got {self.experts_per_token}")
+            if self.expert_intermediate_size <= 0:
+                raise ValueError(f"expert_intermediate_size: expected a positive integer, "
+                                 f"got {self.expert_intermediate_size}")
+            if not self.moe_layers:
+                object.__setattr__(self, "moe_layers", tuple(range(self.num_layers)))
+            if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+                raise ValueError(f"moe_layers: {list(self.moe_layers)} are not all layers of {self.num_layers}")
+        elif self.moe_layers or self.shared_expert_intermediate_size:
+            raise ValueError("moe_layers and shared_expert_intermediate_size need num_experts > 0")
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`: a query sees its last `window` positions; 0 = all of them."""
@@ -104,6 +129,10 @@ class ModelConfig:
             return self.local_rope_theta, None
         return self.rope_theta, self.rope_scaling
 
+    def is_moe(self, layer: int) -> bool:
+        """`layer`'s MLP is a mixture of experts."""
+        return layer in self.moe_layers
+
     def softmax_scale(self) -> float:
         return self.attention_scale or self.head_dim ** -0.5
 
@@ -111,6 +140,7 @@ class ModelConfig:
         config = dataclasses.asdict(self)
         config["eos_token_ids"] = list(self.eos_token_ids)
         config["layer_windows"] = list(self.layer_windows)
+        config["moe_layers"] = list(self.moe_layers)
         return config
 
     @classmethod
@@ -120,7 +150,8 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"model config: unknown fields {', '.join(unknown)}")
         return cls(**{**config, "eos_token_ids": tuple(config.get("eos_token_ids", ())),
-                      "layer_windows": tuple(config.get("layer_windows", ()))})
+                      "layer_windows": tuple(config.get("layer_windows", ())),
+                      "moe_layers": tuple(config.get("moe_layers", ()))})
 
 
 def canonical_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -141,18 +172,39 @@ def canonical_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj": (hidden, inter, config.mlp_bias),
     }
     for i in range(config.num_layers):
+        shapes.update(_mlp_shapes(config, i))
         shapes[f"layers.{i}.input_layernorm.weight"] = (hidden,)
         shapes[f"layers.{i}.post_attention_layernorm.weight"] = (hidden,)
         if config.sandwich_norms:  # Gemma: post_attention_layernorm follows attention; these wrap the MLP
             shapes[f"layers.{i}.pre_feedforward_layernorm.weight"] = (hidden,)
             shapes[f"layers.{i}.post_feedforward_layernorm.weight"] = (hidden,)
         if config.qk_norm:
-            shapes[f"layers.{i}.self_attn.q_norm.weight"] = (head_dim,)
-            shapes[f"layers.{i}.self_attn.k_norm.weight"] = (head_dim,)
+            q_norm, k_norm = (q_out, kv_out) if config.qk_norm_full else (head_dim, head_dim)
+            shapes[f"layers.{i}.self_attn.q_norm.weight"] = (q_norm,)
+            shapes[f"layers.{i}.self_attn.k_norm.weight"] = (k_norm,)
         for proj, (out_features, in_features, has_bias) in projections.items():
+            if proj.startswith("mlp.") and config.is_moe(i):
+                continue
             shapes[f"layers.{i}.{proj}.weight"] = (out_features, in_features)
             if has_bias:
                 shapes[f"layers.{i}.{proj}.bias"] = (out_features,)
+    return shapes
+
+
+def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """A mixture layer's router, experts and shared expert (a dense layer's MLP is among the projections)."""
+    if not config.is_moe(layer):
+        return {}
+    hidden, inter, prefix = config.hidden_size, config.expert_intermediate_size, f"layers.{layer}.mlp"
+    shapes = {f"{prefix}.router.weight": (config.num_experts, hidden)}
+    experts = [f"experts.{e}" for e in range(config.num_experts)]
+    shared = config.shared_expert_intermediate_size
+    for mlp, size in [(e, inter) for e in experts] + ([("shared_expert", shared)] if shared else []):
+        shapes[f"{prefix}.{mlp}.gate_proj.weight"] = (size, hidden)
+        shapes[f"{prefix}.{mlp}.up_proj.weight"] = (size, hidden)
+        shapes[f"{prefix}.{mlp}.down_proj.weight"] = (hidden, size)
+    if shared:
+        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

@@ -57,5 +57,15 @@ def logits(x, weight, *, name: str, in_features: int, out_features: int):
     return F.linear(x, weight).float()
 
 
+def moe(x, *weights, name: str, num_experts: int, top_k: int, norm_topk_prob: bool, act: str, experts: list,
+        shared: bool, linears: list):
+    """A mixture-of-experts MLP; `weights` are those of `linears` ({name, in_features, out_features} each: the
+    router, each expert's gate/up/down projections, the shared expert's and its gate) in that order."""
+    attrs = dict(num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob, act=act, experts=experts,
+                 shared=shared)
+    named = {linear["name"]: weight for linear, weight in zip(linears, weights)}
+    return reference.moe(x, lambda base, h: F.linear(h, named[base]), attrs)
+
+
 LEAVES = {f.__name__: f for f in (embedding, rms_norm, head_rms_norm, linear, rope, attention, silu_mul, add,
-                                   gather_last, logits)}
+                                   gather_last, logits, moe)}

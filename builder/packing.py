@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from builder.experts import graph_expert_linears
 from builder.ir import DTYPE_NAMES, Graph, Value
 from builder.lazy_tensors import PartsMemo
 from runtime.weights import FORMATS
@@ -13,7 +14,7 @@ def pack_graph(graph: Graph, activations: str = "f32") -> Graph:
     out = graph.replace()
     packed: dict[tuple, tuple[list[str], list[str]]] = {}  # logical operand names -> (packed names, roles)
     memo = PartsMemo(4)
-    for node in out.nodes:
+    for node in out.nodes + graph_expert_linears(out):
         attrs = node.attrs
         if attrs.get("quant", "none") == "none" or attrs.get("layout") != "logical":
             continue
@@ -59,5 +60,5 @@ def integer_activations(op: str, attrs: dict, activations: str) -> bool:
     """The integer activation paths (int8, int16) take int4/int8 linears (and logits) whose input
     width is a multiple of 32; other nodes compute on f32 activations."""
     quant = attrs.get("quant")
-    return (activations in INTEGER_ACTIVATIONS and op in ("linear", "logits") and quant in FORMATS
+    return (activations in INTEGER_ACTIVATIONS and op in ("linear", "logits", "moe_linear") and quant in FORMATS
             and FORMATS[quant].integer_activations and attrs["in_features"] % 32 == 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from builder.ops import (add, attention, embedding, gather_last, head_rms_norm, linear, logits, rms_norm, rope,
+from builder.ops import (add, attention, embedding, gather_last, head_rms_norm, linear, logits, moe, rms_norm, rope,
                          silu_mul)
 
 
@@ -62,7 +62,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(f"{path}.k_proj", cfg.hidden_size, kv_width, bias)
         self.v_proj = Linear(f"{path}.v_proj", cfg.hidden_size, kv_width, bias)
         self.o_proj = Linear(f"{path}.o_proj", q_width, cfg.hidden_size, cfg.attention_bias)
-        if cfg.qk_norm:
+        if cfg.qk_norm_full:  # OLMoE: one norm over all of q's heads, one over k's
+            self.q_norm = RMSNorm(f"{path}.q_norm", q_width, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(f"{path}.k_norm", kv_width, cfg.rms_norm_eps)
+        elif cfg.qk_norm:
             self.q_norm = HeadRMSNorm(f"{path}.q_norm", cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = HeadRMSNorm(f"{path}.k_norm", cfg.head_dim, cfg.rms_norm_eps)
 
@@ -96,6 +99,43 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), name=f"{self.path}.act", **act))
 
 
+class Weight(nn.Module):
+    """A module holding one projection weight [out, in] (a linear inside a moe node)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = Weight(inter, hidden), Weight(inter, hidden), Weight(hidden, inter)
+
+
+class MoE(nn.Module):
+    """A mixture of experts, one moe node: the router, the experts' gated MLPs and the shared expert (if any)."""
+
+    def __init__(self, path: str, cfg):
+        super().__init__()
+        self.path, self.cfg = path, cfg
+        hidden, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+        self.router = Weight(cfg.num_experts, hidden)
+        self.experts = nn.ModuleList(GatedMLP(hidden, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+        if shared:
+            self.shared_expert = GatedMLP(hidden, shared)
+            self.shared_expert_gate = Weight(1, hidden)
+
+    def forward(self, x):
+        cfg = self.cfg
+        named = [(name.removesuffix(".weight"), p) for name, p in self.named_parameters()]
+        linears = [{"name": name, "out_features": p.shape[0], "in_features": p.shape[1]} for name, p in named]
+        return moe(x, *[p for _, p in named], name=self.path, num_experts=cfg.num_experts,
+                   top_k=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act,
+                   experts=list(range(cfg.num_experts)), shared=bool(cfg.shared_expert_intermediate_size),
+                   linears=linears)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, index: int, cfg):
         super().__init__()
@@ -104,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(f"{path}.self_attn", index, cfg)
         self.post_attention_layernorm = RMSNorm(f"{path}.post_attention_layernorm", cfg.hidden_size,
                                                 cfg.rms_norm_eps)
-        self.mlp = MLP(f"{path}.mlp", cfg)
+        self.mlp = MoE(f"{path}.mlp", cfg) if cfg.is_moe(index) else MLP(f"{path}.mlp", cfg)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(f"{path}.pre_feedforward_layernorm", cfg.hidden_size,

@@ -83,6 +83,9 @@ def _leaf_node(fx_node: torch.fx.Node, env: dict) -> Node:
         attrs["quant"] = "none"
     if op == "embedding":
         attrs["vocab_start"] = 0
+    if op == "moe":  # each linear inside reads its own weights: roles and format like a linear node's
+        attrs["linears"] = [dict(linear, operands=["weight"], quant="none") for linear in attrs["linears"]]
+        attrs["experts"] = list(attrs["experts"])
     suffixes = OUTPUT_NAMES.get(op)
     if op == "logits":
         outputs = ["logits"]

@@ -14,7 +14,7 @@ from builder.gguf_blocks import BLOCK, BLOCK_FORMATS, REQUANT_SOURCE_FORMAT
 from builder.gguf_source import FLOAT_TYPES
 from builder.ir import Graph
 from passes.context import PassContext
-from passes.quant_rewrite import is_excluded, is_float_weight_node, logical_operands, quantize_node
+from passes.quant_rewrite import is_excluded, is_float_weight_node, logical_operands, quantize_node, weight_nodes
 from runtime.weights import FORMATS, int8
 
 
@@ -25,7 +25,7 @@ def keep_source_quant(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     names = set(ctx.model.weight_names())
     cache: dict = {}
-    for node in out.nodes:
+    for node in weight_nodes(out):
         if not is_float_weight_node(node) or node.inputs[1] not in names:
             continue
         if method != "source" and not is_excluded(node, ctx.plan.quant.exclude):

@@ -14,7 +14,7 @@ from builder.errors import KilnError
 from builder.ir import Graph
 from builder.packing import INTEGER_ACTIVATIONS, plan_activations
 from passes.context import PassContext
-from passes.quant_rewrite import REQUANT_METHODS
+from passes.quant_rewrite import REQUANT_METHODS, weight_nodes
 
 
 def is_exact(graph: Graph, ctx: PassContext, activations: str) -> bool:
@@ -35,7 +35,7 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     alphas = out.meta.pop("awq_alpha", {})
     activations = plan_activations(out, ctx.plan)
     measured = out.meta.pop("activation_figures", {})  # what choose_activations measured, by path
-    quantized = sum(n.attrs.get("quant", "none") != "none" for n in out.nodes)
+    quantized = sum(n.attrs.get("quant", "none") != "none" for n in weight_nodes(out))
     exact = is_exact(out, ctx, activations)
     requantized = out.meta.pop("source_requantized", [])
     if exact:
@@ -65,7 +65,7 @@ def evaluated(out: Graph, ctx: PassContext, activations: str, requantized: list)
     quant, kv_dtype = ctx.plan.quant, ctx.plan.kv_cache.dtype
     if ctx.model is None:
         raise KilnError("measure_accuracy: the evaluation needs the model source")
-    quantized = sum(n.attrs.get("quant", "none") != "none" for n in out.nodes)
+    quantized = sum(n.attrs.get("quant", "none") != "none" for n in weight_nodes(out))
     figures = {"method": quant.method, "kv_cache_dtype": kv_dtype, "activations": activations,
                "quantized_nodes": quantized}
     # Without requantization the graph's weights are the reference's (float, or the source's blocks
@@ -77,8 +77,7 @@ def evaluated(out: Graph, ctx: PassContext, activations: str, requantized: list)
     # The reference's answers depend on the model's weights and on which reference runs: the float model, or the
     # graph's own weights run exactly (the source's blocks, or its float weights).
     answers_key = {"model": ctx.model.weights_sha256(), "reference": "float" if reference is not out else [
-        (n.name, n.attrs.get("quant", "none"), n.attrs.get("group_size")) for n in out.nodes
-        if n.op in ("linear", "logits", "embedding")]}
+        (n.name, n.attrs.get("quant", "none"), n.attrs.get("group_size")) for n in weight_nodes(out)]}
     figures.update(evaluate(reference, out, evaluation_windows(ctx), kv_dtype, activations, ctx.show_progress,
                             prompts, set(ctx.model.config.eos_token_ids), answers_key))
     figures["greedy_chat_template"] = templated

@@ -19,12 +19,13 @@ from fnmatch import fnmatchcase
 import torch
 
 from builder.errors import KilnError
+from builder.experts import FLOAT_LINEARS, graph_expert_linears
 from builder.ir import Graph, Node
 from builder.lazy_tensors import PartsMemo
 from runtime.weights import FORMATS
 from runtime.weights.format import Quantized
 
-WEIGHT_OPS = ("linear", "logits", "embedding")
+WEIGHT_OPS = ("linear", "logits", "embedding", "moe_linear")  # moe_linear: a linear inside a moe node
 # plan method -> the weight format it rewrites to (int4-awq is int4 after fold_awq_scales)
 REQUANT_METHODS = {"int8": "int8", "int4": "int4", "int4-awq": "int4", "fp8": "fp8"}
 
@@ -37,11 +38,19 @@ def is_excluded(node: Node, patterns) -> bool:
     return any(fnmatchcase(node.name, p) for p in patterns)
 
 
+def weight_nodes(graph: Graph) -> list:
+    """The graph's linear/logits/embedding nodes, then the linears inside its moe nodes (builder/experts.py: views
+    with a linear node's interface, whose rewrites land in their moe node)."""
+    return [n for n in graph.nodes if n.op in WEIGHT_OPS] + graph_expert_linears(graph)
+
+
 def requant_targets(graph: Graph, plan) -> list[Node]:
-    """Float linear/logits/embedding nodes the plan's requantization method rewrites (none for none/source)."""
+    """Float linear/logits/embedding nodes the plan's requantization method rewrites (none for none/source), and
+    the experts' projections of moe nodes (their routers and shared-expert gates stay float)."""
     if plan.quant.method not in REQUANT_METHODS:
         return []
-    return [n for n in graph.nodes if is_float_weight_node(n) and not is_excluded(n, plan.quant.exclude)]
+    return [n for n in weight_nodes(graph) if is_float_weight_node(n) and not is_excluded(n, plan.quant.exclude)
+            and not (n.op == "moe_linear" and n.base in FLOAT_LINEARS)]
 
 
 def in_features(graph: Graph, node: Node) -> int:

@@ -1,5 +1,10 @@
 """Shard tensor parallel: keep this rank's heads, MLP columns and vocabulary rows; collectives where shares meet.
 
+A moe node keeps whole experts: the tp ranks split the experts between them (expert parallelism within the
+tensor-parallel group: rank r holds experts [r * E // tp, (r + 1) * E // tp), uneven counts allowed), every rank
+routes every token with the whole router, tp rank 0 alone runs the shared expert, and an all_reduce sums the
+ranks' partial outputs, as after a row split.
+
 Column split (output rows of the weight): q/k/v (by heads), gate/up (by intermediate columns), the
 embedding and logits (by vocabulary rows). Row split (input columns of the weight): o and down,
 followed by an all_reduce of the partial sums; their bias is added on tp rank 0 only. The embedding
@@ -47,6 +52,7 @@ class _Sharder:
         self.kept: dict[str, list[Span]] = {}     # value -> its columns this rank computes
         self.sliced: dict[str, tuple] = {}        # weight -> (dim, spans) already applied
         self.collectives: dict[str, Node] = {}    # node name -> the collective inserted after it
+        self.rope_inputs = {i for n in graph.nodes if n.op == "rope" for i in n.inputs[:2]}
 
     def run(self) -> None:
         for node in list(self.g.nodes):
@@ -58,6 +64,11 @@ class _Sharder:
                 self._embedding(node)
             elif node.op == "logits":
                 self._logits(node)
+            elif node.op == "moe":
+                self._experts(node)
+            elif node.op == "rms_norm" and node.outputs[0] in self.rope_inputs:
+                raise KilnError(f"shard_tensor_parallel: {node.name} normalizes q or k over all heads (OLMoE); "
+                                f"tp={self.mapping.tp} would split those heads across ranks: build it with tp=1")
         self._split_producers()
         nodes = []
         for node in self.g.nodes:
@@ -110,6 +121,26 @@ class _Sharder:
         self._resize(node.outputs[0], self.mlp.count)
         for user in self.users[node.outputs[0]]:
             self._row_split(user, cols)
+
+    def _experts(self, node: Node) -> None:
+        """Keep this rank's experts (and, on tp rank 0, the shared expert) of a moe node; all_reduce its output."""
+        from builder.experts import expert_linears
+
+        count, tp, rank = node.attrs["num_experts"], self.mapping.tp, self.mapping.tp_rank
+        mine = list(range(rank * count // tp, (rank + 1) * count // tp))
+        held = {f"experts.{e}." for e in mine}
+        linears, inputs = [], [node.inputs[0]]
+        for view in expert_linears(node):
+            name = view.base
+            if name.startswith("experts.") and name[:name.index(".", 8) + 1] not in held:
+                continue
+            if name.startswith("shared_expert") and rank:
+                continue
+            linears.append(view.attrs)
+            inputs += view.inputs[1:]
+        node.inputs = inputs
+        node.attrs.update(linears=linears, experts=mine, shared=node.attrs.get("shared", False) and rank == 0)
+        self._collective_after(node, "all_reduce", {"group": "tp"})
 
     def _embedding(self, node: Node) -> None:
         for name in node.inputs[1:]:

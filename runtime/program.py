@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.ops import linear, reference, rowops
+from runtime.ops import linear, moe, reference, rowops
+from runtime.ops.tape import recordable, unrecorded
 from runtime.weights import fp8
 
 
@@ -251,6 +252,18 @@ def _silu_mul(site: Site):
     return lambda *xs: reference.gated_act(act, *xs)
 
 
+def _rms_norm(site: Site):
+    norm = rowops.bind_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"], site.reuse)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_contiguous():  # OLMoE's q and k norms read a split of the fused projection
+            unrecorded()  # the copy would not outlive the call: a tape cannot replay it
+            x = x.contiguous()
+        return norm(x)
+
+    return recordable(run)
+
+
 def _head_rms_norm(site: Site):
     """The rms_norm kernel over rows of one head each ([T, heads * hd] viewed as [T * heads, hd])."""
     hd = site.attrs["head_dim"]
@@ -297,8 +310,7 @@ BINDERS: dict[str, Callable[[Site], Callable | None]] = {
     "linear": _linear,
     "logits": _linear,
     "embedding": _embedding,
-    "rms_norm": lambda site: rowops.bind_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"],
-                                                  site.reuse),
+    "rms_norm": _rms_norm,
     "add_rms_norm": lambda site: rowops.bind_add_rms_norm(site.weights[0].float().contiguous(), site.attrs["eps"],
                                                           site.reuse),
     "head_rms_norm": _head_rms_norm,
@@ -306,6 +318,7 @@ BINDERS: dict[str, Callable[[Site], Callable | None]] = {
     "rope": lambda site: reference.make_rope(site.attrs),
     "attention": lambda site: site.hooks.attention(site.attrs),
     "silu_mul": _silu_mul,
+    "moe": lambda site: moe.bind_moe(site.node, site.tensors),
     "add": lambda site: rowops.bind_add(site.reuse),
     "gather_last": lambda site: site.hooks.gather_last,
     "all_reduce": _collective("all_reduce"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -35,6 +36,13 @@ TINY_LLAMA = dict(
 )
 
 
+# family -> the transformers classes of its config and model
+FAMILY_CLASSES = {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+                  **{family: (f"{prefix}Config", f"{prefix}ForCausalLM") for family, prefix in [
+                      ("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"), ("phi3", "Phi3"),
+                      ("mixtral", "Mixtral"), ("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe"), ("olmoe", "Olmoe")]}}
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_tokenizer_json(vocab_size: int) -> str:
     """A byte-level BPE tokenizer with exactly `vocab_size` tokens, trained deterministically on a fixed corpus."""
@@ -61,15 +69,10 @@ def make_tiny_llama(path, *, seed: int = 0, max_shard_size: str | None = None, f
     `config_overrides` are the config's fields (e.g. tie_word_embeddings=True, rope_scaling={...});
     `max_shard_size` (e.g. "40KB") saves sharded safetensors with a model.safetensors.index.json.
     """
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    import transformers
 
     path = Path(path)
-    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "mistral": (MistralConfig, MistralForCausalLM),
-                                 "phi3": (Phi3Config, Phi3ForCausalLM),
-                                 "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[family]
+    config_class, model_class = (getattr(transformers, name) for name in FAMILY_CLASSES[family])
     config = config_class(**{**TINY_LLAMA, **config_overrides})
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -223,8 +226,11 @@ def transformers_greedy(model, ids: list[int], count: int) -> list[int]:
     (seen with transformers 5.23), so its forward, recomputed per token, is the reference."""
     with torch.inference_mode():
         if model.config.model_type != "gemma3_text":
-            return model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
-                                  pad_token_id=0)[0, len(ids):].tolist()
+            # An end-of-sequence id no token has: generation runs on through EOS as Kiln's ignore_eos does
+            # (min_new_tokens would instead forbid EOS, another answer wherever EOS is the argmax)
+            config = copy.deepcopy(model.generation_config)
+            config.update(eos_token_id=model.config.vocab_size, max_new_tokens=count, do_sample=False, pad_token_id=0)
+            return model.generate(torch.tensor([ids]), generation_config=config)[0, len(ids):].tolist()
         seq = list(ids)
         for _ in range(count):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))

@@ -125,6 +125,49 @@ def gated_act(act: str, *xs: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] f32, expert ids [T, k]) of a mixture's router logits [T, E]: the softmax over every expert
+    (in f32), its k largest, renormalised to sum to 1 with norm_topk_prob (Mixtral, Qwen3-MoE)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe(x: torch.Tensor, linear, attrs: dict, act=None) -> torch.Tensor:
+    """A moe node over x [T, H]: linear(base, h) applies the node's linear `base` ("router",
+    "experts.{e}.gate_proj", ..., "shared_expert.down_proj", "shared_expert_gate") to h.
+
+    Each token runs its top_k experts, grouped so that an expert's weights are read once for all the tokens
+    routed to it; attrs["experts"] are the experts this node holds (the others' tokens are someone else's: expert
+    parallelism sums the ranks' partial outputs). The shared expert, where the node has one, runs on every token,
+    scaled by sigmoid of its gate. `act(gate, up)`: the gated activation (default: attrs["act"]'s reference)."""
+    act = act or (lambda gate, up: gated_act(attrs["act"], gate, up))
+    weights, ids = route(linear("router", x), attrs["top_k"], attrs["norm_topk_prob"])
+    out = torch.zeros_like(x)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)           # (token, slot) pairs grouped by expert, tokens in order
+    counts = torch.bincount(flat, minlength=attrs["num_experts"]).tolist()
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    slot_weights = weights.flatten().to(x.dtype)
+    for e in attrs["experts"]:
+        if not counts[e]:
+            continue
+        picked = order[starts[e]:starts[e + 1]]
+        rows = picked // attrs["top_k"]
+        h = x.index_select(0, rows)
+        h = linear(f"experts.{e}.down_proj", act(linear(f"experts.{e}.gate_proj", h), linear(f"experts.{e}.up_proj", h)))
+        out.index_add_(0, rows, h * slot_weights[picked, None])
+    if attrs.get("shared", False):
+        shared = linear("shared_expert.down_proj",
+                        act(linear("shared_expert.gate_proj", x), linear("shared_expert.up_proj", x)))
+        out = out + torch.sigmoid(linear("shared_expert_gate", x)) * shared
+    return out
+
+
 def silu_mul(*xs: torch.Tensor) -> torch.Tensor:
     if len(xs) == 1:
         gate, up = xs[0].chunk(2, dim=-1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from builder.errors import KilnError
+from builder.experts import graph_expert_linears
 from builder.ir import DTYPE_NAMES, Graph
 from passes.context import PassContext
 from runtime.backends.cuda.kernels.gemm import INT4_LAYOUT, pack_int4
@@ -29,8 +30,8 @@ def pack_cuda_weights(graph: Graph, ctx: PassContext) -> Graph:
     dtype = DTYPES[act]
     made: dict[tuple, tuple[list[str], dict]] = {}   # the operands a node read -> what it reads now, shared
     widened = []
-    for node in out.nodes:
-        if node.op not in ("linear", "logits", "embedding"):
+    for node in out.nodes + graph_expert_linears(out):
+        if node.op not in ("linear", "logits", "embedding", "moe_linear"):
             continue
         a = node.attrs
         quant = a.get("quant", "none")
@@ -42,6 +43,9 @@ def pack_cuda_weights(graph: Graph, ctx: PassContext) -> Graph:
         elif a.get("layout") != "logical":
             raise KilnError(f"pack_cuda_weights: node {node.name!r} has {quant} weights already packed "
                             f"({a.get('layout')}); the cuda target reads logical operands")
+        elif node.op == "moe_linear":  # the experts' kernel reads float weights stacked by expert
+            kind = ("widen", quant)
+            widened.append(node.name)
         elif node.op != "embedding" and quant == "int4" and a["in_features"] % 2 == 0:
             kind = ("int4",)
         elif node.op != "embedding" and quant == "fp8":

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.backends.cuda.kernels import gemm, rows
+from runtime.backends.cuda.kernels import experts, gemm, rows
 from runtime.backends.cuda.launch import Launcher
-from runtime.ops import reference
+from runtime.ops import moe, reference
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,39 @@ def make_binders(ctx: OpContext) -> dict:
         return lambda q, k, positions: rows.rope(launcher, q, k, positions, table, a["num_heads"], a["num_kv_heads"],
                                                  a["head_dim"])
 
+    def bind_moe(site):
+        """Routing with torch on the device, every chosen expert's projections in one expert_gemv launch each (the
+        experts' weights stacked [E, N, K] here, once), the shared expert as linears."""
+        a, node = site.attrs, site.node
+        operands = moe.operands_by_linear(node, site.tensors)
+        linear = {e["name"]: bind_linear(_LinearSite(e, operands[e["name"]])) for e in moe.held_linears(a)
+                  if not e["name"].startswith("experts.")}
+        held, top_k = a["experts"], a["top_k"]
+
+        def stack(parts):
+            return torch.stack([torch.cat([operands[f"experts.{e}.{p}"]["weight"] for p in parts]) for e in held])
+
+        gate_up, down = stack(("gate_proj", "up_proj")).contiguous(), stack(("down_proj",)).contiguous()
+        device = gate_up.device
+        local = torch.full((a["num_experts"],), -1, dtype=torch.int32, device=device)  # global id -> held index
+        local[torch.tensor(held, dtype=torch.int64, device=device)] = torch.arange(len(held), dtype=torch.int32,
+                                                                                   device=device)
+        act = a["act"]
+
+        def run(x):
+            weights, ids = reference.route(linear["router"](x), top_k, a["norm_topk_prob"])
+            slots = local[ids.flatten()]
+            hidden = experts.expert_gemv(launcher, x.contiguous(), slots, gate_up, top_k)
+            y = experts.expert_gemv(launcher, rows.gated_act(launcher, act, hidden), slots, down, 1)
+            out = (y.view(x.shape[0], top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
+            if a.get("shared", False):
+                gated = rows.gated_act(launcher, act, linear["shared_expert.gate_proj"](x),
+                                       linear["shared_expert.up_proj"](x))
+                out = out + torch.sigmoid(linear["shared_expert_gate"](x)) * linear["shared_expert.down_proj"](gated)
+            return out
+
+        return run
+
     def collective(op: str):
         def bind(site):
             hook = getattr(site.hooks, op)
@@ -108,6 +141,7 @@ def make_binders(ctx: OpContext) -> dict:
         "rope": bind_rope,
         "attention": lambda site: site.hooks.attention(site.attrs),
         "silu_mul": bind_gated,
+        "moe": bind_moe,
         "add": lambda site: torch.add,
         "gather_last": lambda site: site.hooks.gather_last,
         "all_reduce": collective("all_reduce"),
@@ -116,3 +150,13 @@ def make_binders(ctx: OpContext) -> dict:
         "recv": lambda site: lambda: site.hooks.recv(site.attrs),
     }
 
+
+@dataclass(frozen=True)
+class _LinearSite:
+    """A linear inside a moe node, as the linear binder sees a linear node."""
+
+    attrs: dict
+    ops: dict
+
+    def operands(self) -> dict:
+        return self.ops

@@ -1,0 +1,42 @@
+"""The cpu kernel of a moe node: routing, then each routed expert's gated MLP over the tokens routed to it.
+
+The router, the experts' projections and the shared expert's are bound as linear nodes are (runtime/ops/linear.py:
+float, or packed int4/int8/fp8/... read by the C kernels), so a step reads only the weights of the experts its
+tokens chose, each once (runtime.ops.reference.moe groups the tokens by expert). A moe call is not recorded on a
+step tape: which experts run changes from step to step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.ops import linear, reference
+
+
+def operands_by_linear(node: dict, tensors: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """A moe node of a program -> {linear name: {role: tensor}}: its inputs after x are each linear's operands,
+    in attrs["linears"] order."""
+    out, at = {}, 1
+    for entry in node["attrs"]["linears"]:
+        roles = entry["operands"]
+        out[entry["name"]] = {role: tensors[name] for role, name in zip(roles, node["inputs"][at:at + len(roles)])}
+        at += len(roles)
+    return out
+
+
+def held_linears(attrs: dict) -> list[dict]:
+    """The linears a moe node computes with: the router, the experts it holds (attrs["experts"]) and the shared
+    expert's."""
+    held = {f"experts.{e}." for e in attrs["experts"]}
+    return [entry for entry in attrs["linears"]
+            if not entry["name"].startswith("experts.") or entry["name"][:entry["name"].index(".", 8) + 1] in held]
+
+
+def bind_moe(node: dict, tensors: dict, bind_linear=None, act=None):
+    """x [T, H] -> [T, H] for a moe node; bind_linear(linear attrs, operands) -> callable (default: the cpu
+    kernels'), act(gate, up) -> the gated activation (default: the node's reference)."""
+    attrs = node["attrs"]
+    bind_linear = bind_linear or linear.bind_linear
+    operands = operands_by_linear(node, tensors)
+    bound = {entry["name"]: bind_linear(entry, operands[entry["name"]]) for entry in held_linears(attrs)}
+    return lambda x: reference.moe(x, lambda name, h: bound[name](h), attrs, act)

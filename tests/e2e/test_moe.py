@@ -1,0 +1,180 @@
+"""Mixtures of experts from Hugging Face directories: Mixtral (top-2, renormalised), Qwen2-MoE (a shared expert
+with its own gate, dense layers between the sparse ones), Qwen3-MoE (q/k norms per head) and OLMoE (q/k norms over
+the whole projection, top-3 without renormalisation).
+
+Each tiny random checkpoint, saved with transformers, builds into an engine whose logits match transformers at
+every position and whose greedy tokens are transformers' own; its experts are quantized like linears; tensor- and
+pipeline-parallel rank programs (the experts split across the tp ranks) give the one-rank logits."""
+
+import json
+
+import pytest
+import torch
+from test_sharding import IDS, ThreadRanks, rank_graphs
+from transformers import AutoModelForCausalLM
+
+from builder.build import build_engine
+from builder.errors import KilnError
+from builder.model import load_model
+from conftest import assert_logits_match, exact_plan, make_tiny_llama, transformers_greedy
+from runtime.engine import EngineOptions, LLMEngine
+from runtime.engine_format import map_rank_file
+from runtime.ops import moe, reference
+from runtime.sampling import SamplingParams
+
+PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 60))]
+# family -> the config fields of its tiny checkpoint (on TINY_LLAMA: 4 layers, hidden 64, 4 query / 2 KV heads)
+FAMILIES = {
+    "mixtral": dict(num_local_experts=5, num_experts_per_tok=2),  # 5 experts: tp=2 splits them 2 + 3
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=96, decoder_sparse_step=2, qkv_bias=True),
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+    "olmoe": dict(num_experts=6, num_experts_per_tok=3, intermediate_size=64),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {family: make_tiny_llama(root / family, family=family, seed=7, **config)
+            for family, config in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def moe_engines(moe_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_engines")
+    engines = {}
+    for family, model_dir in moe_dirs.items():
+        build_engine(str(model_dir), exact_plan(method="none"), root / family, show_progress=False)
+        engines[family] = root / family
+    return engines
+
+
+def reference_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_tokens_are_transformers_own(family, moe_dirs, moe_engines):
+    model = reference_model(moe_dirs[family])
+    assert_logits_match(model, moe_engines[family], PROMPTS)
+    llm = LLMEngine.from_dir(moe_engines[family], EngineOptions(kv_cache_gib=0.02))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for ids in PROMPTS:
+        assert llm.generate([ids], params)[0].token_ids == transformers_greedy(model, ids, 32), (family, ids)
+
+
+def test_configs_and_checkpoint_names_are_read_per_family(moe_dirs):
+    mixtral = load_model(str(moe_dirs["mixtral"]))
+    c = mixtral.config
+    assert (c.num_experts, c.experts_per_token, c.norm_topk_prob, c.moe_layers) == (5, 2, True, (0, 1, 2, 3))
+    state = reference_model(moe_dirs["mixtral"]).state_dict()
+    # transformers holds Mixtral's experts stacked ([E, 2I, H] gate | up); the checkpoint's w1/w3/w2 are Kiln's
+    # gate/up/down projections
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"][3]
+    assert torch.equal(torch.cat([mixtral.load("layers.1.mlp.experts.3.gate_proj.weight"),
+                                  mixtral.load("layers.1.mlp.experts.3.up_proj.weight")]), gate_up)
+    assert torch.equal(mixtral.load("layers.1.mlp.router.weight"), state["model.layers.1.mlp.gate.weight"])
+
+    qwen = load_model(str(moe_dirs["qwen2_moe"])).config
+    assert qwen.moe_layers == (1, 3) and qwen.shared_expert_intermediate_size == 96 and not qwen.norm_topk_prob
+    names = load_model(str(moe_dirs["qwen2_moe"])).weight_names()
+    assert "layers.0.mlp.gate_proj.weight" in names and "layers.1.mlp.gate_proj.weight" not in names
+    assert "layers.1.mlp.shared_expert_gate.weight" in names
+    olmoe = load_model(str(moe_dirs["olmoe"])).config
+    assert olmoe.qk_norm_full and olmoe.experts_per_token == 3 and not olmoe.norm_topk_prob
+
+
+def test_unsupported_variants_are_refused_by_name(moe_dirs, tmp_path):
+    import shutil
+
+    clipped = tmp_path / "olmoe_clipped"
+    shutil.copytree(moe_dirs["olmoe"], clipped)
+    config = json.loads((clipped / "config.json").read_text())
+    (clipped / "config.json").write_text(json.dumps({**config, "clip_qkv": 8.0}))
+    with pytest.raises(KilnError, match=r"clip_qkv=8.0 \(OLMoE's clamped q, k and v\) is not supported"):
+        load_model(str(clipped))
+    config = json.loads((moe_dirs["mixtral"] / "config.json").read_text())
+    deepseek = tmp_path / "deepseek"
+    shutil.copytree(moe_dirs["mixtral"], deepseek)
+    (deepseek / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    with pytest.raises(KilnError, match="unsupported architecture 'deepseek_v3'"):
+        load_model(str(deepseek))
+
+
+def test_router_weights_follow_each_family():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    weights, ids = reference.route(logits, 2, norm_topk_prob=False)
+    probs = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[0, 1]] and torch.allclose(weights, probs[:2][None])
+    renormalised, _ = reference.route(logits, 2, norm_topk_prob=True)
+    assert torch.allclose(renormalised, (probs[:2] / probs[:2].sum())[None])
+
+
+def test_a_step_reads_only_the_experts_its_tokens_chose(moe_engines):
+    # Poison every expert no token of the step chose: the output must not change (NaN would spread otherwise).
+    program, tensors = map_rank_file(moe_engines["mixtral"] / "rank0.engine")
+    node = next(n for n in json.loads(program)["nodes"] if n["op"] == "moe")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    clean = moe.bind_moe(node, tensors)(x)
+    operands = moe.operands_by_linear(node, tensors)
+    _, ids = reference.route(torch.nn.functional.linear(x, operands["router"]["weight"]), 2, True)
+    unused = sorted(set(range(5)) - set(ids.flatten().tolist()))
+    assert unused, "the step should leave an expert unread"
+    poisoned = dict(tensors)
+    for e in unused:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"{node['name']}.experts.{e}.{proj}.weight"
+            poisoned[name] = torch.full_like(tensors[name], float("nan"))
+    assert torch.equal(moe.bind_moe(node, poisoned)(x), clean)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_experts_are_quantized_per_expert_and_the_router_stays_float(moe_dirs, tmp_path, method):
+    plan = exact_plan(method=method, max_ppl_increase=None, min_greedy_agreement=None)
+    build_engine(str(moe_dirs["qwen2_moe"]), plan, tmp_path / "e", show_progress=False)
+    program, _ = map_rank_file(tmp_path / "e" / "rank0.engine")
+    node = next(n for n in json.loads(program)["nodes"] if n["op"] == "moe")
+    formats = {entry["name"]: entry["quant"] for entry in node["attrs"]["linears"]}
+    assert formats["router"] == formats["shared_expert_gate"] == "none"
+    assert {formats[f"experts.{e}.{p}"] for e in range(6) for p in ("gate_proj", "up_proj", "down_proj")} == {method}
+    assert formats["shared_expert.down_proj"] == method
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    # the experts' and shared experts' projections of the two sparse layers; fused gate_up and down of the two dense
+    # layers, fused qkv and o of all four
+    assert manifest["accuracy"]["quantized_nodes"] == 2 * (6 * 3 + 3) + 2 * 2 + 4 * 2
+    llm = LLMEngine.from_dir(tmp_path / "e", EngineOptions(kv_cache_gib=0.02))
+    assert len(llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+               .token_ids) == 8
+
+
+@pytest.mark.parametrize("family, tp, pp", [("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("qwen2_moe", 1, 2),
+                                            ("qwen3_moe", 2, 2)])
+def test_rank_programs_together_give_the_one_rank_logits(moe_dirs, family, tp, pp):
+    one = ThreadRanks(rank_graphs(moe_dirs[family]), 1).logits(IDS)
+    graphs = rank_graphs(moe_dirs[family], tp, pp)
+    experts = [[n.attrs["experts"] for n in g.nodes if n.op == "moe"][0] for g in graphs]
+    if tp == 2:
+        count = FAMILIES[family].get("num_local_experts") or FAMILIES[family]["num_experts"]
+        assert experts[:2] == [list(range(count // 2)), list(range(count // 2, count))]
+    many = ThreadRanks(graphs, tp).logits(IDS)
+    torch.testing.assert_close(many, one, atol=1e-4, rtol=0)
+
+
+def test_full_width_qk_norms_refuse_tensor_parallelism(moe_dirs):
+    with pytest.raises(KilnError, match=r"normalizes q or k over all heads \(OLMoE\); tp=2 would split"):
+        rank_graphs(moe_dirs["olmoe"], 2, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(family, moe_dirs, moe_engines, tmp_path, monkeypatch):
+    """Routing on the device, the experts through expert_gemv (Triton's interpreter here), the shared expert as
+    linears: the cpu engine's tokens, with requests arriving two steps apart (decode steps of several sizes)."""
+    from test_cuda_backend import PROMPTS as CUDA_PROMPTS
+    from test_cuda_backend import cuda_plan, run
+
+    cuda = build_engine(str(moe_dirs[family]), cuda_plan(), tmp_path / "cuda", show_progress=False)
+    monkeypatch.setenv("KILN_CUDA_INTERPRET", "1")
+    got, llm = run(cuda.out, CUDA_PROMPTS)
+    assert got == run(moe_engines[family], CUDA_PROMPTS)[0]
+    assert "_expert_gemv" in {key.split(".")[0] for key in llm.executor.launcher.launched}
