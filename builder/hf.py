@@ -183,7 +183,8 @@ def config_from_hf(hf_config: dict, generation: dict, where: str) -> ModelConfig
 def _moe_fields(hf_config: dict, model_type: str, where: str) -> dict:
     """The ModelConfig fields of a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
     if hf_config.get("clip_qkv") is not None:
-        raise KilnError(f"model: {where}: clip_qkv={hf_config['clip_qkv']} (OLMoE's clamped q, k and v) is not supported")
+        raise KilnError(f"model: {where}: clip_qkv={hf_config['clip_qkv']} (OLMoE's clamped q, k and v) "
+                        "is not supported")
     experts = hf_config.get("num_local_experts") or hf_config.get("num_experts")
     top_k = hf_config.get("num_experts_per_tok")
     if not experts or not top_k:

@@ -110,7 +110,8 @@ class Weight(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = Weight(inter, hidden), Weight(inter, hidden), Weight(hidden, inter)
+        self.gate_proj, self.up_proj = Weight(inter, hidden), Weight(inter, hidden)
+        self.down_proj = Weight(hidden, inter)
 
 
 class MoE(nn.Module):

@@ -20,7 +20,26 @@ from runtime.memory_plan import RankMemoryPlan, workspace_bytes
 def plan_memory(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     out.meta["memory"] = memory_record(rank_memory(graph, ctx.plan, ctx.rank), ctx.rank)
+    experts = expert_bytes(graph)
+    if experts:  # a step reads only its tokens' experts: what runtime/bench.py's roofline counts
+        out.meta["memory"]["expert_bytes"] = experts
     return out
+
+
+def expert_bytes(graph: Graph) -> int:
+    """Bytes of the routed experts' weights of the rank (their routers and the shared experts excluded)."""
+    total = 0
+    for node in graph.nodes:
+        if node.op != "moe":
+            continue
+        at = 1
+        for linear in node.attrs["linears"]:
+            names = node.inputs[at:at + len(linear["operands"])]
+            at += len(names)
+            if linear["name"].startswith("experts."):
+                total += sum(math.prod(graph.weights[n].shape) * TORCH_DTYPES[graph.weights[n].dtype].itemsize
+                             for n in names)
+    return total
 
 
 def rank_memory(graph: Graph, plan, rank: int, workspace: int | None = None) -> RankMemoryPlan:

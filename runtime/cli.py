@@ -304,8 +304,8 @@ def bench(
             for level in concurrency:
                 count = requests or max(8, 2 * level)
                 typer.echo(f"  concurrency {level}{note}: {count} requests ...", err=True)
-                levels.append(b.run_level(llm, level, count, prompt_len, output_len, weights, seed=seed + level,
-                                          linear_params=params))
+                levels.append(b.run_level(llm, level, count, prompt_len, output_len, b.step_bytes(engine),
+                                          seed=seed + level, linear_params=params))
             return levels
 
         results, busy = run_levels(0), []

@@ -9,7 +9,8 @@ a figure is what the machine can do, not what a noisy moment gave):
 - int8: the same with the int8 dot-product instruction (AVX-512 VNNI vpdpbusd, else AVX2
   vpmaddubsw).
 
-A decoder step reads every weight once and does two operations per weight per token, so for
+A decoder step reads every weight once (a mixture of experts: the experts its tokens chose, see
+runtime/bench.py) and does two operations per weight per token, so for
 `tokens_per_s` tokens at `steps_per_s` steps: bandwidth used = steps_per_s x weight bytes, and
 compute used = 2 x linear parameters x tokens_per_s. `roofline` puts both beside the peaks; the
 larger share is the limit the step runs against.
@@ -77,8 +78,14 @@ def linear_parameters(config: dict) -> tuple[int, int]:
     head_dim = config.get("head_dim") or hidden // config["num_heads"]
     q = config["num_heads"] * head_dim
     kv = config["num_kv_heads"] * head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config["intermediate_size"]
-    return per_layer * layers, hidden * config["vocab_size"]
+    attention = hidden * (q + 2 * kv) + q * hidden
+    moe_layers = set(config.get("moe_layers") or ())
+    # a token of a mixture layer runs the router, its top-k experts and the shared expert (with its gate)
+    moe = (hidden * config.get("num_experts", 0) + 3 * hidden * config.get("expert_intermediate_size", 0)
+           * config.get("experts_per_token", 0) + 3 * hidden * config.get("shared_expert_intermediate_size", 0)
+           + (hidden if config.get("shared_expert_intermediate_size") else 0))
+    mlps = sum(moe if i in moe_layers else 3 * hidden * config["intermediate_size"] for i in range(layers))
+    return attention * layers + mlps, hidden * config["vocab_size"]
 
 
 def roofline(weight_gbs: float, gops: float, peaks: Peaks, activations: str) -> tuple[float, float, str]:

@@ -40,7 +40,8 @@ TINY_LLAMA = dict(
 FAMILY_CLASSES = {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                   **{family: (f"{prefix}Config", f"{prefix}ForCausalLM") for family, prefix in [
                       ("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"), ("phi3", "Phi3"),
-                      ("mixtral", "Mixtral"), ("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe"), ("olmoe", "Olmoe")]}}
+                      ("mixtral", "Mixtral"), ("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe"),
+                      ("olmoe", "Olmoe")]}}
 
 
 @functools.lru_cache(maxsize=None)

@@ -159,7 +159,8 @@ def moe(x: torch.Tensor, linear, attrs: dict, act=None) -> torch.Tensor:
         picked = order[starts[e]:starts[e + 1]]
         rows = picked // attrs["top_k"]
         h = x.index_select(0, rows)
-        h = linear(f"experts.{e}.down_proj", act(linear(f"experts.{e}.gate_proj", h), linear(f"experts.{e}.up_proj", h)))
+        h = act(linear(f"experts.{e}.gate_proj", h), linear(f"experts.{e}.up_proj", h))
+        h = linear(f"experts.{e}.down_proj", h)
         out.index_add_(0, rows, h * slot_weights[picked, None])
     if attrs.get("shared", False):
         shared = linear("shared_expert.down_proj",

@@ -193,8 +193,31 @@ class InterpreterLauncher(Launcher):
 
             fn = self._fns[k.fn] = InterpretedFunction(k.fn)
         self.launched[v.key] = self.launched.get(v.key, 0) + 1
-        with _interpreted_library():
+        with _language_restored(), _interpreted_library():
             fn[tuple(grid)](*args, **constexprs, num_warps=k.num_warps)
+
+
+@contextlib.contextmanager
+def _language_restored():
+    """Undo every change the interpreter makes to triton.language while a kernel runs.
+
+    The interpreter swaps the language's functions for interpreted ones during a launch, and a call from one jit
+    function into another swaps them again without putting them back: a kernel compiled later in the same process
+    (a build after an interpreted run: the tests, benchmarks/moe_check.py --interpret) then failed to compile."""
+    import triton.language as tl
+
+    objects = {id(o): o for o in (tl, tl.core, tl.math, tl.tensor, tl.core.tensor, tl.core.tensor_descriptor_base)}
+    saved = [(o, dict(vars(o))) for o in objects.values()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = dict(vars(obj))
+            for name in now.keys() - before.keys():
+                delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, before) is not value:
+                    setattr(obj, name, value)
 
 
 @contextlib.contextmanager
