@@ -75,16 +75,16 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
     table = shape.vocab_size * shape.hidden_size * 4.0
     tables = table * (1 if shape.tie_word_embeddings else 2)
     norms = (shape.num_layers * shape.layer_norm_parameters + shape.hidden_size) * 4.0
-    layer = (shape.layer_parameters() + shape.layer_norm_parameters) * 4.0
+    layer = (shape.mean_layer_parameters + shape.layer_norm_parameters) * 4.0
     float_model = 4.0 * _parameters(shape)
     src = shape.source_bytes if q.method == "source" else None
     linear = src["layers"] if src else \
-        shape.num_layers * shape.layer_parameters() * bytes_per_weight(_weights(q.method), cpu, q.group_size)
+        shape.num_layers * shape.mean_layer_parameters * bytes_per_weight(_weights(q.method), cpu, q.group_size)
     quantized = linear + tables + norms  # what the measure's quantized runner holds (tables kept float)
     phases = {"streaming the weights": table + layer}  # a float table read whole, then sliced and written
     awq = q.method == "int4-awq"
     # GPTQ's codes, held two a byte with their groups' scales and zero points until they are written
-    codes = shape.num_layers * shape.layer_parameters() * (0.5 + 8.0 / q.group_size) if awq else 0.0
+    codes = shape.num_layers * shape.mean_layer_parameters * (0.5 + 8.0 / q.group_size) if awq else 0.0
     # Calibration runs a layer at a time (builder/calibration.py's LayerSweep): the first stage reads the float
     # table (and the last binds it for the head); later ones a layer's float weights, a few copies of it, and GPTQ's
     # Hessian of the widest input (K x K doubles, two at once)
@@ -130,7 +130,7 @@ def _seconds(shape: ModelShape, plan: Plan, rank: int | None, measured: bool) ->
         ns += MEASURE_NS * params * (3 if q.activations == "auto" else 1)
     if q.method == "int4-awq":  # every rank's job: a layer's codes depend on the layers rounded before it
         inputs = 3 * shape.hidden_size ** 3 + shape.intermediate_size ** 3  # q/k/v, o, gate/up, down (o: heads wide)
-        ns += AWQ_GPTQ_NS * shape.num_layers * shape.layer_parameters() + HESSIAN_NS * shape.num_layers * inputs
+        ns += AWQ_GPTQ_NS * shape.num_layers * shape.mean_layer_parameters + HESSIAN_NS * shape.num_layers * inputs
     if plan.target == "tensorrt":
         ns += TENSORRT_NS * params
     return START_SECONDS + ns / 1e9
@@ -170,7 +170,7 @@ def freed_memory_given_back(large: bool):
 def _parameters(shape: ModelShape) -> int:
     """The model's parameters: its layers (norms included), its tables and the final norm."""
     tables = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    return shape.num_layers * (shape.layer_parameters() + shape.layer_norm_parameters) + tables + shape.hidden_size
+    return shape.num_layers * (shape.mean_layer_parameters + shape.layer_norm_parameters) + tables + shape.hidden_size
 
 
 def _weights(method: str) -> str:

@@ -70,6 +70,14 @@ class ModelShape:
     sandwich_norms: bool = False               # Gemma 3: norms after attention and the MLP too, and q/k norms
     source_bytes: dict | None = None           # a GGUF's weights' bytes in a "source" engine:
                                                # {"layers": ..., "embed": ..., "head": ..., "norms": ...}
+    # a mixture of experts (ModelConfig's fields): each layer of moe_layers (() with experts: every layer) has a
+    # router over num_experts MLPs of expert_intermediate_size, experts_per_token of them run a token, and a
+    # shared expert where shared_expert_intermediate_size is set
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def q(self) -> int:
@@ -78,19 +86,53 @@ class ModelShape:
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.num_experts) and (not self.moe_layers or layer in self.moe_layers)
+
+    def expert_parameters(self) -> int:
+        """One expert's gated MLP."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    def router_and_shared(self, shared: bool = True) -> int:
+        """A mixture layer's router, and its shared expert with that expert's gate (on the tp rank holding it)."""
+        own = 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size \
+            if shared and self.shared_expert_intermediate_size else 0
+        return self.num_experts * self.hidden_size + own
+
     def layer_parameters(self, q_heads: int | None = None, kv_heads: int | None = None,
-                         mlp: int | None = None) -> int:
-        """Linear parameters of one layer, or of one rank's share of it."""
+                         mlp: int | None = None, layer: int = 0, experts: float | None = None,
+                         shared: bool = True) -> float:
+        """Linear parameters of one layer, or of one rank's share of it. A mixture layer holds `experts` experts
+        (default all; a fraction prices the experts a step reads, or a token's share of their products) and, with
+        `shared`, the shared expert."""
         q = (self.num_heads if q_heads is None else q_heads) * self.head_dim
         kv = (self.num_kv_heads if kv_heads is None else kv_heads) * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        if self.is_moe(layer):
+            held = self.num_experts if experts is None else experts
+            return attention + self.router_and_shared(shared) + held * self.expert_parameters()
         inter = self.intermediate_size if mlp is None else mlp
-        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * inter
+        return attention + 3 * self.hidden_size * inter
+
+    @property
+    def mean_layer_parameters(self) -> float:
+        """A layer's linear parameters, averaged over the layers (a mixture's dense layers differ)."""
+        return sum(self.layer_parameters(layer=i) for i in range(self.num_layers)) / self.num_layers
 
     @property
     def parameters(self) -> int:
         """Every weight: layers' linears, embedding, untied lm_head, norms."""
         tables = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (self.layer_parameters() + self.layer_norm_parameters) + tables + self.hidden_size
+        layers = sum(self.layer_parameters(layer=i) for i in range(self.num_layers))
+        return int(layers + self.num_layers * self.layer_norm_parameters + tables + self.hidden_size)
+
+    @property
+    def active_parameters(self) -> int:
+        """The weights one token reads: every layer's attention, a mixture's router, its experts_per_token experts
+        and its shared expert, the embedding row aside (a lookup), the logits' table."""
+        layers = sum(self.layer_parameters(layer=i, experts=self.experts_per_token) for i in range(self.num_layers))
+        return int(layers + self.num_layers * self.layer_norm_parameters + self.vocab_size * self.hidden_size
+                   + self.hidden_size)
 
     @property
     def layer_norm_parameters(self) -> int:
@@ -127,12 +169,35 @@ def _shape_from_config(config: dict, name: str, where: str) -> ModelShape:
                                 f"{fields['hidden_size']} (give head_dim if the model's heads are not hidden_size "
                                 f"/ num_heads wide)")
         head_dim = fields["hidden_size"] // fields["num_heads"]
-    return ModelShape(name=name, head_dim=head_dim,
+    return ModelShape(name=name, head_dim=head_dim, **_moe_fields(fields, where),
                       tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
                       max_position_embeddings=int(fields.get("max_position_embeddings") or 0),
                       layer_windows=_layer_windows(fields, where),
                       sandwich_norms=str(fields.get("model_type", fields.get("architecture", ""))).startswith("gemma3"),
                       **{f: fields[f] for f in SHAPE_FIELDS})
+
+
+def _moe_fields(fields: dict, where: str) -> dict:
+    """A mixture's ModelShape fields from Kiln's names (a GGUF's config) or Hugging Face's (Mixtral's
+    num_local_experts and intermediate_size, Qwen's num_experts, moe_intermediate_size, shared expert and sparse
+    layers)."""
+    experts = fields.get("num_experts") or fields.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    top_k = fields.get("experts_per_token") or fields.get("num_experts_per_tok")
+    size = (fields.get("expert_intermediate_size") or fields.get("moe_intermediate_size")
+            or fields["intermediate_size"])
+    if not isinstance(top_k, int) or not 0 < top_k <= experts:
+        raise PlanningError(f"model {where}: a mixture of {experts} experts needs num_experts_per_tok in 1..{experts}")
+    layers = fields["num_layers"]
+    if fields.get("moe_layers"):
+        moe = tuple(int(i) for i in fields["moe_layers"])
+    else:
+        step, dense = fields.get("decoder_sparse_step") or 1, set(fields.get("mlp_only_layers") or ())
+        moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=int(experts), experts_per_token=int(top_k), expert_intermediate_size=int(size),
+                shared_expert_intermediate_size=int(fields.get("shared_expert_intermediate_size") or 0),
+                moe_layers=() if moe == tuple(range(layers)) else moe)
 
 
 def _layer_windows(fields: dict, where: str) -> tuple[int, ...]:
@@ -324,19 +389,28 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
     src = model.source_bytes  # a GGUF's weights as kept: its linears under "source", its excluded tables always
     source = src is not None and plan.quant.method == "source"
     kept = src if plan.quant.method != "none" else None  # "none" makes every weight float
-    layer_cost = float(model.layer_parameters())
+    costs = [float(model.layer_parameters(layer=i)) for i in range(model.num_layers)]
     head_rows = model.vocab_size * model.hidden_size
     ranks = []
     for rank in range(c.devices):
         mapping = Mapping(c.tp, c.pp, rank)
-        stage = mapping.pp_layers(model.num_layers, [layer_cost] * model.num_layers, 0.0, float(head_rows))
+        stage = mapping.pp_layers(model.num_layers, costs, 0.0, float(head_rows))
         layers = len(stage)
         windowed = sum(1 for i in stage if model.window(i))
         heads = mapping.attention_heads(model.num_heads, model.num_kv_heads)
         mlp = mapping.columns(model.intermediate_size, "intermediate_size").count
         vocab = mapping.columns(model.vocab_size, "vocab_size").count
-        params = layers * model.layer_parameters(heads.q.count, heads.kv.count, mlp)
-        share = params / (model.num_layers * model.layer_parameters())
+        # a mixture's experts are split between the tp ranks (as shard_tensor_parallel does), the shared one on the
+        # first; a step reads only the experts its tokens chose, and does a token's products on k / E of them
+        t = mapping.tp_rank
+        held = (t + 1) * model.num_experts // c.tp - t * model.num_experts // c.tp
+        mine = dict(q_heads=heads.q.count, kv_heads=heads.kv.count, mlp=mlp, shared=t == 0)
+        params = sum(model.layer_parameters(**mine, layer=i, experts=held) for i in stage)
+        moe_stage = sum(model.is_moe(i) for i in stage)
+        expert_params = moe_stage * held * model.expert_parameters()
+        flop_params = params - expert_params * (1 - model.experts_per_token / model.num_experts) \
+            if model.num_experts else params
+        share = params / sum(costs)
         linear = src["layers"] * share if source else params * wbytes
         table = vocab * model.hidden_size
         first, last = mapping.is_first_pp_rank(), mapping.is_last_pp_rank()
@@ -350,7 +424,8 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
             norms = src["norms"] * (2 * layers + last) / (2 * model.num_layers + 1)
         stored = linear + norms + (embed if first else 0.0) \
             + (head if not (first and model.tie_word_embeddings) else 0.0)
-        widest = max(model.hidden_size, (heads.q.count + 2 * heads.kv.count) * model.head_dim, 2 * mlp)
+        widest = max(model.hidden_size, (heads.q.count + 2 * heads.kv.count) * model.head_dim, 2 * mlp,
+                     2 * model.expert_intermediate_size)
         memory = RankMemoryPlan(
             weight_bytes=int(stored), memory_bytes=device.memory_gib * GIB,
             workspace_bytes=workspace_bytes(plan.limits.max_num_tokens, widest, plan.limits.max_batch_size,
@@ -361,7 +436,8 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
             window_bytes_per_token=model.kv_bytes_per_token(plan.kv_cache.dtype, windowed, heads.kv.count)
             if windows != (0,) else 0,
             max_batch_size=plan.limits.max_batch_size, max_num_tokens=plan.limits.max_num_tokens)
-        ranks.append((memory, params, linear + head, layers, heads.q.count, vocab if last else 0))
+        expert_bytes = linear * expert_params / params if params else 0.0
+        ranks.append((memory, flop_params, linear + head, layers, heads.q.count, vocab if last else 0, expert_bytes))
         if c.problem is None:
             c.problem = memory.problem(device.name, rank)
     fullest = max(ranks, key=lambda r: r[0].weight_bytes)[0]
@@ -379,7 +455,9 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
         """Seconds of one step through every stage: `tokens` tokens of `sequences` sequences of `context`
         (a windowed layer reads its window's keys only)."""
         total = 0.0
-        for memory, params, read, layers, q_heads, vocab in stages:
+        for memory, params, read, layers, q_heads, vocab, experts in stages:
+            if experts:  # the experts no token of the step chose stay unread (uniform routing)
+                read -= experts * (1 - model.experts_per_token / model.num_experts) ** tokens
             window_bytes = memory.window_bytes_per_token
             kv = sequences * (context * (memory.kv_bytes_per_token - window_bytes)
                               + min(context, max(model.layer_windows, default=0)) * window_bytes)
@@ -612,6 +690,11 @@ def summary_lines(report: Report) -> list[str]:
     m, w = report.model, report.workload
     lines = [f"model {m.name}: {m.parameters / 1e9:.2f} B parameters, {m.num_layers} layers, {m.num_heads} query / "
              f"{m.num_kv_heads} KV heads of {m.head_dim}; KV cache {m.kv_bytes_per_token('f16'):,} B a token in f16",
+             *([f"mixture of experts: {m.num_experts} experts of {m.expert_intermediate_size}, {m.experts_per_token} a "
+                f"token{', a shared expert' if m.shared_expert_intermediate_size else ''}: "
+                f"{m.active_parameters / 1e9:.2f} B parameters read a token of {m.parameters / 1e9:.2f} B; tp ranks "
+                "split the experts and all-reduce each mixture's output (hidden_size x 2 bytes a token)"]
+               if m.num_experts else []),
              f"workload: {w.input_tokens}-token prompts, {w.output_tokens}-token answers"
              + (f", {w.users:,} concurrent users" if w.users else "")
              + "".join(f", {name} <= {value:g} s" for name, value in

@@ -43,6 +43,44 @@ def test_fp16_70b_needs_two_h100s_and_each_rank_holds_what_a_hand_computation_sa
     assert two.sequences == blocks // math.ceil((512 + 256) / 16)
 
 
+# Mixtral 8x7B by hand: per layer attention (q, o 4096 x 4096; k, v 1024 x 4096), the router (8 x 4096) and 8
+# experts of gate, up and down (4096 x 14336 each); a token runs 2 of them.
+ATTENTION_MIXTRAL = 2 * 4096 * 4096 + 2 * 1024 * 4096
+EXPERT_MIXTRAL = 3 * 4096 * 14336
+LAYER_MIXTRAL = ATTENTION_MIXTRAL + 8 * 4096 + 8 * EXPERT_MIXTRAL
+PARAMS_MIXTRAL = 32 * (LAYER_MIXTRAL + 2 * 4096) + 2 * 32000 * 4096 + 4096
+
+
+def test_mixtral_8x7b_is_priced_by_hand_with_its_experts_split_between_tp_ranks():
+    shape = load_shape("mixtral-8x7b")
+    assert shape.parameters == PARAMS_MIXTRAL == 46_702_792_704  # the published 46.7 B
+    active = 32 * (ATTENTION_MIXTRAL + 8 * 4096 + 2 * EXPERT_MIXTRAL + 2 * 4096) + 32000 * 4096 + 4096
+    assert shape.active_parameters == active  # 12.7 B a token (the published 12.9 B counts the embedding too)
+    report = plan_candidates(shape, devices=["nvidia-h100-80gb"], weights=["none"], kv_dtypes=["f16"], pps=[1])
+    one, two = candidate(report, 1), candidate(report, 2)
+    assert not one.fits and two.fits
+    # tp=2: half the heads, 4 whole experts and the whole router a layer, half the vocabulary, every norm
+    rank = 32 * (ATTENTION_MIXTRAL // 2 + 8 * 4096 + 4 * EXPERT_MIXTRAL) + 2 * (32000 // 2) * 4096 + (2 * 32 + 1) * 4096
+    assert two.weight_gib * GIB == 2 * rank
+    # batch-1 decode reads the chosen experts only: in expectation 1 - (1 - 2/8) of each rank's 4 experts
+    device = load_devices()["nvidia-h100-80gb"]
+    experts = 32 * 4 * EXPERT_MIXTRAL * 2
+    linear = 2 * (32 * (ATTENTION_MIXTRAL // 2 + 8 * 4096 + 4 * EXPERT_MIXTRAL))
+    read = linear + 2 * (32000 // 2) * 4096 - experts * (1 - 2 / 8)
+    kv = (512 + 128) * 32 * 2 * 4 * 128 * 2  # one sequence at the workload's mean context, this rank's 4 KV heads
+    bandwidth = device.bandwidth_gbs * 1e9 * device.bandwidth_efficiency
+    # an all-reduce after each attention and mixture and after the embedding: 2 (tp - 1) / tp = 1 of a token's
+    # hidden state in bf16 over the link
+    all_reduces = (2 * 32 + 1) * (device.link_latency_us * 1e-6 + 4096 * 2 / (device.link_gbs * 1e9))
+    assert two.decode[1] == pytest.approx((read + kv) / bandwidth + all_reduces, rel=1e-9)
+    assert two.decode[64] < 64 * two.decode[1]
+
+
+def test_a_large_mixture_reads_a_tenth_of_its_weights_a_token():
+    shape = load_shape("qwen3-235b-a22b")
+    assert round(shape.parameters / 1e9) == 235 and round(shape.active_parameters / 1e9) == 22
+
+
 def test_a_chat_product_for_ten_thousand_users_is_sized_and_priced_consistently():
     workload = Workload(input_tokens=500, output_tokens=200, users=10_000, latency_s=2.0)
     report = plan_candidates(load_shape("llama-3.1-70b"), devices=["nvidia-h100-80gb"], workload=workload)
