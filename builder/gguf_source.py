@@ -1,5 +1,7 @@
-"""GGUF source: a .gguf file of the llama, qwen2, phi3 or gemma3 architecture, dequantized on load, its tokenizer
-rebuilt from its metadata.
+"""GGUF source: a .gguf file of the llama, qwen2, phi3, gemma3, qwen2moe or qwen3moe architecture, dequantized on
+load, its tokenizer rebuilt from its metadata. Mixtures of experts keep llama.cpp's layout: each layer's experts
+stacked in one tensor per projection (ffn_gate_exps [E, I, H], ffn_up_exps, ffn_down_exps [E, H, I]), read one
+expert at a time; a llama file with expert_count is Mixtral.
 
 Weights whose blocks have an exact Kiln format (builder/gguf_blocks.py: Q4_0, Q4_1 and Q4_K as int4;
 Q5_0, Q5_1 and Q5_K as int5; Q6_K as int6; Q8_0 as int8) keep them bit for bit under `[quant] method =
@@ -30,7 +32,13 @@ DEQUANT_CHUNK = 1 << 22  # elements dequantized at a time when loading a weight
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF architecture -> whether llama.cpp's converter interleaved the q/k rows for its rope (llama
 # does; qwen2 keeps Hugging Face's order). Metadata keys are prefixed with the architecture name.
-ARCHITECTURES = {"llama": True, "qwen2": False, "gemma3": False, "phi3": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "gemma3": False, "phi3": False, "qwen2moe": False, "qwen3moe": False}
+# a mixture's tensors: the router, the shared expert and its gate; the stacked experts are EXPERT_STACKS
+MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.router", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                   "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                   "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                 "output.weight": "lm_head.weight"}
 LAYER_NAMES = {
@@ -58,8 +66,11 @@ SAMPLING_METADATA = {"general.sampling.temp": "temperature", "general.sampling.t
 
 
 def layer_names(architecture: str) -> dict[str, str]:
-    """llama.cpp's per-layer tensor names of a GGUF architecture -> Kiln's module paths."""
-    return GEMMA_LAYER_NAMES if architecture == "gemma3" else LAYER_NAMES
+    """llama.cpp's per-layer tensor names of a GGUF architecture -> Kiln's module paths (a mixture's stacked
+    experts aside: EXPERT_STACKS)."""
+    if architecture == "gemma3":
+        return GEMMA_LAYER_NAMES
+    return {**LAYER_NAMES, **MOE_LAYER_NAMES, **(QK_NORM_NAMES if architecture == "qwen3moe" else {})}
 
 
 def canonical_name(gguf_name: str, architecture: str = "llama") -> str | None:
@@ -91,7 +102,7 @@ class GGUFModelSpec(ModelSpec):
     def _rows(self, name: str) -> np.ndarray:
         """The stored rows of `name` ([rows, row bytes or values]): a row range of a fused tensor (Phi-3)."""
         tensor, first = self._tensors[name]
-        stored_rows = int(tensor.shape[-1])  # ggml lists dims innermost first
+        stored_rows = math.prod(int(n) for n in tensor.shape[1:])  # ggml lists dims innermost first; experts stack
         return tensor.data.reshape(stored_rows, -1)[first:first + self.weight_shape(name)[0]]
 
     def _load(self, name: str) -> torch.Tensor:
@@ -225,6 +236,14 @@ def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
         if gguf_name in ROPE_FACTOR_TENSORS:
             continue  # read into the config's rope scaling
         match = LAYER_TENSOR.fullmatch(gguf_name)
+        if match and match[2] in EXPERT_STACKS:  # expert e: rows [e * rows, (e + 1) * rows) of the stack
+            for e in range(config.num_experts):
+                kiln_name = f"layers.{match[1]}.mlp.experts.{e}.{EXPERT_STACKS[match[2]]}.{match[3]}"
+                if kiln_name not in shapes:
+                    raise KilnError(f"model: {path}: unsupported tensor {gguf_name} for a {architecture} model")
+                tensors[kiln_name] = (tensor, e * shapes[kiln_name][0])
+            expected[gguf_name] = (config.num_experts, *shapes[kiln_name])
+            continue
         if architecture == "phi3" and match and match[2] in PHI3_FUSED:
             first = 0
             for part in PHI3_FUSED[match[2]]:
@@ -245,6 +264,8 @@ def load_gguf(path: Path, name: str | None = None) -> GGUFModelSpec:
             raise KilnError(f"model: {path}: tensor for {kiln_name} is missing")
     for gguf_name, shape in expected.items():
         found = tuple(int(n) for n in reversed(gguf_tensors[gguf_name].shape))  # ggml lists dims innermost first
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight") and found == shape[1:]:
+            continue  # the shared expert's gate [1, H], stored as [H]
         if found != shape:
             raise KilnError(f"model: {path}: {gguf_name} has shape {list(found)}, metadata implies {list(shape)}")
     return GGUFModelSpec(name or path.stem, path, config, reader, tensors, architecture)
@@ -270,12 +291,15 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: s
         else None
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     gemma = arch == "gemma3"
+    moe = _moe_fields(reader, tensors, arch, required("block_count"), where) if _field(reader, f"{arch}.expert_count") \
+        else {}
     return make_config(
         where,
         architecture=arch if gemma else "llama",
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=required("feed_forward_length"),
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length") or moe.get("expert_intermediate_size")
+        or required("feed_forward_length"),
         num_layers=required("block_count"),
         num_heads=num_heads,
         num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv") or num_heads,
@@ -293,7 +317,29 @@ def _config_from_metadata(reader: GGUFReader, tensors: dict, where: str, arch: s
         **(_gemma3_fields(reader, hidden, num_heads, head_dim, required("block_count"), where) if gemma else {}),
         **({"layer_windows": (window,) * required("block_count")}
            if arch == "phi3" and (window := _field(reader, "phi3.attention.sliding_window")) else {}),
+        **({"qk_norm": True} if arch == "qwen3moe" else {}),
+        **moe,
     )
+
+
+def _moe_fields(reader: GGUFReader, tensors: dict, arch: str, layers: int, where: str) -> dict:
+    """A mixture's ModelConfig fields: llama.cpp's expert metadata; its layers are those with a router tensor.
+    The router's weights are renormalised over the chosen experts where llama.cpp does (Mixtral, a llama file;
+    qwen3moe) or where the file says so (expert_weights_norm)."""
+    experts, top_k = _field(reader, f"{arch}.expert_count"), _field(reader, f"{arch}.expert_used_count")
+    if not top_k:
+        raise KilnError(f"model: {where}: GGUF metadata has {arch}.expert_count but no {arch}.expert_used_count")
+    moe_layers = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors)
+    stack = next((tensors[f"blk.{i}.ffn_up_exps.weight"] for i in moe_layers), None)
+    if stack is None:
+        raise KilnError(f"model: {where}: {arch}.expert_count is set but no layer has ffn_up_exps")
+    shared = tensors.get(f"blk.{moe_layers[0]}.ffn_up_shexp.weight")
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    return dict(num_experts=int(experts), experts_per_token=int(top_k),
+                expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length") or stack.shape[1]),
+                shared_expert_intermediate_size=int(shared.shape[1]) if shared is not None else 0,
+                norm_topk_prob=bool(norm) if norm is not None else arch in ("llama", "qwen3moe"),
+                moe_layers=moe_layers)
 
 
 def _longrope(reader: GGUFReader, tensors: dict, arch: str, head_dim: int, where: str) -> dict:

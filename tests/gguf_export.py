@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from builder.gguf_source import GLOBAL_NAMES, layer_names
+from builder.gguf_source import EXPERT_STACKS, GLOBAL_NAMES, layer_names
 
 
 def gguf_name(name: str, architecture: str = "llama") -> str:
@@ -80,9 +80,15 @@ def write_gguf(path, spec, architecture: str = "llama", types: dict[str, str] | 
     writer.add_eos_token_id(config.eos_token_ids[0])
     if config.layer_windows and architecture in ("gemma3", "phi3"):
         writer.add_sliding_window(max(config.layer_windows))  # gemma3's layer pattern is llama.cpp's fixed one
-    if architecture == "gemma3":
+    if architecture in ("gemma3", "qwen3moe"):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if config.num_experts:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.experts_per_token)
+        writer.add_expert_feed_forward_length(config.expert_intermediate_size)
+        if config.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     scaling = config.rope_scaling or {}
     if architecture == "phi3" and scaling.get("rope_type") == "longrope":  # the factors as tensors, as llama.cpp
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
@@ -94,9 +100,9 @@ def write_gguf(path, spec, architecture: str = "llama", types: dict[str, str] | 
         kind = next((t for pattern, t in (types or {}).items() if fnmatchcase(name, pattern)), "F32")
         if weight.ndim == 1 or kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(weight))
-        elif kind.endswith("_K"):
-            blocks = random_k_blocks(kind, *weight.shape, rng)
-            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif kind.endswith("_K"):  # a stack of experts [E, rows, cols]: E * rows rows of blocks
+            blocks = random_k_blocks(kind, int(np.prod(weight.shape[:-1])), weight.shape[-1], rng)
+            writer.add_tensor(name, blocks.reshape(*weight.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(weight), qtype), raw_dtype=qtype)
@@ -109,10 +115,18 @@ def write_gguf(path, spec, architecture: str = "llama", types: dict[str, str] | 
 
 def _stored_weights(spec, architecture: str):
     """(llama.cpp tensor name, array) of every weight as the converter stores it: llama's q/k rows
-    interleaved for its rope, Phi-3's q|k|v and gate|up fused into attn_qkv and ffn_up."""
-    config, fused = spec.config, {}
+    interleaved for its rope, Phi-3's q|k|v and gate|up fused into attn_qkv and ffn_up, a mixture's experts
+    stacked by projection (ffn_gate_exps [E, I, H], ...)."""
+    config, fused, stacks = spec.config, {}, {}
+    stack_of = {proj: stack for stack, proj in EXPERT_STACKS.items()}
     for name in spec.weight_names():
         weight = spec.load(name).numpy()
+        parts = name.split(".")
+        if name.endswith("mlp.shared_expert_gate.weight"):  # [1, H] is stored as [H]
+            weight = weight.reshape(-1)
+        if parts[2:4] == ["mlp", "experts"]:  # layers.L.mlp.experts.E.PROJ.weight
+            stacks.setdefault(f"blk.{parts[1]}.{stack_of[parts[5]]}.weight", {})[int(parts[4])] = weight
+            continue
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
         if heads and architecture == "llama":
             weight = weight.reshape(heads, 2, -1, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
@@ -126,6 +140,8 @@ def _stored_weights(spec, architecture: str):
     order = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")
     for whole, parts in fused.items():
         yield whole, np.concatenate([parts[p] for p in order if p in parts])
+    for stack, experts in stacks.items():
+        yield stack, np.stack([experts[e] for e in range(len(experts))])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:

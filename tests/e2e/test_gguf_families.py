@@ -52,11 +52,11 @@ def qwen2_gguf(qwen2_dir, tmp_path_factory):
     return write_gguf(path, load_model(str(qwen2_dir)), "qwen2", MIXED_TYPES, tokenizer_dir=qwen2_dir)
 
 
-def transformers_from_gguf(path):
+def transformers_from_gguf(path, **options):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                local_files_only=True).eval()
+                                                local_files_only=True, **options).eval()
 
 
 def test_qwen2_gguf_keeps_hugging_face_row_order(qwen2_dir, tmp_path):
@@ -227,3 +227,84 @@ def test_phi3_gguf_with_fused_tensors_matches_transformers(fixture, request, tmp
 
     assert_logits_match(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tmp_path / "e",
                         PROMPTS)
+
+
+# ---------------------------------------------------------------------------------------------- mixtures of experts
+
+# Qwen2-MoE as llama.cpp stores it: each layer's experts stacked per projection (ffn_gate_exps [E, I, H], ...), as
+# a K-quant; the shared expert, its gate and attention as Q8_0 or F32.
+MOE_TYPES = {"*.ffn_gate_exps.weight": "Q4_K", "*.ffn_up_exps.weight": "Q4_K", "*.ffn_down_exps.weight": "Q6_K",
+             "*_shexp.weight": "Q8_0", "*.attn_*.weight": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def qwen2moe_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("qwen2moe_k"), seed=12, family="qwen2_moe",
+                           **{**K_SHAPE, "intermediate_size": 256}, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=256, shared_expert_intermediate_size=256, qkv_bias=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2moe_gguf(qwen2moe_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2moe_gguf") / "qwen2moe.gguf"
+    return write_gguf(path, load_model(str(qwen2moe_dir)), "qwen2moe", MOE_TYPES, tokenizer_dir=qwen2moe_dir)
+
+
+def transformers_moe_from_gguf(path, model_dir):
+    """transformers' reading of the file. Its GGUF config mapping for qwen2moe (transformers 5.24) reads neither
+    expert size, so the checkpoint's config.json gives the shapes; every weight comes from the file."""
+    from transformers import AutoConfig
+
+    return transformers_from_gguf(path, config=AutoConfig.from_pretrained(model_dir))
+
+
+def test_stacked_experts_read_back_as_transformers_reads_them(qwen2moe_gguf, qwen2moe_dir):
+    spec = load_model(str(qwen2moe_gguf))
+    c = spec.config
+    assert (c.num_experts, c.experts_per_token, c.expert_intermediate_size, c.shared_expert_intermediate_size,
+            c.moe_layers, c.norm_topk_prob) == (4, 2, 256, 256, (0, 1), False)
+    assert spec.stored_type("layers.1.mlp.experts.2.gate_proj.weight") == "Q4_K"
+    state = transformers_moe_from_gguf(qwen2moe_gguf, qwen2moe_dir).state_dict()
+    for name in spec.weight_names():
+        parts = name.split(".")
+        if parts[2:4] == ["mlp", "experts"]:  # transformers stacks gate | up as [E, 2I, H], down as [E, H, I]
+            layer, e, proj = parts[1], int(parts[4]), parts[5]
+            stacked = state[f"model.layers.{layer}.mlp.experts.{proj if proj == 'down_proj' else 'gate_up_proj'}"]
+            expected = stacked[e] if proj == "down_proj" else stacked[e].chunk(2)[proj == "up_proj"]
+        else:
+            key = name.replace("mlp.router", "mlp.gate")
+            expected = state[key if name == "lm_head.weight" else f"model.{key}"]
+        assert torch.equal(spec.load(name), expected), name
+
+
+def test_moe_gguf_logits_match_transformers_and_source_keeps_the_expert_blocks(qwen2moe_gguf, qwen2moe_dir,
+                                                                               tmp_path):
+    model = transformers_moe_from_gguf(qwen2moe_gguf, qwen2moe_dir)
+    build_engine(str(qwen2moe_gguf), exact_plan(method="none"), tmp_path / "float", show_progress=False)
+    assert_logits_match(model, tmp_path / "float", PROMPTS)
+    # "source": the experts compute with the file's own Q4_K (int4) and Q6_K (int6) codes
+    build_engine(str(qwen2moe_gguf), exact_plan(method="source"), tmp_path / "source", show_progress=False)
+    program, tensors = map_rank_file(tmp_path / "source" / "rank0.engine")
+    node = next(n for n in json.loads(program)["nodes"] if n["op"] == "moe")
+    formats = {e["name"]: e["quant"] for e in node["attrs"]["linears"]}
+    assert (formats["experts.3.gate_proj"], formats["experts.3.down_proj"], formats["shared_expert.up_proj"],
+            formats["router"]) == ("int4", "int6", "int8", "none")
+    with torch.inference_mode():
+        expected = model(torch.tensor([PROMPTS[1]])).logits[0]
+    torch.testing.assert_close(Interpreter(program, tensors, all_logits=True).logits(PROMPTS[1]), expected,
+                               atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family, architecture", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_mixtral_and_qwen3_moe_gguf_read_as_their_checkpoints(family, architecture, tmp_path):
+    # Mixtral is a llama file with expert counts (its q/k rows permuted for llama.cpp's rope, its router weights
+    # renormalised); Qwen3-MoE has per-head q/k norms. F32 tensors: every weight reads back equal.
+    sizes = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=256)}
+    model_dir = make_tiny_llama(tmp_path / family, seed=13, family=family, **{**K_SHAPE, "intermediate_size": 256},
+                                num_experts_per_tok=2, **sizes[family])
+    hf = load_model(str(model_dir))
+    spec = load_model(str(write_gguf(tmp_path / f"{family}.gguf", hf, architecture, tokenizer_dir=model_dir)))
+    assert (spec.config.num_experts, spec.config.experts_per_token, spec.config.norm_topk_prob,
+            spec.config.qk_norm) == (4, 2, True, family == "qwen3_moe")
+    for name in hf.weight_names():
+        assert torch.equal(spec.load(name), hf.load(name)), name
