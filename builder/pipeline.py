@@ -65,7 +65,7 @@ def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass
         calibration_text = shipped_text("calibration")
     calibrated = {"calibration_sha256": _sha256(calibration_text)}
     weights = {"method": quant.method, "group_size": quant.group_size, "exclude": list(quant.exclude)}
-    sharding = {"tp": plan.tp, "pp": plan.pp}
+    sharding = {"tp": plan.tp, "pp": plan.pp, **({"ep": plan.ep} if plan.ep > 1 else {})}
     candidates = [
         # Phase 1: clean the traced graph.
         (True, Pass("canonicalize", canonicalize)),

@@ -99,13 +99,22 @@ class Plan:
     device: str = "cpu"
     tp: int = 1
     pp: int = 1
+    # expert parallelism: the ranks of a stage a mixture's experts are split between, whole experts each (uneven
+    # counts allowed); 1 or tp, or > 1 with tp = 1 (attention then runs whole on each of the ep ranks). With
+    # ep = 1 and tp > 1 every expert is split by its intermediate columns, as a dense MLP is.
+    ep: int = 1
     limits: Limits = field(default_factory=Limits)
     kv_cache: KVCache = field(default_factory=KVCache)
     quant: Quant = field(default_factory=Quant)
 
     @property
+    def group(self) -> int:
+        """Ranks a pipeline stage has: tp, or ep where the experts alone are split."""
+        return max(self.tp, self.ep)
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.group * self.pp
 
     def to_dict(self) -> dict:
         """Plain JSON types (lists, not tuples), as stored in the manifest."""
@@ -208,9 +217,11 @@ def _validate(plan: Plan, origin: str) -> None:
         fail("device", f"{plan.device!r} is a {device.kind.upper()}; the {plan.target} target needs {needs}")
     if device.kind == "gpu" and device.cc is None:
         fail("device", f"{plan.device} has no compute_capability in plans/devices.toml")
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "ep"):
         if getattr(plan, key) < 1:
             fail(key, f"must be >= 1, got {getattr(plan, key)}")
+    if plan.ep > 1 and plan.tp not in (1, plan.ep):
+        fail("ep", f"must be 1, tp ({plan.tp}) or any count with tp = 1, got {plan.ep}")
     for key in ("max_batch_size", "max_num_tokens", "max_seq_len"):
         if getattr(plan.limits, key) < 1:
             fail(f"[limits] {key}", f"must be >= 1, got {getattr(plan.limits, key)}")

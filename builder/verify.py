@@ -118,7 +118,7 @@ def verify_onnx(engine: Path, manifest: Manifest,
     whole = quantized_program(model_source or manifest.model_source, doc)
     reference = cpu_reference(whole, manifest.activations, manifest.kv_dtype, manifest.block_size)
     try:
-        return verify_ranks(reference, [engine / r.onnx_dir for r in manifest.ranks], manifest.tp, manifest.pp,
+        return verify_ranks(reference, [engine / r.onnx_dir for r in manifest.ranks], manifest.group, manifest.pp,
                             manifest.vocab_size, manifest.block_size), None
     except EngineError as exc:
         raise KilnError(f"verify: {exc}") from None

@@ -26,12 +26,16 @@ from runtime.mapping import HeadShare, Mapping, Span
 
 
 def shard_tensor_parallel(graph: Graph, ctx: PassContext) -> Graph:
-    mapping = Mapping(ctx.plan.tp, ctx.plan.pp, ctx.rank)
+    plan = ctx.plan
+    mapping = Mapping(plan.group, plan.pp, ctx.rank)
     cfg = graph.meta["model"]
-    try:
-        heads = mapping.attention_heads(cfg["num_heads"], cfg["num_kv_heads"])
-        mlp = mapping.columns(cfg["intermediate_size"], "intermediate_size")
-        vocab = mapping.columns(cfg["vocab_size"], "vocab_size")
+    if plan.ep > 1 and not any(n.op == "moe" for n in graph.nodes):
+        raise KilnError(f"shard_tensor_parallel: ep={plan.ep}, but the model has no mixture of experts to split")
+    try:  # tp = 1 beside ep > 1: attention, the dense MLPs and the vocabulary stay whole on every rank
+        tensors = mapping if plan.tp > 1 else Mapping()
+        heads = tensors.attention_heads(cfg["num_heads"], cfg["num_kv_heads"])
+        mlp = tensors.columns(cfg["intermediate_size"], "intermediate_size")
+        vocab = tensors.columns(cfg["vocab_size"], "vocab_size")
     except ValueError as exc:
         raise KilnError(f"shard_tensor_parallel: {exc}") from None
     out = graph.replace(tensors=LazyTensors.of(graph.tensors))
@@ -40,13 +44,17 @@ def shard_tensor_parallel(graph: Graph, ctx: PassContext) -> Graph:
                          "q_heads": [heads.q.start, heads.q.count], "kv_heads": [heads.kv.start, heads.kv.count],
                          "intermediate": [mlp.start, mlp.count], "vocab": [vocab.start, vocab.count]}
     if mapping.tp > 1:
-        _Sharder(out, mapping, heads, mlp, vocab).run()
+        _Sharder(out, mapping, heads, mlp, vocab, plan.tp > 1, plan.ep > 1).run()
     return out
 
 
 class _Sharder:
-    def __init__(self, graph: Graph, mapping: Mapping, heads: HeadShare, mlp: Span, vocab: Span):
+    def __init__(self, graph: Graph, mapping: Mapping, heads: HeadShare, mlp: Span, vocab: Span,
+                 tensor_parallel: bool = True, expert_parallel: bool = False):
+        """tensor_parallel: split attention, MLPs and the vocabulary (else only a mixture's experts are split);
+        expert_parallel: a mixture's whole experts go to the ranks (else each expert is split by its columns)."""
         self.g, self.mapping, self.heads, self.mlp, self.vocab = graph, mapping, heads, mlp, vocab
+        self.tensor_parallel, self.expert_parallel = tensor_parallel, expert_parallel
         self.defined_by = {o: n for n in graph.nodes for o in n.outputs}
         self.users = consumers(graph)
         self.kept: dict[str, list[Span]] = {}     # value -> its columns this rank computes
@@ -56,7 +64,11 @@ class _Sharder:
 
     def run(self) -> None:
         for node in list(self.g.nodes):
-            if node.op == "attention":
+            if node.op == "moe":
+                (self._experts if self.expert_parallel else self._expert_columns)(node)
+            elif not self.tensor_parallel:
+                continue
+            elif node.op == "attention":
                 self._attention(node)
             elif node.op == "silu_mul":
                 self._mlp(node)
@@ -64,8 +76,6 @@ class _Sharder:
                 self._embedding(node)
             elif node.op == "logits":
                 self._logits(node)
-            elif node.op == "moe":
-                self._experts(node)
             elif node.op == "rms_norm" and node.outputs[0] in self.rope_inputs:
                 raise KilnError(f"shard_tensor_parallel: {node.name} normalizes q or k over all heads (OLMoE); "
                                 f"tp={self.mapping.tp} would split those heads across ranks: build it with tp=1")
@@ -142,6 +152,27 @@ class _Sharder:
         node.attrs.update(linears=linears, experts=mine, shared=node.attrs.get("shared", False) and rank == 0)
         self._collective_after(node, "all_reduce", {"group": "tp"})
 
+    def _expert_columns(self, node: Node) -> None:
+        """Split every expert of a moe node (and its shared expert) by intermediate columns, as a dense MLP: gate
+        and up keep this rank's rows, down its input columns; the router stays whole. The partial outputs are
+        summed by an all_reduce (the shared expert's scale, sigmoid of its gate, multiplies each rank's part)."""
+        from builder.experts import expert_linears
+
+        for view in expert_linears(node):
+            name = view.base
+            if not name.startswith(("experts.", "shared_expert.")):
+                continue
+            size = view.attrs["in_features" if name.endswith("down_proj") else "out_features"]
+            try:
+                span = self.mapping.columns(size, f"{node.name}.{name} columns")
+            except ValueError as exc:
+                raise KilnError(f"shard_tensor_parallel: {exc}") from None
+            if name.endswith("down_proj"):
+                self._slice_inputs(view, [span])
+            else:
+                self._column_split(view, [span])
+        self._collective_after(node, "all_reduce", {"group": "tp"})
+
     def _embedding(self, node: Node) -> None:
         for name in node.inputs[1:]:
             if self.g.weights[name].shape[0] == node.attrs["vocab_size"]:
@@ -192,15 +223,17 @@ class _Sharder:
                 raise KilnError(f"shard_tensor_parallel: {split.name} does not split a linear's output")
             self._column_split(producer, spans)
 
-    def _column_split(self, node: Node, spans: list[Span]) -> None:
-        """Keep the output features `spans` of a linear/logits node: rows of every per-row operand."""
+    def _column_split(self, node, spans: list[Span]) -> None:
+        """Keep the output features `spans` of a linear/logits node (or a linear inside a moe node): rows of every
+        per-row operand."""
         _require_logical(node)
         rows = node.attrs["out_features"]
         for name in node.inputs[1:]:
             if self.g.weights[name].shape[0] == rows:  # per-tensor scales stay whole
                 self._slice(name, 0, spans)
         node.attrs["out_features"] = sum(s.count for s in spans)
-        self._resize(node.outputs[0], node.attrs["out_features"])
+        if node.outputs:  # a moe node's linear has none: the moe node's output keeps its width
+            self._resize(node.outputs[0], node.attrs["out_features"])
 
     # ------------------------------------------------------------------ row splits
 
@@ -208,6 +241,12 @@ class _Sharder:
         """Keep the input features `spans` of a linear and all_reduce its partial output."""
         if node.op != "linear":
             raise KilnError(f"shard_tensor_parallel: {node.name} ({node.op}) reads a sharded value; expected a linear")
+        self._slice_inputs(node, spans)
+        self._collective_after(node, "all_reduce", {"group": "tp"})
+
+    def _slice_inputs(self, node, spans: list[Span]) -> None:
+        """Keep the input features `spans` of a linear (or a linear inside a moe node): columns of its weight and
+        of its group-wise scales; its bias on tp rank 0 only (a partial sum follows)."""
         _require_logical(node)
         k, group = node.attrs["in_features"], node.attrs.get("group_size")
         roles = node.attrs.get("operands", ["weight", "bias"][: len(node.inputs) - 1])
@@ -233,7 +272,6 @@ class _Sharder:
         if "operands" in node.attrs:
             node.attrs["operands"] = kept_roles
         node.attrs["in_features"] = sum(s.count for s in spans)
-        self._collective_after(node, "all_reduce", {"group": "tp"})
 
     # ------------------------------------------------------------------ helpers
 

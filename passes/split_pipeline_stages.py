@@ -15,7 +15,7 @@ MATMUL_OPS = ("linear", "logits")
 
 
 def split_pipeline_stages(graph: Graph, ctx: PassContext) -> Graph:
-    mapping = Mapping(ctx.plan.tp, ctx.plan.pp, ctx.rank)
+    mapping = Mapping(ctx.plan.group, ctx.plan.pp, ctx.rank)
     num_layers = graph.meta["model"]["num_layers"]
     segment = segments(graph, num_layers)  # node name -> -1 (before the layers), layer index, or num_layers (after)
     costs = _segment_costs(graph, segment, num_layers)

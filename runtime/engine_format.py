@@ -124,6 +124,12 @@ class Manifest:
     cuda: dict | None = None          # cuda target: its compiled kernels (runtime/backends/cuda/kernel_index.py)
     trt_plugin: dict | None = None    # tensorrt target: the PagedAttention plugin ({"library", "sha256", ...})
     trt_kernels: dict | None = None   # tensorrt target: the plugin's compiled kernels (as `cuda`)
+    ep: int = 1                       # expert parallelism (builder.plan.Plan.ep)
+
+    @property
+    def group(self) -> int:
+        """Ranks a pipeline stage has (builder.plan.Plan.group): the collectives' group."""
+        return max(self.tp, self.ep)
 
     @staticmethod
     def read(path: Path) -> Manifest:
@@ -173,7 +179,7 @@ class Manifest:
             model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"),
             special_tokens=SpecialTokens.from_dict(model["special_tokens"]) if "special_tokens" in model else None,
             cuda=doc.get("cuda"), trt_plugin=((doc.get("tensorrt") or {}).get("plugins") or [None])[0],
-            trt_kernels=(doc.get("tensorrt") or {}).get("kernels"))
+            trt_kernels=(doc.get("tensorrt") or {}).get("kernels"), ep=int(plan.get("ep", 1)))
 
     def kv_groups(self, kv_cache_gib: float | None, windowed: bool = True) -> KVGroups:
         """The KV pools every rank allocates (the scheduler hands out one block id space per group): the build's

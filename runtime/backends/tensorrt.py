@@ -77,6 +77,6 @@ def create_executor(engine, rank: int, pools, num_threads: int | None = None, co
     one_rank = manifest.world_size == 1
     return TensorRTExecutor(engine.path / manifest.ranks[rank].file, manifest.tensorrt["flavour"], pools,
                             manifest.block_size, manifest.kv_dtype, engine.path / manifest.trt_plugin["library"],
-                            load(engine.path), hooks, tp_group.tp_group if manifest.tp > 1 and tp_group else None,
+                            load(engine.path), hooks, tp_group.tp_group if manifest.group > 1 and tp_group else None,
                             rank_device(rank), max_graph_batch=min(GRAPH_BATCH, manifest.limits.max_batch_size)
                             if one_rank else 0, device_logits=one_rank)

@@ -56,7 +56,7 @@ class Rank:
 
     def _build(self, kv_cache_gib: float | None) -> None:
         manifest = self.engine.manifest
-        mapping = Mapping(manifest.tp, manifest.pp, self.rank)
+        mapping = Mapping(manifest.group, manifest.pp, self.rank)
         # Rank 0 waits on workers within a step, and workers wait on rank 0 between steps for as long
         # as it idles: the control group has no deadline, the heartbeats bound that wait instead.
         self.control = dist.new_group(backend="gloo", timeout=FOREVER)

@@ -7,10 +7,12 @@ every position and whose greedy tokens are transformers' own; its experts are qu
 pipeline-parallel rank programs (the experts split across the tp ranks) give the one-rank logits."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from test_sharding import IDS, ThreadRanks, rank_graphs
+from test_tensorrt import needs_tensorrt
 from transformers import AutoModelForCausalLM
 
 from builder.build import build_engine
@@ -148,16 +150,27 @@ def test_experts_are_quantized_per_expert_and_the_router_stays_float(moe_dirs, t
                .token_ids) == 8
 
 
-@pytest.mark.parametrize("family, tp, pp", [("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("qwen2_moe", 1, 2),
-                                            ("qwen3_moe", 2, 2)])
-def test_rank_programs_together_give_the_one_rank_logits(moe_dirs, family, tp, pp):
+@pytest.mark.parametrize("family, tp, ep, pp", [
+    ("mixtral", 1, 2, 1),     # experts split 2 + 3, attention whole on both ranks
+    ("mixtral", 2, 2, 1),     # experts split, attention by heads
+    ("olmoe", 1, 2, 1),       # its whole-projection q/k norms need whole heads: expert parallelism alone
+    ("qwen2_moe", 2, 1, 1),   # every expert and the shared one split by columns, as a dense MLP
+    ("qwen2_moe", 1, 1, 2),   # pipeline stages: sparse and dense layers
+    ("qwen3_moe", 2, 2, 2),
+])
+def test_rank_programs_together_give_the_one_rank_logits(moe_dirs, family, tp, ep, pp):
     one = ThreadRanks(rank_graphs(moe_dirs[family]), 1).logits(IDS)
-    graphs = rank_graphs(moe_dirs[family], tp, pp)
-    experts = [[n.attrs["experts"] for n in g.nodes if n.op == "moe"][0] for g in graphs]
-    if tp == 2:
-        count = FAMILIES[family].get("num_local_experts") or FAMILIES[family]["num_experts"]
-        assert experts[:2] == [list(range(count // 2)), list(range(count // 2, count))]
-    many = ThreadRanks(graphs, tp).logits(IDS)
+    graphs = rank_graphs(moe_dirs[family], tp, pp, ep)
+    count = FAMILIES[family].get("num_local_experts") or FAMILIES[family]["num_experts"]
+    moe_nodes = [[n for n in g.nodes if n.op == "moe"][0] for g in graphs]
+    if ep == 2:
+        assert [n.attrs["experts"] for n in moe_nodes[:2]] == [list(range(count // 2)), list(range(count // 2, count))]
+        assert [n.attrs.get("shared", False) for n in moe_nodes[:2]] == [FAMILIES[family].get(
+            "shared_expert_intermediate_size", 0) > 0, False]
+    elif tp == 2:  # whole expert list, half of each expert's columns
+        gate = next(e for e in moe_nodes[0].attrs["linears"] if e["name"] == "experts.0.gate_proj")
+        assert moe_nodes[0].attrs["experts"] == list(range(count)) and gate["out_features"] == 64 // 2
+    many = ThreadRanks(graphs, max(tp, ep)).logits(IDS)
     torch.testing.assert_close(many, one, atol=1e-4, rtol=0)
 
 
@@ -178,3 +191,65 @@ def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(family, moe_dirs, 
     got, llm = run(cuda.out, CUDA_PROMPTS)
     assert got == run(moe_engines[family], CUDA_PROMPTS)[0]
     assert "_expert_gemv" in {key.split(".")[0] for key in llm.executor.launcher.launched}
+
+
+@pytest.mark.parametrize("family, tp, ep", [("mixtral", 1, 2), ("qwen2_moe", 2, 2)])
+def test_expert_parallel_rank_processes_give_the_one_rank_tokens(family, tp, ep, moe_dirs, moe_engines, tmp_path):
+    """Real rank processes (gloo): the experts split between two ranks, their partial outputs all-reduced."""
+    from runtime.launcher import open_llm_engine
+
+    plan = exact_plan(method="none").with_overrides(tp=tp, ep=ep)
+    result = build_engine(str(moe_dirs[family]), plan, tmp_path / "ep", show_progress=False)
+    assert result.manifest["world_size"] == 2 and result.manifest["plan"]["ep"] == 2
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    options = EngineOptions(kv_cache_gib=0.01, rank_timeout=30)
+    expected = [o.token_ids for o in LLMEngine.from_dir(moe_engines[family], options).generate(PROMPTS, params)]
+    with open_llm_engine(tmp_path / "ep", options) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+
+
+def test_ep_is_refused_for_a_model_without_experts_and_beside_another_tp(tiny_llama_dir, tmp_path):
+    from builder.plan import PlanError
+
+    with pytest.raises(KilnError, match="ep=2, but the model has no mixture of experts to split"):
+        build_engine(str(tiny_llama_dir), exact_plan(method="none").with_overrides(ep=2), tmp_path / "e",
+                     show_progress=False)
+    with pytest.raises(PlanError, match=r"plan command line: ep must be 1, tp \(2\) or any count with tp = 1, got 4"):
+        exact_plan(method="none").with_overrides(tp=2, ep=4)
+
+
+@pytest.mark.parametrize("family, tp, ep", [("qwen2_moe", 1, 1), ("qwen2_moe", 2, 1), ("mixtral", 1, 2)])
+def test_the_tensorrt_targets_onnx_gives_the_cpu_engines_logits(family, tp, ep, moe_dirs, tmp_path):
+    """kiln::MoE nodes (a local function of standard operators) run under ONNX Runtime by the build's verification
+    against the cpu engine: prefill, decode and mixed steps, every rank stitched through its exchanges."""
+    import onnx
+
+    from builder.plan import load_plan
+
+    plans = Path(__file__).resolve().parents[2] / "plans"
+    plan = load_plan(plans / "a100-tp2-int4.toml").with_overrides(tp=tp, ep=ep)
+    plan = plan.with_overrides("quant", method="none", activations="f32").with_overrides("kv_cache", dtype="f32")
+    build_engine(str(moe_dirs[family]), plan, tmp_path / "e", show_progress=False, onnx_only=True)
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    verification = manifest["verification"]
+    assert {"prefill", "decode", "mixed"} <= {step["step"] for step in verification["steps"]}
+    assert all(step["max_abs_logit_diff"] <= 1e-4 for step in verification["steps"]), verification["steps"]
+    assert verification["top1_agreement"] == 1.0 and verification["max_abs_logit"] > 0.1
+    functions = {f.name for path in (tmp_path / "e" / manifest["ranks"][0]["onnx"]["dir"]).glob("segment*.onnx")
+                 for f in onnx.load(path, load_external_data=False).functions}
+    assert functions == {"PagedAttention", "MoEShared" if family == "qwen2_moe" else "MoE"}
+
+
+@needs_tensorrt
+def test_tensorrt_compiles_the_mixture_through_its_function_body(moe_dirs, tmp_path):
+    """TensorRT for RTX parses kiln::MoEShared by inlining its body (no plugin of that name) and builds the rank's
+    engine for sm_80. Nothing here can run it: TensorRT for RTX refuses this workplace's only GPUs (Hopper)."""
+    from builder.plan import load_plan
+
+    plans = Path(__file__).resolve().parents[2] / "plans"
+    plan = load_plan(plans / "a100-tp2-int4.toml").with_overrides(tp=1)
+    plan = plan.with_overrides("quant", method="none", activations="f32").with_overrides("kv_cache", dtype="f32")
+    result = build_engine(str(moe_dirs["qwen2_moe"]), plan, tmp_path / "e", show_progress=False)
+    assert result.manifest["target"]["tensorrt"]["flavour"] == "tensorrt-rtx"
+    engine = tmp_path / "e" / result.manifest["ranks"][0]["file"]
+    assert engine.stat().st_size > 1 << 20

@@ -39,14 +39,14 @@ def traced(model_dir):
     return canonicalize(graph, PassContext(plan=Plan())), model
 
 
-def plan(tp=1, pp=1, **quant):
-    return exact_plan(**{"method": "none", **quant}).with_overrides(tp=tp, pp=pp)
+def plan(tp=1, pp=1, ep=1, **quant):
+    return exact_plan(**{"method": "none", **quant}).with_overrides(tp=tp, pp=pp, ep=ep)
 
 
-def rank_graphs(model_dir, tp=1, pp=1, **quant):
+def rank_graphs(model_dir, tp=1, pp=1, ep=1, **quant):
     graph, model = traced(model_dir)
     # A short evaluation text: measure_accuracy's perplexity of a quantized build is not under test here.
-    ctx = PassContext(plan=plan(tp, pp, **quant), model=model, evaluation_text="The quick brown fox. " * 4)
+    ctx = PassContext(plan=plan(tp, pp, ep, **quant), model=model, evaluation_text="The quick brown fox. " * 4)
     return run_pipeline(graph, ctx, build_pipeline(ctx.plan))
 
 

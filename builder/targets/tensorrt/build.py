@@ -121,7 +121,7 @@ class TensorRTBuild:
                                "not run, before a GPU runs them"}
         reference = cpu_reference(self.whole, plan.quant.activations, plan.kv_cache.dtype, plan.kv_cache.block_size)
         try:
-            verification = verify_ranks(reference, [r.directory for r in lowered], plan.tp, plan.pp,
+            verification = verify_ranks(reference, [r.directory for r in lowered], plan.group, plan.pp,
                                         self.vocab_size, plan.kv_cache.block_size)
         except EngineError as exc:
             raise KilnError(f"verify: {exc}") from None
@@ -149,7 +149,7 @@ class TensorRTBuild:
             return needed
 
         return compile_ranks(tmp, [r.directory for r in lowered], chain, self.compute_capability,
-                             profile_of(self.plan, blocks), ranks, self.plan.tp, tmp / plugin["file"], fit)
+                             profile_of(self.plan, blocks), ranks, self.plan.group, tmp / plugin["file"], fit)
 
 
 def tolerance(activations: str, kv_dtype: str, max_abs_logit: float, fp8_activations: bool = False) -> float:

@@ -49,6 +49,7 @@ from builder.targets.tensorrt.onnx_attention import (
     paged_attention_function,
     paged_attention_node,
 )
+from builder.targets.tensorrt.onnx_moe import moe_function, moe_node
 from builder.targets.tensorrt.plugin_kernels import layer_kernels
 from runtime.ops.reference import RopeTable
 from runtime.weights import fp8, int4, int5, int6, int8
@@ -122,6 +123,7 @@ class _Segment:
     initializers: dict[str, TensorProto] = field(default_factory=dict)
     kv_layers: list[int] = field(default_factory=list)
     defines: set[str] = field(default_factory=set)  # IR values it computes
+    moe: set[bool] = field(default_factory=set)      # the kiln::MoE variants it uses (with a shared expert or not)
 
 
 def lower_rank(graph: Graph, out_dir: Path, *, activations: str, kv_dtype: str, block_size: int,
@@ -217,9 +219,11 @@ class _Lowerer:
                                   initializer=list(segment.initializers.values()))
         opsets = [helper.make_opsetid("", OPSET)]
         functions = []
-        if segment.kv_layers:
+        if segment.kv_layers or segment.moe:
             opsets.append(helper.make_opsetid(DOMAIN, 1))
+        if segment.kv_layers:
             functions.append(paged_attention_function(self.act, self.cache))
+        functions += [moe_function(self.act, shared) for shared in sorted(segment.moe)]
         model = helper.make_model(graph, opset_imports=opsets, functions=functions, producer_name="kiln")
         model.ir_version = IR_VERSION
         onnx.save_model(model, str(path))
@@ -425,6 +429,40 @@ class _Lowerer:
     def _gather_last(self, node: Node) -> None:
         self._emit("Gather", [node.inputs[0], "logits_indices"], [node.outputs[0]], hint=node.name, axis=0)
         self._define(node.outputs[0], self.types[node.inputs[0]])
+
+    def _moe(self, node: Node) -> None:
+        """A kiln::MoE node (builder/targets/tensorrt/onnx_moe.py): the router in f32, the held experts' weights
+        stacked [El, H, 2I] and [El, I, H] in the activations' dtype (quantized experts dequantized, as the formats
+        without a TensorRT form are), the shared expert's beside them."""
+        from builder.experts import expert_linears
+
+        a = node.attrs
+        if a.get("act", "silu") != "silu":
+            raise KilnError(f"lower_onnx: {node.name}: a mixture with the {a['act']} activation has no ONNX lowering")
+        views = {view.base: view for view in expert_linears(node)}
+        weight = {base: _dequantized(view, self.graph) for base, view in views.items()}  # [N, K] f32 each
+
+        def stack(name: str, parts: list[torch.Tensor]) -> str:
+            return self._float(f"{node.name}.{name}", torch.stack(parts), self.act)
+
+        held = a["experts"]
+        inputs = [node.inputs[0], self._float(f"{node.name}.router", weight["router"], TensorProto.FLOAT,
+                                             transpose=True),
+                  self._init(f"{node.name}.held", TensorProto.INT64, np.array(held, np.int64), (len(held),)),
+                  stack("gate_up", [torch.cat([weight[f"experts.{e}.gate_proj"], weight[f"experts.{e}.up_proj"]]).t()
+                                    for e in held]),
+                  stack("down", [weight[f"experts.{e}.down_proj"].t() for e in held])]
+        shared = bool(a.get("shared", False))
+        if shared:
+            gate_up = torch.cat([weight["shared_expert.gate_proj"], weight["shared_expert.up_proj"]])
+            inputs += [self._float(f"{node.name}.shared_gate_up", gate_up, self.act, transpose=True),
+                       self._float(f"{node.name}.shared_down", weight["shared_expert.down_proj"], self.act,
+                                   transpose=True),
+                       self._float(f"{node.name}.shared_gate", weight["shared_expert_gate"], self.act, transpose=True)]
+        self.segment.nodes.append(moe_node(node.name, inputs, node.outputs[0], a["top_k"], a["norm_topk_prob"],
+                                           shared))
+        self.segment.moe.add(shared)
+        self._define(node.outputs[0], self.act)
 
     def _rope(self, node: Node) -> None:
         for which, out in enumerate(node.outputs):
