@@ -339,13 +339,15 @@ class Candidate:
 
 
 def candidate_plan(device: Device, tp: int, pp: int, weights: str, kv_dtype: str, workload: Workload,
-                   max_batch: int) -> Plan:
-    """The plan file this candidate would be, validated like one (PlanError if it is not buildable)."""
+                   max_batch: int, experts: bool = False) -> Plan:
+    """The plan file this candidate would be, validated like one (PlanError if it is not buildable). experts: a
+    mixture's whole experts split between the tp ranks (ep = tp), as `price` assumes."""
     gpu = device.kind == "gpu"
     max_seq = 1 << max(4, math.ceil(math.log2(workload.context)))
     # GPUs: the cuda target (Kiln's kernels, compiled for the device; it serves on Hopper, which TensorRT for
     # RTX refuses), priced in its bf16 activations
     doc = {"target": "cuda" if gpu else "cpu", "device": device.name, "tp": tp, "pp": pp,
+           **({"ep": tp} if experts and tp > 1 else {}),
            "limits": {"max_batch_size": max_batch, "max_num_tokens": max(2048 if gpu else 512, max_batch),
                       "max_seq_len": max_seq},
            "kv_cache": {"dtype": kv_dtype, "block_size": 16, "memory_fraction": 0.9 if gpu else 0.5},
@@ -590,7 +592,8 @@ def plan_candidates(model: ModelShape, devices: list[str] | None = None, tps: li
                             continue
                         label = f"{name} tp={tp} pp={pp} {fmt} kv={kv}"
                         try:
-                            plan = candidate_plan(device, tp, pp, fmt, kv, workload, max_batch)
+                            plan = candidate_plan(device, tp, pp, fmt, kv, workload, max_batch,
+                                                  bool(model.num_experts))
                         except PlanError as exc:
                             unbuildable.append((label, str(exc).split(": ", 1)[-1]))
                             continue
@@ -622,7 +625,8 @@ def plan_toml(c: Candidate, model: ModelShape, workload: Workload) -> str:
              f"{c.weights} weights, {c.kv_dtype} KV cache{sizing}.",
              f"# Per rank: weights {c.weight_gib:.2f} GiB, KV cache {c.kv_gib:.2f} GiB = {c.kv_tokens} tokens, "
              f"{c.sequences} sequences of {workload.context} tokens.",
-             f'target = "{p.target}"', f'device = "{p.device}"', f"tp = {p.tp}", f"pp = {p.pp}", "",
+             f'target = "{p.target}"', f'device = "{p.device}"', f"tp = {p.tp}", f"pp = {p.pp}",
+             *([f"ep = {p.ep}"] if p.ep > 1 else []), "",
              "[limits]", f"max_batch_size = {p.limits.max_batch_size}",
              f"max_num_tokens = {p.limits.max_num_tokens}", f"max_seq_len = {p.limits.max_seq_len}", "",
              "[kv_cache]", f'dtype = "{p.kv_cache.dtype}"', f"block_size = {p.kv_cache.block_size}",

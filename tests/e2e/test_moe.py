@@ -179,17 +179,24 @@ def test_full_width_qk_norms_refuse_tensor_parallelism(moe_dirs):
         rank_graphs(moe_dirs["olmoe"], 2, 1)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
-def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(family, moe_dirs, moe_engines, tmp_path, monkeypatch):
-    """Routing on the device, the experts through expert_gemv (Triton's interpreter here), the shared expert as
-    linears: the cpu engine's tokens, with requests arriving two steps apart (decode steps of several sizes)."""
+@pytest.mark.parametrize("family, method", [("qwen2_moe", "none"), ("olmoe", "none"), ("qwen2_moe", "int4"),
+                                            ("mixtral", "fp8")])
+def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(family, method, moe_dirs, tmp_path, monkeypatch):
+    """Routing on the device, the experts through expert_gemv (Triton's interpreter here; float, int4 and fp8
+    experts), the shared expert as linears: the tokens of the cpu engine with the same weights, requests arriving
+    two steps apart (decode steps of several sizes)."""
     from test_cuda_backend import PROMPTS as CUDA_PROMPTS
     from test_cuda_backend import cuda_plan, run
 
-    cuda = build_engine(str(moe_dirs[family]), cuda_plan(), tmp_path / "cuda", show_progress=False)
+    quant = {"max_ppl_increase": None, "min_greedy_agreement": None}
+    cpu = build_engine(str(moe_dirs[family]), exact_plan(method=method, group_size=32, **quant), tmp_path / "cpu",
+                       show_progress=False)
+    cuda = build_engine(str(moe_dirs[family]), cuda_plan(method=method, group_size=32, **quant), tmp_path / "cuda",
+                        show_progress=False)
+    assert cuda.manifest["cuda"]["widened"] == []  # every expert in its own format
     monkeypatch.setenv("KILN_CUDA_INTERPRET", "1")
     got, llm = run(cuda.out, CUDA_PROMPTS)
-    assert got == run(moe_engines[family], CUDA_PROMPTS)[0]
+    assert got == run(cpu.out, CUDA_PROMPTS)[0]
     assert "_expert_gemv" in {key.split(".")[0] for key in llm.executor.launcher.launched}
 
 

@@ -9,7 +9,7 @@ from builder.errors import KilnError
 from builder.experts import graph_expert_linears
 from builder.ir import DTYPE_NAMES, Graph
 from passes.context import PassContext
-from runtime.backends.cuda.kernels.gemm import INT4_LAYOUT, pack_int4
+from runtime.backends.cuda.kernels.gemm import GROUP_SIZES, INT4_LAYOUT, pack_int4
 from runtime.weights import fp8, int4, int5, int6, int8
 
 FP8_LAYOUT = "f8e4m3.nk"
@@ -43,8 +43,8 @@ def pack_cuda_weights(graph: Graph, ctx: PassContext) -> Graph:
         elif a.get("layout") != "logical":
             raise KilnError(f"pack_cuda_weights: node {node.name!r} has {quant} weights already packed "
                             f"({a.get('layout')}); the cuda target reads logical operands")
-        elif node.op == "moe_linear":  # the experts' kernel reads float weights stacked by expert
-            kind = ("widen", quant)
+        elif node.op == "moe_linear" and quant == "int4" and a.get("group_size") not in GROUP_SIZES:
+            kind = ("widen", quant)  # the experts' kernel reads int4 in gemm's group sizes
             widened.append(node.name)
         elif node.op != "embedding" and quant == "int4" and a["in_features"] % 2 == 0:
             kind = ("int4",)

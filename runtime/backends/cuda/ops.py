@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.backends.cuda.kernels import experts, gemm, rows
+from runtime.backends.cuda.kernels import experts as experts_kernel
+from runtime.backends.cuda.kernels import gemm, rows
 from runtime.backends.cuda.launch import Launcher
 from runtime.ops import moe, reference
 
@@ -99,12 +100,12 @@ def make_binders(ctx: OpContext) -> dict:
         linear = {e["name"]: bind_linear(_LinearSite(e, operands[e["name"]])) for e in moe.held_linears(a)
                   if not e["name"].startswith("experts.")}
         held, top_k = a["experts"], a["top_k"]
-
-        def stack(parts):
-            return torch.stack([torch.cat([operands[f"experts.{e}.{p}"]["weight"] for p in parts]) for e in held])
-
-        gate_up, down = stack(("gate_proj", "up_proj")).contiguous(), stack(("down_proj",)).contiguous()
-        device = gate_up.device
+        entries = {e["name"]: e for e in a["linears"]}
+        gate_up = _stack_experts(node["name"], [[(entries[f"experts.{e}.{p}"], operands[f"experts.{e}.{p}"])
+                                                 for p in ("gate_proj", "up_proj")] for e in held])
+        down = _stack_experts(node["name"], [[(entries[f"experts.{e}.down_proj"], operands[f"experts.{e}.down_proj"])]
+                                             for e in held])
+        device = gate_up.weight.device
         local = torch.full((a["num_experts"],), -1, dtype=torch.int32, device=device)  # global id -> held index
         local[torch.tensor(held, dtype=torch.int64, device=device)] = torch.arange(len(held), dtype=torch.int32,
                                                                                    device=device)
@@ -113,8 +114,8 @@ def make_binders(ctx: OpContext) -> dict:
         def run(x):
             weights, ids = reference.route(linear["router"](x), top_k, a["norm_topk_prob"])
             slots = local[ids.flatten()]
-            hidden = experts.expert_gemv(launcher, x.contiguous(), slots, gate_up, top_k)
-            y = experts.expert_gemv(launcher, rows.gated_act(launcher, act, hidden), slots, down, 1)
+            hidden = experts_kernel.expert_gemv(launcher, x.contiguous(), slots, gate_up, top_k)
+            y = experts_kernel.expert_gemv(launcher, rows.gated_act(launcher, act, hidden), slots, down, 1)
             out = (y.view(x.shape[0], top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
             if a.get("shared", False):
                 gated = rows.gated_act(launcher, act, linear["shared_expert.gate_proj"](x),
@@ -160,3 +161,28 @@ class _LinearSite:
 
     def operands(self) -> dict:
         return self.ops
+
+
+def _stack_experts(node: str, experts: list[list[tuple[dict, dict]]]) -> experts_kernel.Experts:
+    """One projection of every held expert stacked for expert_gemv: each expert's parts (gate and up: stacked row
+    after row) as (linear attrs, operands), all of one format (float, int4 of one group size, or fp8)."""
+    kinds = {(attrs.get("quant", "none"), attrs.get("group_size")) for parts in experts for attrs, _ in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"program: {node}: its experts' weights mix formats {sorted(map(str, kinds))}; the cuda "
+                         "backend stacks one format (rebuild with one [quant] method for the experts)")
+    (quant, group), = kinds
+
+    def stacked(role: str) -> torch.Tensor:
+        return torch.stack([torch.cat([ops[role] for _, ops in parts]) for parts in experts]).contiguous()
+
+    if quant == "none":
+        return experts_kernel.Experts("float", stacked("weight"))
+    if quant == "int4":
+        return experts_kernel.Experts("int4", stacked("qweight"), stacked("scales"), stacked("zeros"), group)
+    if quant == "fp8":
+        rows = [sum(attrs["out_features"] for attrs, _ in parts) for parts in experts]
+        scales = torch.stack([torch.cat([ops["scales"].float().reshape(-1).expand(attrs["out_features"])
+                                         for attrs, ops in parts]) for parts in experts]).contiguous()
+        assert scales.shape[1] == rows[0]
+        return experts_kernel.Experts("fp8", stacked("qweight").view(torch.uint8), scales)
+    raise ValueError(f"program: {node}: {quant} expert weights have no cuda kernel (rebuild the engine)")
