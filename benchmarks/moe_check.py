@@ -72,31 +72,46 @@ class MoeCheck(Check):
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 2048, (n,), generator=gen).tolist() for n in (5, 17, 40, 9, 64, 3, 23, 12)]
         params = SamplingParams(temperature=0.0, max_tokens=24 if not self.interpret else 6, ignore_eos=True)
-        for name in ("mixtral-small", "qwen2moe-small"):
+        for name, method in (("mixtral-small", "none"), ("qwen2moe-small", "none"), ("mixtral-small", "int4"),
+                             ("qwen2moe-small", "fp8")):
             answers = {}
-            for kind, plan in (("cpu", self.cpu_plan()), ("cuda", self.cuda_plan("f32", "f32"))):
-                llm = self.engine(self.build(f"{name}-{kind}", self.model(name), plan), kv_gib=1)
+            cpu = self.cpu_plan().with_overrides("quant", method=method, group_size=128)
+            for kind, plan in (("cpu", cpu), ("cuda", self.cuda_plan("f32", "f32", method))):
+                llm = self.engine(self.build(f"{name}-{method}-{kind}", self.model(name), plan), kv_gib=1)
                 answers[kind] = [o.token_ids for o in llm.generate(prompts, params)]
                 del llm
                 self.free()
             same = sum(a == b for a, b in zip(answers["cpu"], answers["cuda"]))
-            rows.append({"model": name, "identical answers": f"{same}/{len(prompts)}"})
-            log(f"{name}: cuda f32 vs cpu f32: {same}/{len(prompts)} identical greedy answers")
-        return {"rows": rows, "markdown": table("Greedy answers, cuda (f32) against cpu (f32)", rows,
-                                                ["model", "identical answers"])}
+            rows.append({"model": name, "experts": method, "identical answers": f"{same}/{len(prompts)}"})
+            log(f"{name} ({method} experts): cuda f32 vs cpu f32: {same}/{len(prompts)} identical greedy answers")
+        return {"rows": rows, "markdown": table("Greedy answers, cuda (f32) against cpu (f32), the same weights", rows,
+                                                ["model", "experts", "identical answers"])}
 
     def section_speed(self) -> dict:
+        from runtime.bench import step_bytes
+
         rows = []
-        for name in ("moe-8x2816", "dense-5632"):
-            if self.args.cpu:
-                path = self.build(f"{name}-cpu", self.model(name), self.cpu_plan())
-                rows += self.throughput(path, name, (1,), (), 16)
-            else:
-                path = self.build(f"{name}-bf16", self.model(name), self.cuda_plan("bf16", "bf16"))
-                rows += self.throughput(path, name, (1, 8, 64), (512,), 32)
-        where = "cpu f32" if self.args.cpu else "cuda bf16"
+        runs = [("none", "f32")] if self.args.cpu else [("none", "bf16"), ("int4", "bf16")]
+        for method, act in runs:
+            for name in ("moe-8x2816", "dense-5632"):
+                label = f"{name} {method}"
+                if self.args.cpu:
+                    plan = self.cpu_plan()
+                    path = self.build(f"{name}-cpu", self.model(name), plan)
+                    measured = self.throughput(path, label, (1, 8), (), 16)
+                else:
+                    path = self.build(f"{name}-{method}-{act}", self.model(name), self.cuda_plan(act, act, method))
+                    measured = self.throughput(path, label, (1, 8, 64), (512,), 32)
+                read = step_bytes(path)
+                for r in measured:  # the bytes a step reads: only the experts its tokens chose (uniform routing)
+                    tokens = int(r["mode"].split()[-1])
+                    r["read GB/step"] = read(tokens) / 1e9
+                    r["GB/s"] = read(tokens) / (r["step ms"] / 1e3) / 1e9
+                rows += measured
+        where = "cpu f32" if self.args.cpu else "cuda, bf16 activations"
         return {"rows": rows, "markdown": table(f"MoE against dense with the same active parameters ({where})", rows,
-                                                ["engine", "mode", "tok/s", "step ms", "weight GB/step"])}
+                                                ["engine", "mode", "tok/s", "step ms", "weight GB/step",
+                                                 "read GB/step", "GB/s"])}
 
     def run_all(self) -> int:
         failed = 0

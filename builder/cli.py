@@ -68,6 +68,9 @@ def build(
                                                 "nearest (AWQ's clipping, round to nearest)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Override the plan's tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Override the plan's pipeline-parallel degree."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Override the plan's expert-parallel degree: a mixture of "
+                                                          "experts' whole experts split between this many ranks "
+                                                          "(1, tp, or any count with tp = 1)."),
     print_after: Optional[str] = typer.Option(None, "--print-after",
                                               help="Print the IR after this pass of the build's pipeline (a pass "
                                                    "name, or 'all')."),
@@ -93,7 +96,7 @@ def build(
     from builder.plan import load_plan
 
     chosen = load_plan(plan)
-    chosen = chosen.with_overrides(tp=tp, pp=pp)
+    chosen = chosen.with_overrides(tp=tp, pp=pp, ep=ep)
     chosen = chosen.with_overrides("quant", method=quant, group_size=group_size,
                                    calib=str(calib) if calib else None, max_ppl_increase=max_ppl_increase,
                                    min_greedy_agreement=min_greedy_agreement, activations=activations, rounding=rounding)

@@ -162,7 +162,8 @@ class _Sharder:
             name = view.base
             if not name.startswith(("experts.", "shared_expert.")):
                 continue
-            size = view.attrs["in_features" if name.endswith("down_proj") else "out_features"]
+            stacked = name.endswith("gate_up_proj")  # gate | up (passes/fuse_gate_up.py): this rank's rows of each
+            size = view.attrs["in_features" if name.endswith("down_proj") else "out_features"] // (2 if stacked else 1)
             try:
                 span = self.mapping.columns(size, f"{node.name}.{name} columns")
             except ValueError as exc:
@@ -170,7 +171,7 @@ class _Sharder:
             if name.endswith("down_proj"):
                 self._slice_inputs(view, [span])
             else:
-                self._column_split(view, [span])
+                self._column_split(view, [span, Span(size + span.start, span.count)] if stacked else [span])
         self._collective_after(node, "all_reduce", {"group": "tp"})
 
     def _embedding(self, node: Node) -> None:

@@ -142,8 +142,17 @@ def moe(x: torch.Tensor, linear, attrs: dict, act=None) -> torch.Tensor:
     Each token runs its top_k experts, grouped so that an expert's weights are read once for all the tokens
     routed to it; attrs["experts"] are the experts this node holds (the others' tokens are someone else's: expert
     parallelism sums the ranks' partial outputs). The shared expert, where the node has one, runs on every token,
-    scaled by sigmoid of its gate. `act(gate, up)`: the gated activation (default: attrs["act"]'s reference)."""
-    act = act or (lambda gate, up: gated_act(attrs["act"], gate, up))
+    scaled by sigmoid of its gate. `act(gate, up)` or `act(gate_up)`: the gated activation of separate or stacked
+    projections (default: attrs["act"]'s reference)."""
+    act = act or (lambda *xs: gated_act(attrs["act"], *xs))
+    fused = {e["name"] for e in attrs["linears"] if e["name"].endswith(".gate_up_proj")} if "linears" in attrs else set()
+
+    def mlp(prefix: str, h: torch.Tensor) -> torch.Tensor:
+        """An expert's gated MLP: gate and up as one stacked projection (passes/fuse_gate_up.py) or two."""
+        if f"{prefix}.gate_up_proj" in fused:
+            return linear(f"{prefix}.down_proj", act(linear(f"{prefix}.gate_up_proj", h)))
+        return linear(f"{prefix}.down_proj", act(linear(f"{prefix}.gate_proj", h), linear(f"{prefix}.up_proj", h)))
+
     weights, ids = route(linear("router", x), attrs["top_k"], attrs["norm_topk_prob"])
     out = torch.zeros_like(x)
     flat = ids.flatten()
@@ -158,14 +167,10 @@ def moe(x: torch.Tensor, linear, attrs: dict, act=None) -> torch.Tensor:
             continue
         picked = order[starts[e]:starts[e + 1]]
         rows = picked // attrs["top_k"]
-        h = x.index_select(0, rows)
-        h = act(linear(f"experts.{e}.gate_proj", h), linear(f"experts.{e}.up_proj", h))
-        h = linear(f"experts.{e}.down_proj", h)
+        h = mlp(f"experts.{e}", x.index_select(0, rows))
         out.index_add_(0, rows, h * slot_weights[picked, None])
     if attrs.get("shared", False):
-        shared = linear("shared_expert.down_proj",
-                        act(linear("shared_expert.gate_proj", x), linear("shared_expert.up_proj", x)))
-        out = out + torch.sigmoid(linear("shared_expert_gate", x)) * shared
+        out = out + torch.sigmoid(linear("shared_expert_gate", x)) * mlp("shared_expert", x)
     return out
 
 

@@ -287,7 +287,7 @@ def test_moe_gguf_logits_match_transformers_and_source_keeps_the_expert_blocks(q
     program, tensors = map_rank_file(tmp_path / "source" / "rank0.engine")
     node = next(n for n in json.loads(program)["nodes"] if n["op"] == "moe")
     formats = {e["name"]: e["quant"] for e in node["attrs"]["linears"]}
-    assert (formats["experts.3.gate_proj"], formats["experts.3.down_proj"], formats["shared_expert.up_proj"],
+    assert (formats["experts.3.gate_up_proj"], formats["experts.3.down_proj"], formats["shared_expert.gate_up_proj"],
             formats["router"]) == ("int4", "int6", "int8", "none")
     with torch.inference_mode():
         expected = model(torch.tensor([PROMPTS[1]])).logits[0]

@@ -125,7 +125,7 @@ def test_a_step_reads_only_the_experts_its_tokens_chose(moe_engines):
     assert unused, "the step should leave an expert unread"
     poisoned = dict(tensors)
     for e in unused:
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in ("gate_up_proj", "down_proj"):  # gate and up stacked by passes/fuse_gate_up.py
             name = f"{node['name']}.experts.{e}.{proj}.weight"
             poisoned[name] = torch.full_like(tensors[name], float("nan"))
     assert torch.equal(moe.bind_moe(node, poisoned)(x), clean)
@@ -139,12 +139,13 @@ def test_experts_are_quantized_per_expert_and_the_router_stays_float(moe_dirs, t
     node = next(n for n in json.loads(program)["nodes"] if n["op"] == "moe")
     formats = {entry["name"]: entry["quant"] for entry in node["attrs"]["linears"]}
     assert formats["router"] == formats["shared_expert_gate"] == "none"
-    assert {formats[f"experts.{e}.{p}"] for e in range(6) for p in ("gate_proj", "up_proj", "down_proj")} == {method}
-    assert formats["shared_expert.down_proj"] == method
+    # each expert's gate and up stacked into one gate_up_proj (passes/fuse_gate_up.py), as the dense MLPs' are
+    assert {formats[f"experts.{e}.{p}"] for e in range(6) for p in ("gate_up_proj", "down_proj")} == {method}
+    assert formats["shared_expert.gate_up_proj"] == formats["shared_expert.down_proj"] == method
     manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
-    # the experts' and shared experts' projections of the two sparse layers; fused gate_up and down of the two dense
-    # layers, fused qkv and o of all four
-    assert manifest["accuracy"]["quantized_nodes"] == 2 * (6 * 3 + 3) + 2 * 2 + 4 * 2
+    # the experts' and shared experts' gate_up and down in the two sparse layers, the dense layers' gate_up and down,
+    # qkv and o in all four
+    assert manifest["accuracy"]["quantized_nodes"] == 2 * (6 * 2 + 2) + 2 * 2 + 4 * 2
     llm = LLMEngine.from_dir(tmp_path / "e", EngineOptions(kv_cache_gib=0.02))
     assert len(llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
                .token_ids) == 8
@@ -167,9 +168,9 @@ def test_rank_programs_together_give_the_one_rank_logits(moe_dirs, family, tp, e
         assert [n.attrs["experts"] for n in moe_nodes[:2]] == [list(range(count // 2)), list(range(count // 2, count))]
         assert [n.attrs.get("shared", False) for n in moe_nodes[:2]] == [FAMILIES[family].get(
             "shared_expert_intermediate_size", 0) > 0, False]
-    elif tp == 2:  # whole expert list, half of each expert's columns
-        gate = next(e for e in moe_nodes[0].attrs["linears"] if e["name"] == "experts.0.gate_proj")
-        assert moe_nodes[0].attrs["experts"] == list(range(count)) and gate["out_features"] == 64 // 2
+    elif tp == 2:  # whole expert list, half of each expert's columns (its gate's and its up's)
+        gate_up = next(e for e in moe_nodes[0].attrs["linears"] if e["name"] == "experts.0.gate_up_proj")
+        assert moe_nodes[0].attrs["experts"] == list(range(count)) and gate_up["out_features"] == 2 * 64 // 2
     many = ThreadRanks(graphs, max(tp, ep)).logits(IDS)
     torch.testing.assert_close(many, one, atol=1e-4, rtol=0)
 

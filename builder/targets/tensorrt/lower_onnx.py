@@ -445,17 +445,20 @@ class _Lowerer:
         def stack(name: str, parts: list[torch.Tensor]) -> str:
             return self._float(f"{node.name}.{name}", torch.stack(parts), self.act)
 
+        def gate_up(prefix: str) -> torch.Tensor:  # [2I, H]: stacked by fuse_gate_up, or the two projections
+            if f"{prefix}.gate_up_proj" in weight:
+                return weight[f"{prefix}.gate_up_proj"]
+            return torch.cat([weight[f"{prefix}.gate_proj"], weight[f"{prefix}.up_proj"]])
+
         held = a["experts"]
         inputs = [node.inputs[0], self._float(f"{node.name}.router", weight["router"], TensorProto.FLOAT,
                                              transpose=True),
                   self._init(f"{node.name}.held", TensorProto.INT64, np.array(held, np.int64), (len(held),)),
-                  stack("gate_up", [torch.cat([weight[f"experts.{e}.gate_proj"], weight[f"experts.{e}.up_proj"]]).t()
-                                    for e in held]),
+                  stack("gate_up", [gate_up(f"experts.{e}").t() for e in held]),
                   stack("down", [weight[f"experts.{e}.down_proj"].t() for e in held])]
         shared = bool(a.get("shared", False))
         if shared:
-            gate_up = torch.cat([weight["shared_expert.gate_proj"], weight["shared_expert.up_proj"]])
-            inputs += [self._float(f"{node.name}.shared_gate_up", gate_up, self.act, transpose=True),
+            inputs += [self._float(f"{node.name}.shared_gate_up", gate_up("shared_expert"), self.act, transpose=True),
                        self._float(f"{node.name}.shared_down", weight["shared_expert.down_proj"], self.act,
                                    transpose=True),
                        self._float(f"{node.name}.shared_gate", weight["shared_expert_gate"], self.act, transpose=True)]

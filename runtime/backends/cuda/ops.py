@@ -101,8 +101,9 @@ def make_binders(ctx: OpContext) -> dict:
                   if not e["name"].startswith("experts.")}
         held, top_k = a["experts"], a["top_k"]
         entries = {e["name"]: e for e in a["linears"]}
+        parts = ("gate_up_proj",) if f"experts.{held[0]}.gate_up_proj" in entries else ("gate_proj", "up_proj")
         gate_up = _stack_experts(node["name"], [[(entries[f"experts.{e}.{p}"], operands[f"experts.{e}.{p}"])
-                                                 for p in ("gate_proj", "up_proj")] for e in held])
+                                                 for p in parts] for e in held])
         down = _stack_experts(node["name"], [[(entries[f"experts.{e}.down_proj"], operands[f"experts.{e}.down_proj"])]
                                              for e in held])
         device = gate_up.weight.device
@@ -118,8 +119,9 @@ def make_binders(ctx: OpContext) -> dict:
             y = experts_kernel.expert_gemv(launcher, rows.gated_act(launcher, act, hidden), slots, down, 1)
             out = (y.view(x.shape[0], top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
             if a.get("shared", False):
-                gated = rows.gated_act(launcher, act, linear["shared_expert.gate_proj"](x),
-                                       linear["shared_expert.up_proj"](x))
+                gated = rows.gated_act(launcher, act, linear["shared_expert.gate_up_proj"](x)) \
+                    if "shared_expert.gate_up_proj" in linear else \
+                    rows.gated_act(launcher, act, linear["shared_expert.gate_proj"](x), linear["shared_expert.up_proj"](x))
                 out = out + torch.sigmoid(linear["shared_expert_gate"](x)) * linear["shared_expert.down_proj"](gated)
             return out
 
