@@ -180,12 +180,18 @@ def test_full_width_qk_norms_refuse_tensor_parallelism(moe_dirs):
         rank_graphs(moe_dirs["olmoe"], 2, 1)
 
 
-@pytest.mark.parametrize("family, method", [("qwen2_moe", "none"), ("olmoe", "none"), ("qwen2_moe", "int4"),
-                                            ("mixtral", "fp8")])
-def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(family, method, moe_dirs, tmp_path, monkeypatch):
-    """Routing on the device, the experts through expert_gemv (Triton's interpreter here; float, int4 and fp8
-    experts), the shared expert as linears: the tokens of the cpu engine with the same weights, requests arriving
-    two steps apart (decode steps of several sizes)."""
+@pytest.mark.parametrize("family, method, path", [("qwen2_moe", "none", "both"), ("olmoe", "none", "both"),
+                                                  ("qwen2_moe", "int4", "slots"), ("qwen2_moe", "int4", "grouped"),
+                                                  ("mixtral", "fp8", "slots"), ("mixtral", "fp8", "grouped")])
+def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(family, method, path, moe_dirs, tmp_path, monkeypatch):
+    """Routing on the device, the experts (float, int4 and fp8) through expert_gemv, one launch for every (token,
+    expert) pair, or grouped by expert through gemm's kernels (Triton's interpreter here), the shared expert as
+    linears: the tokens of the cpu engine with the same weights, requests arriving two steps apart (decode steps
+    of several sizes). "both": prefills grouped, decodes by pairs, as served."""
+    from runtime.backends.cuda import ops
+
+    if path != "both":
+        monkeypatch.setattr(ops, "GROUPED_PER_EXPERT", 0 if path == "grouped" else 1 << 30)
     from test_cuda_backend import PROMPTS as CUDA_PROMPTS
     from test_cuda_backend import cuda_plan, run
 
@@ -198,7 +204,7 @@ def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(family, method, mo
     monkeypatch.setenv("KILN_CUDA_INTERPRET", "1")
     got, llm = run(cuda.out, CUDA_PROMPTS)
     assert got == run(cpu.out, CUDA_PROMPTS)[0]
-    assert "_expert_gemv" in {key.split(".")[0] for key in llm.executor.launcher.launched}
+    assert ("_expert_gemv" in {key.split(".")[0] for key in llm.executor.launcher.launched}) == (path != "grouped")
 
 
 @pytest.mark.parametrize("family, tp, ep", [("mixtral", 1, 2), ("qwen2_moe", 2, 2)])

@@ -20,6 +20,9 @@ from runtime.backends.cuda.launch import Launcher
 from runtime.ops import moe, reference
 
 
+GROUPED_PER_EXPERT = 2  # (token, expert) pairs per held expert above which a step groups its tokens by expert
+
+
 @dataclass(frozen=True)
 class OpContext:
     launcher: Launcher
@@ -93,8 +96,11 @@ def make_binders(ctx: OpContext) -> dict:
                                                  a["head_dim"])
 
     def bind_moe(site):
-        """Routing with torch on the device, every chosen expert's projections in one expert_gemv launch each (the
-        experts' weights stacked [E, N, K] here, once), the shared expert as linears."""
+        """Routing with torch on the device; the experts' weights stacked [E, N, K] here, once; the shared expert as
+        linears. A step of few (token, expert) pairs (decode; every step a CUDA graph captures) runs every pair's
+        projections in one expert_gemv launch each, decided on the device. A step of many (a prefill: more than
+        GROUPED_PER_EXPERT pairs per held expert) groups its tokens by expert (one host synchronisation a layer)
+        and runs each chosen expert's projections once over its tokens with gemm's kernels."""
         a, node = site.attrs, site.node
         operands = moe.operands_by_linear(node, site.tensors)
         linear = {e["name"]: bind_linear(_LinearSite(e, operands[e["name"]])) for e in moe.held_linears(a)
@@ -111,19 +117,45 @@ def make_binders(ctx: OpContext) -> dict:
         local[torch.tensor(held, dtype=torch.int64, device=device)] = torch.arange(len(held), dtype=torch.int32,
                                                                                    device=device)
         act = a["act"]
+        index = {e: i for i, e in enumerate(held)}
+        one = [(_expert_linear(launcher, gate_up, i), _expert_linear(launcher, down, i)) for i in range(len(held))]
+
+        def grouped(x, weights, ids):
+            flat = ids.flatten()
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=a["num_experts"]).tolist()
+            out, slot_weights, start = torch.zeros(x.shape, dtype=torch.float32, device=x.device), weights.flatten(), 0
+            for expert, count in enumerate(counts):
+                picked, start = order[start:start + count], start + count
+                if count and expert in index:
+                    first, second = one[index[expert]]
+                    tokens = picked // top_k
+                    h = second(rows.gated_act(launcher, act, first(x.index_select(0, tokens))))
+                    out.index_add_(0, tokens, h.float() * slot_weights[picked, None])
+            return out.to(x.dtype)
 
         def run(x):
             weights, ids = reference.route(linear["router"](x), top_k, a["norm_topk_prob"])
+            x = x.contiguous()
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            if x.device.type == "meta":  # the build's dry run: the grouped path's kernels too (one and many rows)
+                first, second = one[0]
+                for h in (x[:1], x):
+                    second(rows.gated_act(launcher, act, first(h)))
+            elif not capturing and x.shape[0] * top_k > GROUPED_PER_EXPERT * len(held):
+                out = grouped(x, weights, ids)
+                return out + shared_out(x) if a.get("shared", False) else out
             slots = local[ids.flatten()]
-            hidden = experts_kernel.expert_gemv(launcher, x.contiguous(), slots, gate_up, top_k)
+            hidden = experts_kernel.expert_gemv(launcher, x, slots, gate_up, top_k)
             y = experts_kernel.expert_gemv(launcher, rows.gated_act(launcher, act, hidden), slots, down, 1)
             out = (y.view(x.shape[0], top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
-            if a.get("shared", False):
-                gated = rows.gated_act(launcher, act, linear["shared_expert.gate_up_proj"](x)) \
-                    if "shared_expert.gate_up_proj" in linear else \
-                    rows.gated_act(launcher, act, linear["shared_expert.gate_proj"](x), linear["shared_expert.up_proj"](x))
-                out = out + torch.sigmoid(linear["shared_expert_gate"](x)) * linear["shared_expert.down_proj"](gated)
-            return out
+            return out + shared_out(x) if a.get("shared", False) else out
+
+        def shared_out(x):
+            gated = rows.gated_act(launcher, act, linear["shared_expert.gate_up_proj"](x)) \
+                if "shared_expert.gate_up_proj" in linear else \
+                rows.gated_act(launcher, act, linear["shared_expert.gate_proj"](x), linear["shared_expert.up_proj"](x))
+            return torch.sigmoid(linear["shared_expert_gate"](x)) * linear["shared_expert.down_proj"](gated)
 
         return run
 
@@ -188,3 +220,16 @@ def _stack_experts(node: str, experts: list[list[tuple[dict, dict]]]) -> experts
         assert scales.shape[1] == rows[0]
         return experts_kernel.Experts("fp8", stacked("qweight").view(torch.uint8), scales)
     raise ValueError(f"program: {node}: {quant} expert weights have no cuda kernel (rebuild the engine)")
+
+
+def _expert_linear(launcher: Launcher, stack: experts_kernel.Experts, i: int):
+    """x [rows, K] -> [rows, N] through held expert i's weights in `stack`, with gemm's kernels (GEMV or GEMM by the
+    row count) or, for float weights, torch's."""
+    weight = stack.weight[i]
+    if stack.format == "float":
+        return lambda x: F.linear(x, weight)
+    if stack.format == "int4":
+        scales, zeros = stack.scales[i], stack.zeros[i]
+        return lambda x: gemm.linear_int4(launcher, x, weight, scales, zeros, stack.group)
+    codes, scales = weight.view(torch.float8_e4m3fn), stack.scales[i]
+    return lambda x: gemm.linear_fp8(launcher, x, codes, scales)
