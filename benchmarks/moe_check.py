@@ -2,6 +2,7 @@
 speed against the dense model with the same active parameters.
 
     python benchmarks/moe_check.py [--out moe_check] [--work engines/moe_check_work] [--cpu] [--interpret]
+        [--sections agreement,speed] [--methods none,int4]
 
 1. agreement (GPU, or --interpret): small random Mixtral and Qwen2-MoE checkpoints (with a shared expert) built
    for the cuda target (f32 activations and KV) and for the cpu target; greedy tokens of 8 random prompts, 24
@@ -91,7 +92,7 @@ class MoeCheck(Check):
         from runtime.bench import step_bytes
 
         rows = []
-        runs = [("none", "f32")] if self.args.cpu else [("none", "bf16"), ("int4", "bf16")]
+        runs = [("none", "f32")] if self.args.cpu else [(m, "bf16") for m in self.args.methods.split(",")]
         for method, act in runs:
             for name in ("moe-8x2816", "dense-5632"):
                 label = f"{name} {method}"
@@ -119,6 +120,7 @@ class MoeCheck(Check):
                                                                           ("speed", self.section_speed)]
         if self.interpret:
             sections = sections[:1]
+        sections = [(name, fn) for name, fn in sections if name in self.args.sections.split(",")]
         for name, fn in sections:
             started = time.perf_counter()
             try:
@@ -141,6 +143,8 @@ def main() -> None:
     parser.add_argument("--work", default="engines/moe_check_work")
     parser.add_argument("--cpu", action="store_true", help="section 2 on the cpu target (no GPU needed)")
     parser.add_argument("--interpret", action="store_true", help="section 1 in Triton's interpreter (tiny prompts)")
+    parser.add_argument("--sections", default="agreement,speed", help="a subset of agreement,speed")
+    parser.add_argument("--methods", default="none,int4", help="the expert formats section 2 times on a GPU")
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.interpret:
