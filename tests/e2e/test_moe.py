@@ -267,12 +267,3 @@ def test_tensorrt_compiles_the_mixture_through_its_function_body(moe_dirs, tmp_p
     assert result.manifest["target"]["tensorrt"]["flavour"] == "tensorrt-rtx"
     engine = tmp_path / "e" / result.manifest["ranks"][0]["file"]
     assert engine.stat().st_size > 1 << 20
-
-
-def test_cuda_graphs_stop_where_quantized_experts_group_their_tokens():
-    from runtime.backends.cuda.ops import graph_batch_limit
-
-    # 8 experts, 2 a token: above 8 sequences a decode step has more than 2 pairs an expert and groups them
-    assert graph_batch_limit({"num_experts": 8, "experts_per_token": 2}, quantized=True) == 8
-    assert graph_batch_limit({"num_experts": 8, "experts_per_token": 2}, quantized=False) is None
-    assert graph_batch_limit({}, quantized=True) is None

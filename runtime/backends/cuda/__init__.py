@@ -7,7 +7,6 @@ run in Triton's interpreter on CPU tensors (slowly), which is how CI runs this b
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -71,7 +70,6 @@ def create_executor(engine, rank: int, pools, num_threads: int | None = None, co
     from runtime.backends.cuda.executor import CudaExecutor
     from runtime.backends.cuda.kernel_index import load
     from runtime.backends.cuda.launch import CubinLauncher, InterpreterLauncher
-    from runtime.backends.cuda.ops import graph_batch_limit, quantized_experts
     from runtime.backends.gpus import rank_device
 
     manifest = engine.manifest
@@ -81,9 +79,6 @@ def create_executor(engine, rank: int, pools, num_threads: int | None = None, co
     else:
         launcher = InterpreterLauncher(allowed=set(compiled))  # the engine's variants only, as on a GPU
     max_batch = min(GRAPH_BATCH, manifest.limits.max_batch_size) if manifest.world_size == 1 else 0
-    rank_file = engine.load_rank(rank)
-    limit = graph_batch_limit(manifest.model_config, quantized_experts(json.loads(rank_file.program)))
-    max_batch = min(max_batch, limit) if limit else max_batch
-    return CudaExecutor(rank_file, pools, manifest.block_size, manifest.kv_dtype, manifest.activations,
+    return CudaExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype, manifest.activations,
                         manifest.limits.max_seq_len, launcher, collectives, max_graph_batch=max_batch,
                         device_logits=manifest.world_size == 1)

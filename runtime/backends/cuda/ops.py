@@ -20,26 +20,13 @@ from runtime.backends.cuda.launch import Launcher
 from runtime.ops import moe, reference
 
 
-# (token, expert) pairs per held expert above which a step with quantized experts groups its tokens by expert.
-# Measured on an H100 (a random 8-expert top-2 model, hidden 1024, expert MLP 2816): a 512-token prefill with
-# int4 experts ran at 1.7k tok/s one launch a pair, 16.9k grouped; with bf16 experts the pairs' launches were the
-# faster (22.0k against 12.6k tok/s), so float experts always run by pairs.
+# (token, expert) pairs per held expert above which a step with quantized experts groups its tokens by expert
+# (outside CUDA graphs: decode steps a graph captures keep one launch a pair). Measured on an H100 (a random
+# 8-expert top-2 model, hidden 1024, expert MLP 2816): a 512-token prefill with int4 experts ran at 1.7k tok/s one
+# launch a pair, 11.7k-16.9k grouped; with bf16 experts the pairs' launches were the faster (22.0-23.2k against
+# 12.6k tok/s), so float experts always run by pairs. Decode at batch 64 with int4 experts: 40.6 ms a step by pairs
+# in a graph, 54.6 ms grouped outside one (gemm's int4 GEMM costs ~0.3 ms a call at 16 rows), so graphs stay.
 GROUPED_PER_EXPERT = 2
-
-
-def quantized_experts(program: dict) -> bool:
-    """A rank's program has a moe node whose experts are int4 or fp8."""
-    return any(e.get("quant", "none") != "none" for n in program["nodes"] if n["op"] == "moe"
-               for e in n["attrs"]["linears"] if e["name"].startswith("experts."))
-
-
-def graph_batch_limit(model_config: dict, quantized: bool) -> int | None:
-    """The largest decode batch a CUDA graph should capture for a mixture with quantized experts: above it a step
-    groups its tokens by expert, which a graph cannot hold (its counts are read on the host); None: no limit."""
-    experts, top_k = model_config.get("num_experts", 0), model_config.get("experts_per_token", 0)
-    if not experts or not quantized:
-        return None
-    return max(1, GROUPED_PER_EXPERT * experts // top_k)
 
 
 @dataclass(frozen=True)
