@@ -89,7 +89,7 @@ class MoeCheck(Check):
                                                 ["model", "experts", "identical answers"])}
 
     def section_speed(self) -> dict:
-        from runtime.bench import step_bytes
+        from runtime.bench import StepReads
 
         rows = []
         runs = [("none", "f32")] if self.args.cpu else [(m, "bf16") for m in self.args.methods.split(",")]
@@ -103,11 +103,11 @@ class MoeCheck(Check):
                 else:
                     path = self.build(f"{name}-{method}-{act}", self.model(name), self.cuda_plan(act, act, method))
                     measured = self.throughput(path, label, (1, 8, 64), (512,), 32)
-                read = step_bytes(path)
+                reads = StepReads(path)
                 for r in measured:  # the bytes a step reads: only the experts its tokens chose (uniform routing)
-                    tokens = int(r["mode"].split()[-1])
-                    r["read GB/step"] = read(tokens) / 1e9
-                    r["GB/s"] = read(tokens) / (r["step ms"] / 1e3) / 1e9
+                    read = reads.per_step(1, int(r["mode"].split()[-1]))
+                    r["read GB/step"] = read / 1e9
+                    r["GB/s"] = read / (r["step ms"] / 1e3) / 1e9
                 rows += measured
         where = "cpu f32" if self.args.cpu else "cuda, bf16 activations"
         return {"rows": rows, "markdown": table(f"MoE against dense with the same active parameters ({where})", rows,

@@ -84,25 +84,43 @@ def weight_bytes(engine_dir: Path) -> int:
     return max(r["weight_bytes"] for r in doc["memory"]["ranks"])
 
 
-def step_bytes(engine_dir: Path):
-    """tokens -> the bytes a step of that many tokens reads on the largest rank: every weight, but of a mixture
-    of experts only the experts its tokens chose. Which ones is known only at run time; this counts the share
-    uniform routing would choose: 1 - (1 - k/E)^tokens of each layer's experts (k/E at batch-1 decode)."""
-    doc = json.loads((Path(engine_dir) / "manifest.json").read_text())
-    rank = max(doc["memory"]["ranks"], key=lambda r: r["weight_bytes"])
-    experts = rank.get("expert_bytes", 0)
-    config = doc.get("model", {}).get("config", {})
-    if not experts or not config.get("num_experts"):
-        return lambda tokens: rank["weight_bytes"]
-    unchosen = 1 - config["experts_per_token"] / config["num_experts"]
-    return lambda tokens: rank["weight_bytes"] - experts * unchosen ** max(tokens, 1)
+class StepReads:
+    """The weight bytes a level's steps read on the largest rank: every weight each step, but of a mixture of
+    experts only the experts its tokens chose. A one-process engine on the cpu backend counts those as its moe
+    kernel reads them (runtime.ops.moe.ExpertReads); elsewhere they are estimated as uniform routing would choose
+    them: 1 - (1 - k/E)^tokens of each layer's experts for a step of `tokens` tokens (k/E at batch-1 decode)."""
+
+    def __init__(self, engine_dir: Path):
+        doc = json.loads((Path(engine_dir) / "manifest.json").read_text())
+        rank = max(doc["memory"]["ranks"], key=lambda r: r["weight_bytes"])
+        config = doc.get("model", {}).get("config", {})
+        self.weights, self.experts = rank["weight_bytes"], rank.get("expert_bytes", 0)
+        self.unchosen = 1 - config["experts_per_token"] / config["num_experts"] if self.experts else 0.0
+        self.counted = 0
+
+    def start(self) -> None:
+        from runtime.ops.moe import ExpertReads
+
+        self.counted = ExpertReads.bytes
+
+    def per_step(self, steps: int, tokens_per_step: float) -> float:
+        """Mean bytes a step read over the `steps` steps since start()."""
+        from runtime.ops.moe import ExpertReads
+
+        if not self.experts:
+            return self.weights
+        dense = self.weights - self.experts
+        counted = ExpertReads.bytes - self.counted
+        if counted:
+            return dense + counted / steps
+        return self.weights - self.experts * self.unchosen ** max(tokens_per_step, 1)
 
 
 def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, output_len: int,
               weights, seed: int = 0, linear_params: tuple[int, int] = (0, 0)) -> LevelResult:
     """One level: `requests` requests, `concurrency` of them in flight at a time. `weights`: the bytes a step reads
-    (an int, or step_bytes' function of the step's tokens). `linear_params`: one rank's (layer, logits) linear
-    parameters (runtime.roofline.linear_parameters / world size)."""
+    (an int, or a StepReads). `linear_params`: one rank's (layer, logits) linear parameters
+    (runtime.roofline.linear_parameters / world size)."""
     prefix = list(llm.special_tokens.prefix)  # a raw prompt of this model starts with it (BOS)
     prompts = [prefix + ids[len(prefix):] for ids in
                synthetic_prompts(requests, prompt_len, llm.engine.manifest.vocab_size, seed)]
@@ -120,6 +138,8 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
     def submit() -> None:
         arrival[llm.add_request(pending.pop(), params)] = time.perf_counter()
 
+    if isinstance(weights, StepReads):
+        weights.start()
     start = time.perf_counter()
     for _ in range(min(concurrency, requests)):
         submit()
@@ -157,7 +177,8 @@ def run_level(llm: LLMEngine, concurrency: int, requests: int, prompt_len: int, 
         prefill_tok_s=requests * prompt_len / prefill_time if prefill_time else math.nan,
         ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
         itl_p50_ms=1e3 * percentile(gaps, 50), itl_p99_ms=1e3 * percentile(gaps, 99),
-        weight_gbs=steps / elapsed * (weights(tokens_per_step) if callable(weights) else weights) / 1e9,
+        weight_gbs=steps / elapsed * (weights.per_step(steps, tokens_per_step) if isinstance(weights, StepReads)
+                                      else weights) / 1e9,
         # every prompt token and every output token but the last passes the layers; outputs need logits
         tokens_per_step=tokens_per_step,
         gops=2 * requests * (linear_params[0] * (prompt_len + output_len - 1) + linear_params[1] * output_len)

@@ -304,7 +304,7 @@ def bench(
             for level in concurrency:
                 count = requests or max(8, 2 * level)
                 typer.echo(f"  concurrency {level}{note}: {count} requests ...", err=True)
-                levels.append(b.run_level(llm, level, count, prompt_len, output_len, b.step_bytes(engine),
+                levels.append(b.run_level(llm, level, count, prompt_len, output_len, b.StepReads(engine),
                                           seed=seed + level, linear_params=params))
             return levels
 

@@ -32,6 +32,13 @@ def held_linears(attrs: dict) -> list[dict]:
             if not entry["name"].startswith("experts.") or entry["name"][:entry["name"].index(".", 8) + 1] in held]
 
 
+class ExpertReads:
+    """Bytes of expert weights the cpu kernel has read in this process (each routed expert's, once a step): what
+    `engine-run bench` counts a mixture's steps as reading."""
+
+    bytes = 0
+
+
 def bind_moe(node: dict, tensors: dict, bind_linear=None, act=None):
     """x [T, H] -> [T, H] for a moe node; bind_linear(linear attrs, operands) -> callable (default: the cpu
     kernels'), act(gate, up) -> the gated activation (default: the node's reference)."""
@@ -44,4 +51,10 @@ def bind_moe(node: dict, tensors: dict, bind_linear=None, act=None):
             if len(xs) == 1 and xs[0].dtype == torch.float32 and xs[0].is_contiguous():
                 return rowops.silu_mul(xs[0], attrs["act"])
             return reference.gated_act(attrs["act"], *xs)
-    return lambda x: reference.moe(x, lambda name, h: bound[name](h), attrs, act)
+    sizes = {e: sum(t.nbytes for name, ops in operands.items() if name.startswith(f"experts.{e}.")
+                    for t in ops.values()) for e in attrs["experts"]}
+
+    def ran(e: int) -> None:
+        ExpertReads.bytes += sizes[e]
+
+    return lambda x: reference.moe(x, lambda name, h: bound[name](h), attrs, act, ran)

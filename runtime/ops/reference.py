@@ -135,7 +135,7 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     return weights, ids
 
 
-def moe(x: torch.Tensor, linear, attrs: dict, act=None) -> torch.Tensor:
+def moe(x: torch.Tensor, linear, attrs: dict, act=None, ran=None) -> torch.Tensor:
     """A moe node over x [T, H]: linear(base, h) applies the node's linear `base` ("router",
     "experts.{e}.gate_proj", ..., "shared_expert.down_proj", "shared_expert_gate") to h.
 
@@ -143,7 +143,7 @@ def moe(x: torch.Tensor, linear, attrs: dict, act=None) -> torch.Tensor:
     routed to it; attrs["experts"] are the experts this node holds (the others' tokens are someone else's: expert
     parallelism sums the ranks' partial outputs). The shared expert, where the node has one, runs on every token,
     scaled by sigmoid of its gate. `act(gate, up)` or `act(gate_up)`: the gated activation of separate or stacked
-    projections (default: attrs["act"]'s reference)."""
+    projections (default: attrs["act"]'s reference). `ran(e)`, if given, is told each expert that ran."""
     act = act or (lambda *xs: gated_act(attrs["act"], *xs))
     fused = {e["name"] for e in attrs["linears"] if e["name"].endswith(".gate_up_proj")} if "linears" in attrs else set()
 
@@ -169,6 +169,8 @@ def moe(x: torch.Tensor, linear, attrs: dict, act=None) -> torch.Tensor:
         rows = picked // attrs["top_k"]
         h = mlp(f"experts.{e}", x.index_select(0, rows))
         out.index_add_(0, rows, h * slot_weights[picked, None])
+        if ran is not None:
+            ran(e)
     if attrs.get("shared", False):
         out = out + torch.sigmoid(linear("shared_expert_gate", x)) * mlp("shared_expert", x)
     return out

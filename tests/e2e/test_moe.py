@@ -267,3 +267,22 @@ def test_tensorrt_compiles_the_mixture_through_its_function_body(moe_dirs, tmp_p
     assert result.manifest["target"]["tensorrt"]["flavour"] == "tensorrt-rtx"
     engine = tmp_path / "e" / result.manifest["ranks"][0]["file"]
     assert engine.stat().st_size > 1 << 20
+
+
+def test_a_batch_one_decode_step_reads_the_active_experts_bytes(moe_engines):
+    """The cpu kernel's count of expert bytes read (what engine-run bench's roofline uses): top_k experts a layer
+    for one token, each expert's gate_up and down once."""
+    from runtime.ops.moe import ExpertReads
+
+    llm = LLMEngine.from_dir(moe_engines["mixtral"], EngineOptions(kv_cache_gib=0.02))
+    manifest = json.loads((moe_engines["mixtral"] / "manifest.json").read_text())
+    config, expert_bytes = manifest["model"]["config"], manifest["memory"]["ranks"][0]["expert_bytes"]
+    per_expert = expert_bytes // (config["num_layers"] * config["num_experts"])
+    llm.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    llm.step()  # the prefill: 4 tokens, up to 4 x 2 experts a layer
+    before, steps = ExpertReads.bytes, 0
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+    assert steps == 11
+    assert ExpertReads.bytes - before == steps * config["num_layers"] * config["experts_per_token"] * per_expert
