@@ -48,8 +48,9 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
                             "apart could choose differently: build the engine whole, or set [quant] activations to "
                             "the path a whole build chose (its report says which)")
         if not 0 <= rank < plan.world_size:
-            raise KilnError(f"--rank {rank}: the plan has {plan.world_size} rank(s) (tp {plan.tp}{f' ep {plan.ep}' if plan.ep > 1 else ''} x pp {plan.pp}), "
-                            f"numbered 0 to {plan.world_size - 1}")
+            experts = f" ep {plan.ep}" if plan.ep > 1 else ""
+            raise KilnError(f"--rank {rank}: the plan has {plan.world_size} rank(s) "
+                            f"(tp {plan.tp}{experts} x pp {plan.pp}), numbered 0 to {plan.world_size - 1}")
     model = load_model(model_source)
     identity = {"name": model.name, "architecture": model.config.architecture,
                 "config": model.config.to_dict(), "weights_sha256": model.weights_sha256(),

@@ -145,7 +145,7 @@ def moe(x: torch.Tensor, linear, attrs: dict, act=None, ran=None) -> torch.Tenso
     scaled by sigmoid of its gate. `act(gate, up)` or `act(gate_up)`: the gated activation of separate or stacked
     projections (default: attrs["act"]'s reference). `ran(e)`, if given, is told each expert that ran."""
     act = act or (lambda *xs: gated_act(attrs["act"], *xs))
-    fused = {e["name"] for e in attrs["linears"] if e["name"].endswith(".gate_up_proj")} if "linears" in attrs else set()
+    fused = {e["name"] for e in attrs.get("linears", ()) if e["name"].endswith(".gate_up_proj")}
 
     def mlp(prefix: str, h: torch.Tensor) -> torch.Tensor:
         """An expert's gated MLP: gate and up as one stacked projection (passes/fuse_gate_up.py) or two."""
