@@ -103,10 +103,11 @@ def make_binders(ctx: OpContext) -> dict:
 
     def bind_moe(site):
         """Routing with torch on the device; the experts' weights stacked [E, N, K] here, once; the shared expert as
-        linears. A step of few (token, expert) pairs (decode; every step a CUDA graph captures) runs every pair's
-        projections in one expert_gemv launch each, decided on the device. A step of many (a prefill: more than
-        GROUPED_PER_EXPERT pairs per held expert) groups its tokens by expert (one host synchronisation a layer)
-        and runs each chosen expert's projections once over its tokens with gemm's kernels."""
+        linears. A step runs every (token, expert) pair's projections in one expert_gemv launch each, decided on
+        the device (so CUDA graphs capture decode steps), except a step with quantized experts and more than
+        GROUPED_PER_EXPERT pairs per held expert outside a graph (a prefill): it groups its tokens by expert (one
+        host synchronisation a layer) and runs each chosen expert's projections once over its tokens with gemm's
+        kernels, accumulating in f32."""
         a, node = site.attrs, site.node
         operands = moe.operands_by_linear(node, site.tensors)
         linear = {e["name"]: bind_linear(_LinearSite(e, operands[e["name"]])) for e in moe.held_linears(a)
@@ -219,11 +220,9 @@ def _stack_experts(node: str, experts: list[list[tuple[dict, dict]]]) -> experts
         return experts_kernel.Experts("float", stacked("weight"))
     if quant == "int4":
         return experts_kernel.Experts("int4", stacked("qweight"), stacked("scales"), stacked("zeros"), group)
-    if quant == "fp8":
-        rows = [sum(attrs["out_features"] for attrs, _ in parts) for parts in experts]
+    if quant == "fp8":  # a scale per output channel (a per-tensor one repeated)
         scales = torch.stack([torch.cat([ops["scales"].float().reshape(-1).expand(attrs["out_features"])
                                          for attrs, ops in parts]) for parts in experts]).contiguous()
-        assert scales.shape[1] == rows[0]
         return experts_kernel.Experts("fp8", stacked("qweight").view(torch.uint8), scales)
     raise ValueError(f"program: {node}: {quant} expert weights have no cuda kernel (rebuild the engine)")
 
