@@ -153,6 +153,11 @@ def _accuracy(m: dict) -> list[str]:
                      f"{a['layer_error_max']:.4g} ({worst})")
     if a.get("awq_alpha"):
         lines.append(f"AWQ scales fitted for {len(a['awq_alpha'])} layers")
+    if a.get("awq_rtn_experts"):
+        from builder.experts import MIN_EXPERT_TOKENS
+
+        lines.append(f"{len(a['awq_rtn_experts'])} experts' down projections rounded to nearest: fewer than "
+                     f"{MIN_EXPERT_TOKENS} calibration tokens reached them")
     if a.get("kv_scale"):
         scales = a["kv_scale"].values()
         lines.append(f"KV scales calibrated for {len(a['kv_scale'])} layers ({min(scales):.4g} .. {max(scales):.4g})")
@@ -160,7 +165,7 @@ def _accuracy(m: dict) -> list[str]:
              "greedy_agreement_pct", "greedy_prompts", "greedy_tokens", "greedy_mean_leading", "greedy_leading",
              "greedy_chat_template", "min_greedy_agreement",
              "evaluation_tokens", "method", "activations", "kv_cache_dtype", "quantized_nodes", "layer_error",
-             "layer_error_mean", "layer_error_max", "awq_alpha", "kv_scale"}
+             "layer_error_mean", "layer_error_max", "awq_alpha", "awq_rtn_experts", "kv_scale"}
     others = {k: v for k, v in sorted(a.items()) if k not in shown and isinstance(v, (int, float, str))}
     if others:
         lines.append("also: " + ", ".join(f"{k} {v}" for k, v in others.items()))

@@ -14,6 +14,8 @@ from builder.ir import Graph, Node
 # linears of a moe node kept in float by the requantization methods: the router (its rounding changes which
 # experts a token reads) and the shared expert's gate (one row)
 FLOAT_LINEARS = ("router", "shared_expert_gate")
+# calibration tokens an expert needs for AWQ scales of its own (passes/fold_awq_scales.py); fewer: round to nearest
+MIN_EXPERT_TOKENS = 32
 
 
 class ExpertLinear:

@@ -8,6 +8,13 @@ size are unchanged and quantize_int4 (next) rounds the scaled weights:
   attention(q, k, v) -> x        v_proj rows / s (one scale per KV channel, shared by its query heads)
   silu_mul(gate, up) -> x        up_proj rows / s
 Sets whose producer is anything else (or whose x feeds other ops) are left to plain INT4.
+
+A mixture of experts (a moe node reading a norm's output) gets one set for the linears that read x: the router,
+every expert's and the shared expert's gate and up projections, the shared expert's gate; the search weighs the
+experts' gate and up projections on every token, and the scales fold into the norm (the router's columns are
+scaled too: its logits are unchanged). Each expert's down projection then gets its own scales, searched on the
+tokens the router sends it (their gated activations) and folded into that expert's up rows; an expert that
+fewer than MIN_EXPERT_TOKENS calibration tokens reach keeps round to nearest (meta "awq_rtn_experts").
 """
 
 from __future__ import annotations
@@ -17,12 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from builder.calibration import LayerSweep, calibration_windows
+from builder.experts import MIN_EXPERT_TOKENS, expert_linears
 from builder.ir import Graph, Node
 from builder.quant.awq import awq_search
 from passes.context import PassContext
 from passes.quant_rewrite import is_float_weight_node, requant_targets
 from passes.rewrite import consumers
+from runtime.ops import reference
 from runtime.weights import int4
+
 
 
 @dataclass
@@ -34,15 +44,19 @@ class ScaleSet:
     rows_of: Node | None = None         # ... or into these rows of this linear's weight (and bias)
     row_offset: int = 0
     channel_map: torch.Tensor | None = None  # x channel -> scale index (grouped-query o_proj)
+    moe: Node | None = None             # a mixture whose experts' down projections get scales of their own after
 
 
 def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
-    sets = _scale_sets(out, {n.name for n in requant_targets(out, ctx.plan) if n.op == "linear"})
+    targets = requant_targets(out, ctx.plan)
+    sets = _scale_sets(out, {n.name for n in targets if n.op == "linear"})
+    sets += _mixture_sets(out, {n.name for n in targets if n.op == "moe_linear"})
     if not sets:
         return out
     group_size = ctx.plan.quant.group_size
-    alphas = {}
+    alphas, rtn = {}, []
+    searched = {n.name for n in targets}
     # A layer at a time: each set's x captured where its layer's stage computes it, then the scales searched and
     # folded (the float function unchanged, so later stages see what a whole-graph capture saw).
     sweep = LayerSweep(out, calibration_windows(ctx, "int4-awq"), "awq scales", ctx.show_progress)
@@ -52,13 +66,18 @@ def fold_awq_scales(graph: Graph, ctx: PassContext) -> Graph:
         for scale_set in here:
             if any(out.weights[n.inputs[1]].shape[1] % group_size for n in scale_set.searched):
                 continue  # quantize_int4 reports the group size that does not divide
+            x = activations.pop(scale_set.input)
             weights = [out.tensors[n.inputs[1]] for n in scale_set.searched]
-            found = awq_search(activations.pop(scale_set.input), weights,
-                               lambda w: int4.fake_quantize(w, group_size), channel_map=scale_set.channel_map)
+            found = awq_search(x, weights, lambda w: int4.fake_quantize(w, group_size),
+                               channel_map=scale_set.channel_map)
             del weights
+            if scale_set.moe is not None:  # the experts' down projections, on x before it is scaled
+                rtn += _fold_expert_downs(out, scale_set.moe, x, group_size, alphas, searched)
             _fold(out, scale_set, found.scales)
             alphas.update((n.name, found.alpha) for n in scale_set.searched)
     out.meta["awq_alpha"] = alphas
+    if rtn:
+        out.meta["awq_rtn_experts"] = rtn
     return out
 
 
@@ -80,6 +99,55 @@ def _scale_sets(graph: Graph, searched: set[str]) -> list[ScaleSet]:
             if all(len(users[w]) == 1 for w in touched):  # no shared weight changes under another node
                 sets.append(scale_set)
     return sets
+
+
+def _mixture_sets(graph: Graph, searched: set[str]) -> list[ScaleSet]:
+    """One set a moe node whose input is a norm's output read by it alone: the linears that read x (its router, the
+    experts' and shared expert's gate and up, the shared expert's gate), those of them quantize_int4 rounds
+    searched, the scales folded into the norm."""
+    users = consumers(graph)
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+    sets = []
+    for node in graph.nodes:
+        x = node.inputs[0] if node.op == "moe" else None
+        norm = producer.get(x)
+        if (x is None or norm is None or norm.op not in ("rms_norm", "add_rms_norm") or norm.outputs[0] != x
+                or [id(n) for n in users[x]] != [id(node)] or len(users[norm.inputs[-1]]) != 1):
+            continue
+        readers = [v for v in expert_linears(node) if not v.base.endswith("down_proj")]
+        if not all(is_float_weight_node(v) and "bias" not in v.attrs["operands"] for v in readers):
+            continue
+        targets = [v for v in readers if v.name in searched]
+        if targets:
+            sets.append(ScaleSet(x, readers, targets, norm=norm, moe=node))
+    return sets
+
+
+def _fold_expert_downs(graph: Graph, node: Node, x: torch.Tensor, group_size: int, alphas: dict,
+                       searched: set[str]) -> list[str]:
+    """Scales of each expert's down projection, searched on the gated activations of the tokens routed to it and
+    folded into its up rows (stacking by passes/fuse_gate_up.py comes later); the experts left to round to
+    nearest (too few tokens), by name."""
+    a = node.attrs
+    views = {v.base: v for v in expert_linears(node)}
+    tensor = lambda base: graph.tensors[views[base].inputs[1]].float()  # noqa: E731
+    _, ids = reference.route(x.float() @ tensor("router").T, a["top_k"], a["norm_topk_prob"])
+    skipped = []
+    for e in a["experts"]:
+        down, up = views[f"experts.{e}.down_proj"], views[f"experts.{e}.up_proj"]
+        if down.name not in searched or not is_float_weight_node(up) or down.attrs["in_features"] % group_size:
+            continue
+        rows = (ids == e).any(dim=-1).nonzero().flatten()
+        if rows.numel() < MIN_EXPERT_TOKENS:
+            skipped.append(down.name)
+            continue
+        h = x.float()[rows]
+        gate, up_rows = h @ tensor(f"experts.{e}.gate_proj").T, h @ tensor(f"experts.{e}.up_proj").T
+        hidden = reference.gated_act(a["act"], gate, up_rows)
+        found = awq_search(hidden, [tensor(f"experts.{e}.down_proj")], lambda w: int4.fake_quantize(w, group_size))
+        _fold(graph, ScaleSet(down.name, [down], [down], rows_of=up), found.scales)
+        alphas[down.name] = found.alpha
+    return skipped
 
 
 def _find_fold(graph: Graph, scale_set: ScaleSet, node: Node, users, producer) -> bool:

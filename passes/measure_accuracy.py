@@ -33,6 +33,7 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     errors = out.meta.pop("quant_error", {})
     alphas = out.meta.pop("awq_alpha", {})
+    nearest = out.meta.pop("awq_rtn_experts", [])  # experts too few calibration tokens reached: no AWQ scales
     activations = plan_activations(out, ctx.plan)
     measured = out.meta.pop("activation_figures", {})  # what choose_activations measured, by path
     quantized = sum(n.attrs.get("quant", "none") != "none" for n in weight_nodes(out))
@@ -53,6 +54,8 @@ def measure_accuracy(graph: Graph, ctx: PassContext) -> Graph:
         figures["layer_error"] = errors
     if alphas:
         figures["awq_alpha"] = alphas
+    if nearest:
+        figures["awq_rtn_experts"] = nearest
     if kv_dtype in ("int8", "fp8"):
         figures["kv_scale"] = {str(n.attrs["layer"]): n.attrs["kv_scale"] for n in out.nodes if n.op == "attention"}
     check_gate(figures, quant.max_ppl_increase, quant.min_greedy_agreement)

@@ -1,9 +1,10 @@
 """Shard tensor parallel: keep this rank's heads, MLP columns and vocabulary rows; collectives where shares meet.
 
-A moe node keeps whole experts: the tp ranks split the experts between them (expert parallelism within the
-tensor-parallel group: rank r holds experts [r * E // tp, (r + 1) * E // tp), uneven counts allowed), every rank
-routes every token with the whole router, tp rank 0 alone runs the shared expert, and an all_reduce sums the
-ranks' partial outputs, as after a row split.
+A moe node, with ep > 1 (the plan's expert parallelism: the stage's ranks are max(tp, ep)), keeps whole experts:
+rank r holds experts [r * E // ranks, (r + 1) * E // ranks) (uneven counts allowed), every rank routes every
+token with the whole router, rank 0 alone runs the shared expert. With ep = 1 every expert (and the shared one) is
+split by its intermediate columns, as a dense MLP. Either way an all_reduce sums the ranks' partial outputs, as
+after a row split. With tp = 1 beside ep > 1 nothing else is split: attention runs whole on every rank.
 
 Column split (output rows of the weight): q/k/v (by heads), gate/up (by intermediate columns), the
 embedding and logits (by vocabulary rows). Row split (input columns of the weight): o and down,
@@ -135,16 +136,14 @@ class _Sharder:
     def _experts(self, node: Node) -> None:
         """Keep this rank's experts (and, on tp rank 0, the shared expert) of a moe node; all_reduce its output."""
         from builder.experts import expert_linears
+        from runtime.ops.moe import held_linears
 
-        count, tp, rank = node.attrs["num_experts"], self.mapping.tp, self.mapping.tp_rank
-        mine = list(range(rank * count // tp, (rank + 1) * count // tp))
-        held = {f"experts.{e}." for e in mine}
+        count, ranks, rank = node.attrs["num_experts"], self.mapping.tp, self.mapping.tp_rank
+        mine = list(range(rank * count // ranks, (rank + 1) * count // ranks))
+        kept = {e["name"] for e in held_linears({**node.attrs, "experts": mine})}
         linears, inputs = [], [node.inputs[0]]
         for view in expert_linears(node):
-            name = view.base
-            if name.startswith("experts.") and name[:name.index(".", 8) + 1] not in held:
-                continue
-            if name.startswith("shared_expert") and rank:
+            if view.base not in kept or (view.base.startswith("shared_expert") and rank):
                 continue
             linears.append(view.attrs)
             inputs += view.inputs[1:]

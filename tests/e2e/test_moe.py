@@ -286,3 +286,31 @@ def test_a_batch_one_decode_step_reads_the_active_experts_bytes(moe_engines):
         steps += 1
     assert steps == 11
     assert ExpertReads.bytes - before == steps * config["num_layers"] * config["experts_per_token"] * per_expert
+
+
+def test_awq_scales_a_mixture_and_keeps_its_float_function(moe_dirs, monkeypatch):
+    """int4-awq: one set of scales for the router, the experts' and shared expert's gate and up (into the norm),
+    scales of its own for each expert's down projection (into its up rows); an expert that too few calibration
+    tokens reach keeps round to nearest. The float function is unchanged."""
+    from builder.calibration import GraphRunner
+    from builder.ir import verify
+    from builder.trace import trace
+    from passes import fold_awq_scales as awq
+    from passes.context import PassContext
+
+    model = load_model(str(moe_dirs["qwen2_moe"]))
+    graph = trace(model)
+    graph.tensors = {name: model.load(name) for name in graph.weights}
+    plan = exact_plan(method="int4-awq", group_size=32)
+    monkeypatch.setattr(awq, "MIN_EXPERT_TOKENS", 200)  # the pass's own binding of builder.experts' constant  # some of the 6 experts see fewer of the calibration tokens
+    folded = awq.fold_awq_scales(graph, PassContext(plan=plan, model=model))
+    verify(folded)
+    norm = "layers.1.post_attention_layernorm.weight"
+    assert not torch.equal(folded.tensors[norm], graph.tensors[norm])  # the mixture's scales went into its norm
+    alphas, rtn = folded.meta["awq_alpha"], folded.meta["awq_rtn_experts"]
+    downs = {f"layers.{i}.mlp.experts.{e}.down_proj" for i in (1, 3) for e in range(6)}
+    assert set(rtn) | {name for name in alphas if name in downs} == downs and rtn and len(rtn) < len(downs)
+    assert "layers.1.mlp.experts.0.gate_proj" in alphas and "layers.1.mlp.router" not in alphas
+    ids = list(range(3, 60))
+    expected = GraphRunner(graph).run(ids)
+    torch.testing.assert_close(GraphRunner(folded).run(ids), expected, atol=1e-4 * expected.abs().max(), rtol=0)
