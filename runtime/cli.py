@@ -181,6 +181,14 @@ def serve(
                                               help="Replicas: run on this Ray cluster (e.g. auto, ray://head:10001) "
                                                    "instead of a Ray instance started here; the engine directory "
                                                    "must be at the same path on its nodes."),
+    api_key: Optional[list[str]] = typer.Option(None, "--api-key",
+                                                help="A key clients must send (Authorization: Bearer KEY) on /v1 and "
+                                                     "/metrics; repeatable. Also KILN_API_KEY. None: open to all."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file",
+                                                help="Keys one a line (# comments); read again on SIGHUP, without "
+                                                     "dropping running streams."),
+    metrics_open: bool = typer.Option(False, "--metrics-open",
+                                      help="Serve /metrics without a key while /v1 requires one."),
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
     import dataclasses
@@ -193,16 +201,26 @@ def serve(
     # here once, not again by the ranks.
     open_engine(engine, backend=backend)
     check_port_free(host, port)
+    from runtime.serving.auth import ApiKeys, KeyFileError
+
+    try:
+        keys = ApiKeys(api_key, api_key_file)
+    except KeyFileError as exc:
+        fail(str(exc))
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
                              backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k)
     options = dataclasses.replace(options, check_hashes=False)
     if replicas > 1 or max_replicas is not None or ray_address is not None or disaggregate is not None:
+        if keys.enabled:
+            fail("API keys are not yet supported with --replicas, --disaggregate or --ray-address (Ray Serve's "
+                 "ingress does not check them): serve one engine with --api-key, or put an authenticating proxy "
+                 "in front")
         raise typer.Exit(serve_on_ray(engine, options, replicas, max_replicas, routing, disaggregate, ray_address,
                                       host=host, port=port, max_waiting=max_waiting, drain_timeout=drain_timeout,
                                       model_name=model_name, max_request_bytes=max_request_bytes))
     raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
                                 max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
-                                max_request_bytes=max_request_bytes))
+                                max_request_bytes=max_request_bytes, keys=keys, metrics_open=metrics_open))
 
 
 def serve_on_ray(engine: Path, options, replicas: int, max_replicas: int | None, routing: str,

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.engine import LLMEngine
 from runtime.serving.api import ClientGone, add_openai_routes
+from runtime.serving.auth import ApiKeys, RequireApiKey, loopback
 from runtime.serving.engine_loop import EngineLoop
 from runtime.serving.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
 from runtime.serving.protocol import APIError, validation_error
@@ -25,8 +26,10 @@ log = logging.getLogger("kiln.server")
 
 
 def create_app(engine: EngineLoop, model_name: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The HTTP API; `engine` must be started (EngineLoop.start) on the loop that serves the app."""
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, keys: ApiKeys | None = None,
+               metrics_open: bool = False) -> FastAPI:
+    """The HTTP API; `engine` must be started (EngineLoop.start) on the loop that serves the app. keys: the API keys
+    /v1 (and, unless metrics_open, /metrics) require (runtime/serving/auth.py); None or none configured: open."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     app = FastAPI(title="Kiln", summary="OpenAI-compatible server for a Kiln engine")
@@ -34,6 +37,9 @@ def create_app(engine: EngineLoop, model_name: str | None = None,
     metrics = engine.metrics
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes,
                        on_refused=lambda: metrics.http_errors.labels("413").inc())
+    if keys is not None:  # added last, so it runs first: a refused request's body is never read
+        app.add_middleware(RequireApiKey, keys=keys, metrics_open=metrics_open,
+                           on_refused=lambda: metrics.http_errors.labels("401").inc())
 
     def served_model_name() -> str:
         return model_name or engine.llm.engine.manifest.model_name
@@ -107,11 +113,18 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(open_engine: Callable[[], ContextManager[LLMEngine]], *, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int = 64, drain_timeout: float = 30.0, model_name: str | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
-    """Run the server until SIGTERM/SIGINT (or the engine fails); returns the exit code."""
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, keys: ApiKeys | None = None,
+          metrics_open: bool = False) -> int:
+    """Run the server until SIGTERM/SIGINT (or the engine fails); returns the exit code. SIGHUP reads the API key
+    file again."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    if keys is not None and keys.enabled:
+        log.info("API keys: %d accepted", len(keys.keys))
+    elif not loopback(host):
+        log.warning("listening on %s with no API key: anyone who reaches this port can use the model "
+                    "(--api-key, --api-key-file or KILN_API_KEY)", host)
     engine = EngineLoop(open_engine, max_waiting)
-    app = create_app(engine, model_name, max_request_bytes)
+    app = create_app(engine, model_name, max_request_bytes, keys, metrics_open)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="off")
 
@@ -147,6 +160,8 @@ def serve(open_engine: Callable[[], ContextManager[LLMEngine]], *, host: str = "
     async def main() -> None:
         nonlocal loop
         loop = asyncio.get_running_loop()
+        if keys is not None and keys.key_file is not None:
+            loop.add_signal_handler(signal.SIGHUP, keys.reload)
         engine.start(loop, on_ready, on_exit)
         try:
             await server.serve()
