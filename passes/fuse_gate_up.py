@@ -51,7 +51,7 @@ def _fuse_experts(graph: Graph, node: Node) -> None:
         if prefix in fused and base.endswith(".up_proj"):
             continue  # already stacked under its gate
         up = by_name.get(f"{prefix}.up_proj") if base.endswith(".gate_proj") else None
-        if up is None or not _stackable(view, up):
+        if up is None or not can_concat([view, up]):
             linears.append(view.attrs)
             inputs += view.inputs[1:]
             continue
@@ -66,8 +66,3 @@ def _fuse_experts(graph: Graph, node: Node) -> None:
         fused.add(prefix)
     node.attrs["linears"], node.inputs = linears, inputs
 
-
-def _stackable(gate, up) -> bool:
-    same = ("quant", "group_size", "operands", "in_features")
-    return (all(gate.attrs.get(k) == up.attrs.get(k) for k in same) and "bias" not in gate.attrs["operands"]
-            and gate.attrs.get("layout", "logical") == "logical")

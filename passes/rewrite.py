@@ -19,10 +19,11 @@ def consumers(graph: Graph) -> dict[str, list[Node]]:
 
 
 def can_concat(linears: list[Node]) -> bool:
-    """Linears whose operands can be stacked by output rows: same input, scheme and operand roles."""
+    """Linears (or linears inside one moe node, builder/experts.py) whose operands can be stacked by output rows:
+    same input, scheme and operand roles."""
     first = linears[0].attrs
     same = ("quant", "group_size", "operands", "in_features")
-    return (all(n.op == "linear" for n in linears)
+    return (all(n.op == linears[0].op and n.op in ("linear", "moe_linear") for n in linears)
             and all(n.inputs[0] == linears[0].inputs[0] for n in linears)
             and all(n.attrs.get(k) == first.get(k) for n in linears for k in same)
             and first.get("layout", "logical") == "logical")
