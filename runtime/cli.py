@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -143,7 +144,14 @@ def generate(
 @app.command()
 @one_line_errors
 def serve(
-    engine: Path = ENGINE_ARG,
+    engines: Optional[list[str]] = typer.Argument(
+        None, metavar="[ENGINE | NAME=ENGINE]...",
+        help="Engine directories to serve, each under its manifest's model name or NAME (default: "
+             f"{DEFAULT_ENGINE} when no --fleet)."),
+    fleet_file: Optional[Path] = typer.Option(None, "--fleet", metavar="FILE",
+                                              help="A fleet file (TOML): models by name with their engines, "
+                                                   "replicas and threads, and tiers (\"model\": \"auto\") that "
+                                                   "escalate from a cheap model to a stronger one. See README."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: all interfaces)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=1,
@@ -151,7 +159,8 @@ def serve(
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0.0,
                                         help="On SIGTERM, seconds running requests get to finish before abort."),
     model_name: Optional[str] = typer.Option(None, "--model-name",
-                                             help="Model id clients send (default: the manifest's model name)."),
+                                             help="Model id clients send, for one engine (default: the manifest's "
+                                                  "model name)."),
     max_request_bytes: int = typer.Option(
         1 << 20, "--max-request-bytes", min=1,
         help="Largest request body in bytes; a larger one gets 413 before it is read. The default, 1 MiB, is "
@@ -185,59 +194,79 @@ def serve(
                                                 help="A key clients must send (Authorization: Bearer KEY) on /v1 and "
                                                      "/metrics; repeatable. Also KILN_API_KEY. None: open to all."),
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file",
-                                                help="Keys one a line (# comments); read again on SIGHUP, without "
-                                                     "dropping running streams."),
+                                                help="Keys one a line (# comments), each optionally followed by "
+                                                     "name=N rpm=R tpm=T; read again on SIGHUP, without dropping "
+                                                     "running streams."),
+    key_rpm: int = typer.Option(0, "--key-rpm", min=0,
+                                help="Requests per minute each API key may send, unless its line says (rpm=); "
+                                     "more get 429 + Retry-After. 0: no limit."),
+    key_tpm: int = typer.Option(0, "--key-tpm", min=0,
+                                help="Tokens per minute (prompt + generated) each API key may use, unless its "
+                                     "line says (tpm=). 0: no limit."),
     metrics_open: bool = typer.Option(False, "--metrics-open",
                                       help="Serve /metrics without a key while /v1 requires one."),
 ):
-    """Serve the engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...)."""
+    """Serve engines over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     import dataclasses
 
     from runtime.engine_format import open_engine
     from runtime.launcher import open_llm_engine
     from runtime.serving.app import serve as run_server
+    from runtime.serving.auth import ApiKeys, KeyFileError
+    from runtime.serving.fleet import ReplicaPlan, from_arguments, load_fleet
 
+    if disaggregate is not None and replicas != 1:
+        fail("--disaggregate P:D sets the workers; leave out --replicas")
+    if fleet_file is not None:
+        if engines or model_name is not None:
+            fail("--fleet names the engines and their model names; leave out ENGINE and --model-name")
+        if replicas != 1 or max_replicas is not None or disaggregate is not None or routing != "prefix":
+            fail("with --fleet, replicas, max_replicas, disaggregate and routing go in the fleet file per model")
+        fleet = load_fleet(fleet_file)
+    else:
+        plan = (ReplicaPlan.disaggregated(disaggregate, max_replicas=max_replicas, routing=routing)
+                if disaggregate is not None else
+                ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing))
+        fleet = from_arguments(engines or [str(DEFAULT_ENGINE)], model_name, plan)
     # Refuse a bad engine or a taken port before anything listens: the files' hashes are checked
     # here once, not again by the ranks.
-    open_engine(engine, backend=backend)
+    for model in fleet.models:
+        open_engine(model.engine, backend=model.backend or backend)
     check_port_free(host, port)
-    from runtime.serving.auth import ApiKeys, KeyFileError
-
     try:
-        keys = ApiKeys(api_key, api_key_file)
+        keys = ApiKeys(api_key, api_key_file, rpm=key_rpm or None, tpm=key_tpm or None)
     except KeyFileError as exc:
         fail(str(exc))
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
                              backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k)
     options = dataclasses.replace(options, check_hashes=False)
-    if replicas > 1 or max_replicas is not None or ray_address is not None or disaggregate is not None:
-        if keys.enabled:
-            fail("API keys are not yet supported with --replicas, --disaggregate or --ray-address (Ray Serve's "
-                 "ingress does not check them): serve one engine with --api-key, or put an authenticating proxy "
-                 "in front")
-        raise typer.Exit(serve_on_ray(engine, options, replicas, max_replicas, routing, disaggregate, ray_address,
-                                      host=host, port=port, max_waiting=max_waiting, drain_timeout=drain_timeout,
-                                      model_name=model_name, max_request_bytes=max_request_bytes))
-    raise typer.Exit(run_server(lambda: open_llm_engine(engine, options), host=host, port=port,
-                                max_waiting=max_waiting, drain_timeout=drain_timeout, model_name=model_name,
-                                max_request_bytes=max_request_bytes, keys=keys, metrics_open=metrics_open))
+    server = {"max_waiting": max_waiting, "max_request_bytes": max_request_bytes, "metrics_open": metrics_open}
+    if fleet.on_ray or ray_address is not None:
+        try:
+            import ray.serve  # noqa: F401
 
+            from runtime.serving.replicas import serve_replicas
+        except ImportError as exc:
+            fail(f"replicas and --disaggregate run on Ray Serve ({exc}): pip install 'kiln[serve]'")
+        key_config = ({"lines": list(api_key or []) + ([os.environ["KILN_API_KEY"]] if os.environ.get(
+            "KILN_API_KEY") else []), "file": api_key_file and api_key_file.resolve(), "rpm": key_rpm or None, "tpm": key_tpm or None}
+            if keys.enabled else None)
+        raise typer.Exit(serve_replicas(fleet, options, host=host, port=port, drain_timeout=drain_timeout,
+                                        ray_address=ray_address, keys=key_config, **server))
+    from runtime.serving.replicas import model_options
 
-def serve_on_ray(engine: Path, options, replicas: int, max_replicas: int | None, routing: str,
-                 disaggregate: str | None, ray_address: str | None, **server) -> int:
-    try:
-        import ray.serve  # noqa: F401
+    shared = options.num_threads is None and len(fleet.models) > 1
+    opened = {}
+    for model in fleet.models:
+        chosen = model_options(model, options)
+        if shared and model.threads is None:  # the host's cores shared between the engines' ranks
+            from runtime.cpus import usable_cpus
 
-        from runtime.serving.replicas import ReplicaPlan, serve_replicas
-    except ImportError as exc:
-        fail(f"--replicas and --disaggregate run on Ray Serve ({exc}): pip install 'kiln[serve]'")
-    if disaggregate is not None:
-        if replicas != 1:
-            fail("--disaggregate P:D sets the workers; leave out --replicas")
-        plan = ReplicaPlan.disaggregated(disaggregate, max_replicas=max_replicas, routing=routing)
-    else:
-        plan = ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing)
-    return serve_replicas(str(engine), options, plan, ray_address=ray_address, **server)
+            world = sum(open_engine(m.engine, check_hashes=False).manifest.world_size for m in fleet.models)
+            chosen = dataclasses.replace(chosen, num_threads=max(1, usable_cpus() // world))
+        opened[model.name] = (lambda path=str(model.engine), chosen=chosen: open_llm_engine(path, chosen))
+    raise typer.Exit(run_server(opened, tiers=fleet.tiers, host=host, port=port, drain_timeout=drain_timeout,
+                                keys=keys if keys.enabled else None, **server))
 
 
 def check_port_free(host: str, port: int) -> None:

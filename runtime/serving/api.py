@@ -1,4 +1,5 @@
-"""The OpenAI API: /v1/models, and /v1/completions and /v1/chat/completions on one shared path.
+"""The OpenAI API: /v1/models, and /v1/completions and /v1/chat/completions on one shared path, for every
+model and tier behind the endpoint (fleet.py).
 
 The two generation endpoints differ only in how a request becomes prompts and in the shapes of
 their answers (an `_Answer` each); admission, sampling parameters, streaming, disconnects and usage
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 import uuid
-from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -20,14 +21,18 @@ from pydantic import BaseModel
 from runtime.engine import LLMEngine, RequestOutput
 from runtime.sampling import SamplingParams
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
+from runtime.serving.fleet import TierSpec
+from runtime.serving.metrics import FrontMetrics
 from runtime.serving.prompts import PromptReader, context_len
 from runtime.serving.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ModelCard, ModelList,
     Usage, chat_logprobs, completion_logprobs,
 )
+from runtime.serving.quotas import KeyQuotas
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+TIER_HEADER = "x-kiln-tier"  # a tier request may name the tier's model to start on
 
 
 class ClientGone(Exception):
@@ -42,9 +47,12 @@ class _Run:
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.unfinished = set(request_ids)
         self._outputs = outputs
+        self.held: list[tuple[int, RequestOutput]] = []  # read already (a tier's probe): given out first
 
     async def outputs(self, request: Request | None = None):
         """(choice index, output) as they come; given the request, raises ClientGone once its client left."""
+        while self.held:
+            yield self.held.pop(0)
         next_check = time.monotonic() + DISCONNECT_POLL_S
         while self.unfinished:
             if request is not None and time.monotonic() >= next_check:
@@ -98,8 +106,9 @@ def _sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-async def _events(run: _Run, first: list[str], chunk_for, usage_for=None):
-    """SSE: `first`, then chunk_for(index, output, tokens sent before) per output, usage_for(finals), [DONE]."""
+async def _events(run: _Run, first: list[str], chunk_for, usage_for=None, charge=lambda finals: None):
+    """SSE: `first`, then chunk_for(index, output, tokens sent before) per output, usage_for(finals), [DONE];
+    charge(last outputs) however the stream ends."""
     for event in first:
         yield event
     sent = [0] * len(run.index)
@@ -114,6 +123,8 @@ async def _events(run: _Run, first: list[str], chunk_for, usage_for=None):
             yield usage_for(last)
     except APIError as exc:
         yield _sse(exc.body())
+    finally:
+        charge(last)
     yield "data: [DONE]\n\n"
 
 
@@ -214,31 +225,36 @@ class _ChatAnswer(_Answer):
 
 # ---------------------------------------------------------------------- the routes
 
-def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Callable[[], str]) -> None:
-    """The /v1 endpoints; app.state.draining refuses new requests."""
+def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[str, TierSpec],
+                      metrics: FrontMetrics, quotas: KeyQuotas) -> None:
+    """The /v1 endpoints over every model (an EngineLoop, or a ReplicaPool with its interface) and tier;
+    app.state.draining refuses new requests."""
     started = int(time.time())
-    reader: PromptReader | None = None
+    readers: dict[int, PromptReader] = {}
 
     def prompt_reader(llm: LLMEngine) -> PromptReader:  # on a worker thread: a new one reads the vocabulary
-        nonlocal reader
+        reader = readers.get(id(llm))
         if reader is None or reader.llm is not llm:
-            reader = PromptReader(llm)
+            reader = readers[id(llm)] = PromptReader(llm)
         return reader
 
-    def admit(body) -> LLMEngine:
-        if app.state.draining:
-            raise APIError(503, "the server is shutting down", type="unavailable")
-        if not engine.ready:
-            raise APIError(503, "the engine is not loaded yet; retry when /health answers 200", type="unavailable",
-                           headers={"Retry-After": "1"})
-        if body.model != served_model_name():
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves "
-                                f"{served_model_name()!r}", param="model", code="model_not_found")
-        body.check_supported()
-        return engine.llm
+    def served() -> str:
+        return ", ".join(map(repr, [*models, *tiers]))
 
-    async def start(llm: LLMEngine, body, prompts: list[list[int]], answer: _Answer, arrival: float) -> _Run:
-        """Submit body.n choices per prompt (choice index = prompt index * n + i)."""
+    def ready(name: str) -> EngineLoop:
+        pool = models[name]
+        if not pool.ready:
+            if pool.failure is not None:
+                raise APIError(503, f"model {name!r} is not serving: its engine failed ({pool.failure})",
+                               type="unavailable")
+            raise APIError(503, f"model {name!r} is not loaded yet; retry when /health answers 200",
+                           type="unavailable", headers={"Retry-After": "1"})
+        return pool
+
+    async def start(pool: EngineLoop, body, prompts: list[list[int]], answer: _Answer, arrival: float,
+                    probe: bool = False) -> _Run:
+        """Submit body.n choices per prompt (choice index = prompt index * n + i); probe: with log-probs."""
+        llm = pool.llm
         requests = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):
@@ -255,25 +271,90 @@ def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Calla
                         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                         presence_penalty=body.presence_penalty or 0.0,
                         frequency_penalty=body.frequency_penalty or 0.0,
-                        stop=body.stop_strings(), logprobs=answer.logprobs)
+                        stop=body.stop_strings(), logprobs=answer.logprobs or probe)
                 except ValueError as exc:  # the message starts with the field's name
                     name = str(exc).split(" ", 1)[0]
                     raise APIError(400, str(exc), param=name if name in type(body).model_fields else None) from None
                 requests.append((f"{answer.rid}-{p * body.n + i}", ids, params))
         try:
-            outputs = await engine.submit(requests, arrival)
+            outputs = await pool.submit(requests, arrival)
         except Overloaded:
-            raise APIError(429, f"the server is at capacity ({engine.max_waiting} requests waiting); retry later",
+            raise APIError(429, f"the server is at capacity ({pool.max_waiting} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-        return _Run(engine, [rid for rid, _, _ in requests], outputs)
+        return _Run(pool, [rid for rid, _, _ in requests], outputs)
+
+    async def read_prompts(answer: _Answer) -> list[list[int]]:
+        return await asyncio.to_thread(lambda: answer.prompts(prompt_reader(answer.llm)))
+
+    async def on_one_model(name: str, body, request: Request, kind, rid: str, arrival: float):
+        pool = ready(name)
+        answer = kind(pool.llm, body, rid, int(time.time()), name)
+        prompts = await read_prompts(answer)
+        quotas.admit_prompt(request.state.api_key, body.n * sum(map(len, prompts)))
+        return answer, prompts, await start(pool, body, prompts, answer, arrival)
+
+    async def on_a_tier(tier: TierSpec, body, request: Request, kind, rid: str, arrival: float):
+        """Start on the tier's cheapest model (or the one the X-Kiln-Tier header names); while a model is not
+        the last, a prompt over max_prompt_tokens or a low-confidence start (its first probe_tokens tokens
+        held back and judged) moves the request to the next model, restarted from the prompt."""
+        chain = list(tier.models)
+        wanted = request.headers.get(TIER_HEADER)
+        if wanted is not None:
+            if wanted not in chain:
+                raise APIError(400, f"{TIER_HEADER}: {wanted!r} is not a model of tier {tier.name!r} "
+                                    f"({', '.join(chain)})", param=TIER_HEADER)
+            for skipped in chain[:chain.index(wanted)]:
+                metrics.tier_escalations.labels(tier.name, skipped, "header").inc()
+            chain = chain[chain.index(wanted):]
+        charged = False
+        for n, name in enumerate(chain):
+            pool = ready(name)
+            answer = kind(pool.llm, body, rid, int(time.time()), name)
+            prompts = await read_prompts(answer)
+            last = n == len(chain) - 1
+            if not last and tier.max_prompt_tokens is not None and max(map(len, prompts)) > tier.max_prompt_tokens:
+                metrics.tier_escalations.labels(tier.name, name, "prompt_length").inc()
+                continue
+            if not charged:  # the prompt counts once, on the first model that takes it
+                quotas.admit_prompt(request.state.api_key, body.n * sum(map(len, prompts)))
+                charged = True
+            run = await start(pool, body, prompts, answer, arrival, probe=not last)
+            if last:
+                break
+            try:
+                sure = await confident(run, tier, request)
+            except BaseException:
+                run.close()
+                raise
+            if sure:
+                break
+            run.close()
+            metrics.tier_escalations.labels(tier.name, name, "confidence").inc()
+        metrics.tier_answers.labels(tier.name, name).inc()
+        return answer, prompts, run
 
     async def generate(body, request: Request, kind: type[_CompletionAnswer] | type[_ChatAnswer]):
         arrival = time.monotonic()
-        llm = admit(body)
-        answer = kind(llm, body, f"{kind.id_prefix}-{uuid.uuid4().hex}", int(time.time()), served_model_name())
-        prompts = await asyncio.to_thread(lambda: answer.prompts(prompt_reader(llm)))
-        run = await start(llm, body, prompts, answer, arrival)
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", type="unavailable")
+        tier = tiers.get(body.model)
+        if tier is None and body.model not in models:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {served()}",
+                           param="model", code="model_not_found")
+        body.check_supported()
+        key = getattr(request.state, "api_key", None)
+        request.state.api_key = key
+        quotas.admit_request(key)
+        rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        answer, prompts, run = await (on_a_tier(tier, body, request, kind, rid, arrival) if tier is not None
+                                      else on_one_model(body.model, body, request, kind, rid, arrival))
+        if key is not None:
+            metrics.key_requests.labels(key.name, answer.model).inc()
         prompt_lens = [len(p) for p in prompts]
+
+        def charge(finals) -> None:
+            quotas.generated(key, sum(len(o.token_ids) for o in finals if o is not None))
+
         if body.stream:
             def chunk_for(i, out, sent):
                 if out.delta or out.finished or answer.logprobs:
@@ -284,16 +365,22 @@ def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Calla
 
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             first = [_sse(chunk) for chunk in answer.first_chunks()]
-            return _EventStream(_events(run, first, chunk_for, usage_for if include_usage else None), run)
+            return _EventStream(_events(run, first, chunk_for, usage_for if include_usage else None, charge), run)
         finals = await run.final_outputs(request)
+        charge(finals)
         return answer.response(finals, _usage(prompt_lens, body.n, finals))
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        if not engine.ready:
-            raise APIError(503, "the engine is not loaded yet", type="unavailable", headers={"Retry-After": "1"})
-        return ModelList(data=[ModelCard(id=served_model_name(), created=started, max_model_len=context_len(
-            engine.llm))])
+    async def list_models() -> ModelList:
+        cards = [ModelCard(id=name, created=started, max_model_len=context_len(pool.llm))
+                 for name, pool in models.items() if pool.ready]
+        if not cards:
+            raise APIError(503, "no engine is loaded yet", type="unavailable", headers={"Retry-After": "1"})
+        lengths = {card.id: card.max_model_len for card in cards}
+        cards += [ModelCard(id=tier.name, created=started, owned_by="kiln-tier",
+                            max_model_len=min(lengths.get(m, 0) for m in tier.models))
+                  for tier in tiers.values() if all(m in lengths for m in tier.models)]
+        return ModelList(data=cards)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):
@@ -302,3 +389,24 @@ def add_openai_routes(app: FastAPI, engine: EngineLoop, served_model_name: Calla
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await generate(body, request, _ChatAnswer)
+
+
+async def confident(run: _Run, tier: TierSpec, request: Request) -> bool:
+    """Whether the cheap model is sure enough of its first tokens: for every choice, the mean (tier.confidence
+    "min": the lowest) log-probability of its first tier.probe_tokens tokens (fewer if it finished sooner) at
+    least tier.min_mean_logprob. The outputs read are held on the run, so a confident run replays them."""
+    logprobs: dict[int, list[float]] = {}
+    finished: set[int] = set()
+    outputs = run.outputs(request)
+    try:
+        async for i, out in outputs:
+            run.held.append((i, out))
+            logprobs[i] = [lp for lp in (out.logprobs or [])[:tier.probe_tokens] if lp is not None]
+            if out.finished:
+                finished.add(i)
+            if all(c in finished or len(logprobs.get(c, ())) >= tier.probe_tokens for c in run.index.values()):
+                break
+    finally:
+        await outputs.aclose()
+    score = min if tier.confidence == "min" else statistics.fmean
+    return all(score(lps) >= tier.min_mean_logprob for lps in logprobs.values() if lps)

@@ -1,8 +1,11 @@
-"""Prometheus metrics of one server: latency histograms, queue depth, KV and prefix-cache use, token counts."""
+"""Prometheus metrics of a server: per model (latency histograms, queue depth, KV and prefix-cache use, token
+counts), and for the endpoint (HTTP errors, per-key usage and limits, tiered routing). /metrics shows every model's
+series with a `model` label."""
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from runtime.engine import EngineStats
 
@@ -11,7 +14,7 @@ ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.
 
 
 class ServerMetrics:
-    """The server's metrics in a registry of their own (so several servers can live in one process).
+    """One model's metrics in a registry of their own (so several models and servers can live in one process).
 
     Latencies are observed by the engine thread as each step's tokens come out: TTFT from the
     moment the HTTP handler received the request, inter-token latency between a request's tokens.
@@ -44,8 +47,6 @@ class ServerMetrics:
             "any: one token per step is decoding without speculation).", registry=r)
         self.requests_finished = Counter("kiln_requests_finished", "Engine requests finished, by reason.",
                                          ["finish_reason"], registry=r)
-        self.http_errors = Counter("kiln_http_errors", "Requests answered with an error, by HTTP status.",
-                                   ["status"], registry=r)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0)
 
     def update(self, stats: EngineStats) -> None:
@@ -64,5 +65,52 @@ class ServerMetrics:
         self.spec_tokens_per_step.set(stats.spec_tokens_per_step)
         self._last = stats
 
+    def refresh(self) -> None:
+        """Bring gauges that are read on demand up to date before a scrape (replicas.ReplicaMetrics)."""
+
+
+class FrontMetrics:
+    """The endpoint's own metrics, and its models' under a `model` label, in one registry for /metrics."""
+
+    def __init__(self, models: dict[str, ServerMetrics]):
+        self.models = models
+        self.registry = r = CollectorRegistry()
+        self.http_errors = Counter("kiln_http_errors", "Requests answered with an error, by HTTP status.",
+                                   ["status"], registry=r)
+        self.key_requests = Counter("kiln_key_requests", "Generation requests started, by API key name and the model answering.",
+                                    ["key", "model"], registry=r)
+        self.key_prompt_tokens = Counter("kiln_key_prompt_tokens", "Prompt tokens of admitted requests, by API key "
+                                         "name.", ["key"], registry=r)
+        self.key_generation_tokens = Counter("kiln_key_generation_tokens", "Tokens generated, by API key name.",
+                                             ["key"], registry=r)
+        self.key_rate_limited = Counter("kiln_key_rate_limited", "Requests refused with 429 for a key's limit, by "
+                                        "API key name and limit (rpm, tpm).", ["key", "limit"], registry=r)
+        self.tier_answers = Counter("kiln_tier_requests", "Requests for a tier, by tier and the model that "
+                                    "answered.", ["tier", "model"], registry=r)
+        self.tier_escalations = Counter("kiln_tier_escalations", "Tier requests moved to a stronger model, by tier, "
+                                        "the model left and why (confidence, prompt_length, header).",
+                                        ["tier", "model", "reason"], registry=r)
+        r.register(_ByModel(models))
+
     def render(self) -> tuple[bytes, str]:
+        for metrics in self.models.values():
+            metrics.refresh()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ByModel:
+    """A collector of every model's series, each with a `model` label, one family per metric name."""
+
+    def __init__(self, models: dict[str, ServerMetrics]):
+        self.models = models
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for model, metrics in self.models.items():
+            for family in metrics.registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                            family.unit)
+                merged.samples.extend(s._replace(labels={"model": model, **s.labels}) for s in family.samples)
+        yield from families.values()

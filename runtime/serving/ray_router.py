@@ -22,8 +22,8 @@ class KilnRouter(RequestRouter):
     when it was ranked: a replica that refused the request does not get its blocks in the record."""
 
     def initialize_state(self, policy: str = "prefix", block_size: int = 16, blocks_per_replica: int = 1024,
-                         max_imbalance: int = 4):
-        self.policy = policy
+                         max_imbalance: int = 4, model: str = ""):
+        self.policy, self.model = policy, model  # model: whose replicas (a fleet has a router per deployment)
         self.prefix = PrefixAwareRouter([], block_size, blocks_per_replica, max_imbalance)
         self.turn = itertools.count()
         self.sent: dict[str, int] = {}
@@ -81,9 +81,11 @@ class KilnRouter(RequestRouter):
         return figures
 
 
-def replica_figures() -> dict[str, dict]:
-    """Every replica's figures, as the routers of this process last heard them."""
+def replica_figures(model: str | None = None) -> dict[str, dict]:
+    """The replicas' figures (of one model's deployments, or of all), as the routers of this process last heard
+    them."""
     figures: dict[str, dict] = {}
     for router in _ROUTERS:
-        figures.update(router.replica_figures())
+        if model is None or router.model == model:
+            figures.update(router.replica_figures())
     return figures

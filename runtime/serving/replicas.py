@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import resource
 import time
 from pathlib import Path
@@ -35,14 +36,13 @@ from runtime.engine import EngineOptions, RequestOutput
 from runtime.engine_format import open_engine
 from runtime.sampling import SamplingParams
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
+from runtime.serving.fleet import Fleet, ModelSpec, ReplicaPlan  # noqa: F401 (ReplicaPlan: where it was)
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import APIError
 
 log = logging.getLogger("kiln.replicas")
 
 APP_NAME = "kiln"
-ROUTING_POLICIES = ("prefix", "round-robin")
-HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 1.0
 
 
@@ -243,7 +243,7 @@ class ReplicaPool:
         if not self._started:
             from runtime.serving.ray_router import replica_figures
 
-            self._started = len(replica_figures()) >= self.expected_replicas
+            self._started = len(replica_figures(self.metrics.model)) >= self.expected_replicas
         return self._started
 
     @property
@@ -374,22 +374,36 @@ class ReplicaPool:
 
 
 class KilnIngress:
-    """The HTTP front (Serve's ingress deployment): create_app over a ReplicaPool."""
+    """The HTTP front (Serve's ingress deployment): create_app over a ReplicaPool per model, with the fleet's
+    tiers, API keys and limits. reload_keys() reads the key file again (the driver calls it on SIGHUP)."""
 
-    async def __init__(self, replicas, engine: str, options: EngineOptions, max_waiting: int,
-                       model_name: str | None, max_request_bytes: int, prefill=None, expected_replicas: int = 1):
-        described = await replicas.describe.remote()
-        if prefill is not None:
-            await prefill.describe.remote()  # both routers know their replicas from here on
-        self.metrics = ReplicaMetrics()
-        self.pool = ReplicaPool(replicas, ModelFrontend(engine, options, described), max_waiting, self.metrics,
-                                prefill, expected_replicas)
-        self.model_name, self.max_request_bytes = model_name, max_request_bytes
+    async def __init__(self, deployments: dict[str, dict], tiers: tuple = (), max_waiting: int = 64,
+                       max_request_bytes: int = 1 << 20, keys: dict | None = None, metrics_open: bool = False):
+        from runtime.serving.auth import ApiKeys
+
+        self.pools = {}
+        for name, d in deployments.items():
+            described = await d["replicas"].describe.remote()
+            if d.get("prefill") is not None:
+                await d["prefill"].describe.remote()  # both routers know their replicas from here on
+            frontend = ModelFrontend(d["engine"], d["options"], described)
+            self.pools[name] = ReplicaPool(d["replicas"], frontend, max_waiting, ReplicaMetrics(name),
+                                           d.get("prefill"), d["expected_replicas"])
+        self.keys = ApiKeys(keys["lines"], keys["file"], environ={}, rpm=keys["rpm"], tpm=keys["tpm"]) if keys \
+            else None
+        self.tiers, self.max_request_bytes, self.metrics_open = tiers, max_request_bytes, metrics_open
+
+    def reload_keys(self) -> int:
+        """Read the key file again; the number of keys now accepted."""
+        if self.keys is None:
+            return 0
+        self.keys.reload()
+        return len(self.keys.keys)
 
     def __serve_build_asgi_app__(self):
         from runtime.serving.app import create_app
 
-        return create_app(self.pool, self.model_name, self.max_request_bytes)
+        return create_app(self.pools, self.tiers, self.max_request_bytes, self.keys, self.metrics_open)
 
 
 class ReplicaMetrics(ServerMetrics):
@@ -410,10 +424,11 @@ class ReplicaMetrics(ServerMetrics):
         "cpu_utilisation": "CPU seconds per second of the replica's process (and its finished children).",
     }
 
-    def __init__(self):
+    def __init__(self, model: str):
         super().__init__()
         from prometheus_client import Gauge
 
+        self.model = model  # whose replicas' routers to read
         self.replica_gauges = {key: Gauge(f"kiln_replica_{key}", text, ["replica"], registry=self.registry)
                                for key, text in self.GAUGES.items()}
         self.replicas = Gauge("kiln_replicas", "Replicas the router can send requests to.", registry=self.registry)
@@ -422,12 +437,12 @@ class ReplicaMetrics(ServerMetrics):
         self.gpu_utilisation = Gauge("kiln_replica_gpu_utilisation", "GPU busy fraction (NVML).",
                                      ["replica", "gpu"], registry=self.registry)
 
-    def render(self) -> tuple[bytes, str]:
+    def refresh(self) -> None:
         for gauge in (*self.replica_gauges.values(), self.gpu_memory, self.gpu_utilisation):
             gauge.clear()  # replicas that are gone leave no series behind
         from runtime.serving.ray_router import replica_figures
 
-        replicas = replica_figures()
+        replicas = replica_figures(self.model)
         total = {key: sum(f.get(key, 0) for f in replicas.values())
                  for key in ("running", "waiting", "prefix_hits", "prefix_queries")}
         self.requests_running.set(total["running"])
@@ -447,128 +462,120 @@ class ReplicaMetrics(ServerMetrics):
                     self.gpu_memory.labels(rid, key[3:].split("_")[0]).set(value)
                 elif key.startswith("gpu") and key.endswith("_utilisation"):
                     self.gpu_utilisation.labels(rid, key[3:].split("_")[0]).set(value)
-        return super().render()
 
 
 # ------------------------------------------------------------------------------------------ the app
 
-@dataclasses.dataclass(frozen=True)
-class ReplicaPlan:
-    """How many replicas, and how they are routed and checked."""
-
-    replicas: int = 2
-    max_replicas: int | None = None  # above `replicas`: autoscale between the two on in-flight requests
-    routing: str = "prefix"
-    health_check_period_s: float = HEALTH_CHECK_PERIOD_S
-    prefill_replicas: int = 0        # disaggregated: this many prefill workers, and `replicas` decode workers
-
-    @classmethod
-    def disaggregated(cls, spec: str, **fields) -> ReplicaPlan:
-        """From --disaggregate P:D."""
-        p, sep, d = spec.partition(":")
-        if not (sep and p.strip().isdigit() and d.strip().isdigit() and int(p) >= 1 and int(d) >= 1):
-            raise ValueError(f"--disaggregate {spec!r}: expected P:D, prefill and decode workers, e.g. 1:1")
-        return cls(replicas=int(d), prefill_replicas=int(p), **fields)
-
-    @property
-    def num_engines(self) -> int:
-        return self.replicas + self.prefill_replicas
-
-    def __post_init__(self) -> None:
-        if self.prefill_replicas and self.max_replicas is not None:
-            raise ValueError("--max-replicas autoscales colocated replicas; it cannot be combined with --disaggregate")
-        if self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if self.max_replicas is not None and self.max_replicas < self.replicas:
-            raise ValueError(f"--max-replicas {self.max_replicas} is below --replicas {self.replicas}")
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"--routing {self.routing!r}: choose one of {', '.join(ROUTING_POLICIES)}")
-
-
-def build_app(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_waiting: int = 64,
-              model_name: str | None = None, max_request_bytes: int = 1 << 20, block_size: int = 16,
-              blocks_per_replica: int = 1024, max_batch_size: int = 32, drain_timeout: float = 30.0):
-    """The Serve application: KilnIngress in front of `plan.replicas` KilnReplicas (disaggregated: in front
-    of KilnPrefill and KilnDecode workers)."""
+def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, dict], *, max_waiting: int = 64,
+              max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0, keys: dict | None = None,
+              metrics_open: bool = False):
+    """The Serve application: KilnIngress in front of each model's KilnReplicas (disaggregated: its KilnPrefill
+    and KilnDecode workers). pools: per model, its KV block_size, blocks_per_replica and max_batch_size."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    def engines(name: str, count: int, max_count: int | None = None):
+    def engines(model: ModelSpec, role: str, count: int, max_count: int | None = None):
+        pool = pools[model.name]
         scaling: dict[str, Any] = {"num_replicas": count}
         if max_count is not None and max_count > count:
             scaling = {"autoscaling_config": {
                 "min_replicas": count, "max_replicas": max_count,
-                "target_ongoing_requests": max(1, max_batch_size // 2), "look_back_period_s": 10,
+                "target_ongoing_requests": max(1, pool["max_batch_size"] // 2), "look_back_period_s": 10,
                 "upscale_delay_s": 5, "downscale_delay_s": 60}}
+        name = role if len(fleet.models) == 1 else f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model.name)}"
         deployment = serve.deployment(
             KilnReplica, name=name, ray_actor_options={"num_cpus": 0},
-            max_ongoing_requests=max_batch_size + max_waiting, health_check_period_s=plan.health_check_period_s,
-            health_check_timeout_s=30, graceful_shutdown_timeout_s=drain_timeout,
+            max_ongoing_requests=pool["max_batch_size"] + max_waiting,
+            health_check_period_s=model.plan.health_check_period_s, health_check_timeout_s=30,
+            graceful_shutdown_timeout_s=drain_timeout,
             request_router_config=RequestRouterConfig(
                 request_router_class="runtime.serving.ray_router:KilnRouter",
-                request_router_kwargs={"policy": plan.routing, "block_size": block_size,
-                                       "blocks_per_replica": blocks_per_replica},
+                request_router_kwargs={"policy": model.plan.routing, "block_size": pool["block_size"],
+                                       "blocks_per_replica": pool["blocks_per_replica"], "model": model.name},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
             **scaling)
-        return deployment.bind(engine, options, max_waiting)
+        return deployment.bind(str(model.engine), options[model.name], max_waiting)
 
+    deployments = {}
+    for model in fleet.models:
+        plan = model.plan
+        if plan.prefill_replicas:
+            deployments[model.name] = {"replicas": engines(model, "KilnDecode", plan.replicas),
+                                       "prefill": engines(model, "KilnPrefill", plan.prefill_replicas)}
+        else:
+            deployments[model.name] = {"replicas": engines(model, "KilnReplica", plan.replicas, plan.max_replicas)}
+        deployments[model.name].update(engine=str(model.engine), options=options[model.name],
+                                       expected_replicas=plan.num_engines)
     ingress = serve.deployment(serve.ingress()(KilnIngress), name="KilnIngress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
-    if plan.prefill_replicas:
-        return ingress.bind(engines("KilnDecode", plan.replicas), engine, options, max_waiting, model_name,
-                            max_request_bytes, prefill=engines("KilnPrefill", plan.prefill_replicas),
-                            expected_replicas=plan.num_engines)
-    return ingress.bind(engines("KilnReplica", plan.replicas, plan.max_replicas), engine, options, max_waiting,
-                        model_name, max_request_bytes, expected_replicas=plan.replicas)
+    return ingress.bind(deployments, fleet.tiers, max_waiting, max_request_bytes, keys, metrics_open)
 
 
-def application(engine: str, options: EngineOptions, plan: ReplicaPlan, *, max_waiting: int = 64,
-                model_name: str | None = None, max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0):
-    """The Serve application for an engine directory and a plan, checked against the engine first."""
+def application(fleet: Fleet, options: EngineOptions, **server):
+    """The Serve application for a fleet, each engine checked first; every model gets `options` with its own
+    threads, KV size and backend where the fleet gives them, and the host's cores shared between all ranks
+    where neither says. server: build_app's keywords."""
     from runtime.backend import kv_groups
     from runtime.cpus import usable_cpus
     from runtime.engine import _lowered
     from runtime.engine_format import EngineError, check_target
 
-    manifest = open_engine(engine, check_hashes=False, backend=options.backend).manifest
-    backend = check_target(Path(engine), manifest, options.backend)
-    limits = _lowered(manifest.limits, options)
-    if plan.prefill_replicas and manifest.world_size != 1:
-        raise EngineError(f"--disaggregate hands K/V between one-rank engines; {engine} has "
-                          f"{manifest.world_size} ranks")
-    if options.num_threads is None:  # the host's cores shared between the replicas' ranks
-        threads = max(1, usable_cpus() // (plan.num_engines * manifest.world_size))
-        options = dataclasses.replace(options, num_threads=threads)
-    return build_app(str(Path(engine).resolve()), options, plan, max_waiting=max_waiting, model_name=model_name,
-                     max_request_bytes=max_request_bytes, block_size=manifest.block_size,
-                     blocks_per_replica=kv_groups(manifest, backend, options.kv_cache_gib).num_blocks[0],
-                     max_batch_size=limits.max_batch_size, drain_timeout=drain_timeout)
+    manifests = {m.name: open_engine(m.engine, check_hashes=False, backend=m.backend or options.backend).manifest
+                 for m in fleet.models}
+    all_ranks = sum(m.plan.num_engines * manifests[m.name].world_size for m in fleet.models)
+    per_model, pools = {}, {}
+    for model in fleet.models:
+        manifest = manifests[model.name]
+        chosen = model_options(model, options)
+        if model.plan.prefill_replicas and manifest.world_size != 1:
+            raise EngineError(f"--disaggregate hands K/V between one-rank engines; {model.engine} has "
+                              f"{manifest.world_size} ranks")
+        if chosen.num_threads is None:  # the host's cores shared between every replica's ranks
+            chosen = dataclasses.replace(chosen, num_threads=max(1, usable_cpus() // all_ranks))
+        backend = check_target(Path(model.engine), manifest, chosen.backend)
+        per_model[model.name] = chosen
+        pools[model.name] = {"block_size": manifest.block_size,
+                             "blocks_per_replica": kv_groups(manifest, backend, chosen.kv_cache_gib).num_blocks[0],
+                             "max_batch_size": _lowered(manifest.limits, chosen).max_batch_size}
+    return build_app(fleet, per_model, pools, **server)
+
+
+def model_options(model: ModelSpec, options: EngineOptions) -> EngineOptions:
+    """The command line's engine options with what the fleet file sets for this model."""
+    changes = {"num_threads": model.threads, "kv_cache_gib": model.kv_cache_gib, "backend": model.backend}
+    return dataclasses.replace(options, **{k: v for k, v in changes.items() if v is not None})
 
 
 def app_builder(args: dict[str, str]):
     """For Ray Serve's own tools on an existing cluster: `serve run runtime.serving.replicas:app_builder
     engine=DIR [replicas=2] [max_replicas=M] [routing=prefix] [disaggregate=P:D] [threads=N]
-    [kv_cache_gib=G]`, or a Serve config file whose application has this import_path and these args.
-    The engine directory must be at that path on every node."""
-    known = {"engine", "replicas", "max_replicas", "routing", "disaggregate", "threads", "kv_cache_gib"}
-    if "engine" not in args or set(args) - known:
-        raise ValueError(f"app_builder args: engine=DIR is required; known: {', '.join(sorted(known))}; "
+    [kv_cache_gib=G]` or `fleet=FILE [threads=N] [kv_cache_gib=G]`, or a Serve config file whose application
+    has this import_path and these args. Engine directories must be at their paths on every node."""
+    known = {"engine", "fleet", "replicas", "max_replicas", "routing", "disaggregate", "threads", "kv_cache_gib"}
+    if ("engine" in args) == ("fleet" in args) or set(args) - known:
+        raise ValueError(f"app_builder args: engine=DIR or fleet=FILE is required; known: {', '.join(sorted(known))}; "
                          f"got {', '.join(sorted(args)) or 'none'}")
+    options = EngineOptions(num_threads=int(args["threads"]) if "threads" in args else None,
+                            kv_cache_gib=float(args["kv_cache_gib"]) if "kv_cache_gib" in args else None,
+                            check_hashes=False)
+    if "fleet" in args:
+        from runtime.serving.fleet import load_fleet
+
+        return application(load_fleet(Path(args["fleet"])), options)
     fields = {"max_replicas": int(args["max_replicas"]) if "max_replicas" in args else None,
               "routing": args.get("routing", "prefix")}
     plan = (ReplicaPlan.disaggregated(args["disaggregate"], **fields) if "disaggregate" in args
             else ReplicaPlan(replicas=int(args.get("replicas", 2)), **fields))
-    options = EngineOptions(num_threads=int(args["threads"]) if "threads" in args else None,
-                            kv_cache_gib=float(args["kv_cache_gib"]) if "kv_cache_gib" in args else None,
-                            check_hashes=False)
-    return application(args["engine"], options, plan)
+    from runtime.serving.fleet import from_arguments
+
+    return application(from_arguments([args["engine"]], None, plan), options)
 
 
-def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, host: str = "127.0.0.1",
-                   port: int = 8000, max_waiting: int = 64, drain_timeout: float = 30.0, model_name: str | None = None,
-                   max_request_bytes: int = 1 << 20, ray_address: str | None = None) -> int:
-    """Run the replicas until SIGTERM/SIGINT: on a local Ray instance started here, or on the Ray cluster
-    at ray_address. Returns the exit code."""
+def serve_replicas(fleet: Fleet, options: EngineOptions, *, host: str = "127.0.0.1", port: int = 8000,
+                   drain_timeout: float = 30.0, ray_address: str | None = None, **server) -> int:
+    """Run the fleet's engines as Serve deployments until SIGTERM/SIGINT, on a local Ray instance started here,
+    or on the Ray cluster at ray_address; SIGHUP has the ingress read the API key file again. Returns the exit
+    code. server: build_app's keywords."""
     import signal
     import threading
 
@@ -579,30 +586,40 @@ def serve_replicas(engine: str, options: EngineOptions, plan: ReplicaPlan, *, ho
     from runtime.engine_format import EngineError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    app = application(engine, options, plan, max_waiting=max_waiting, model_name=model_name,
-                      max_request_bytes=max_request_bytes, drain_timeout=drain_timeout)
-    manifest = open_engine(engine, check_hashes=False, backend=options.backend).manifest
+    app = application(fleet, options, drain_timeout=drain_timeout, **server)
     local = ray_address is None
     ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING,
              **({"num_cpus": usable_cpus(), "object_store_memory": 256 << 20} if local else {}))
-    stop = threading.Event()
+    stop, reload = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # in place of Ray's (which exits at once), before Serve starts
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: (reload.set(), stop.set()))
     try:
         serve.start(http_options={"host": host, "port": port})
-        print(f"Starting {plan.num_engines} engine replica(s) on Ray {'(local)' if local else ray_address} ...",
-              flush=True)
+        engines = sum(m.plan.num_engines for m in fleet.models)
+        print(f"Starting {engines} engine replica(s) on Ray {'(local)' if local else ray_address} ...", flush=True)
         try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
+            ingress = serve.run(app, name=APP_NAME, route_prefix="/")
         except Exception as exc:  # a replica's constructor failed: its first line says why
             raise EngineError(f"the replicas did not start: {str(exc).strip().splitlines()[-1]}") from None
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        scaling = (f"{plan.prefill_replicas} prefill and {plan.replicas} decode" if plan.prefill_replicas
-                   else f"{plan.replicas}-{plan.max_replicas} (autoscaled)" if plan.max_replicas
-                   else str(plan.replicas))
-        print(f"Kiln is serving {model_name or manifest.model_name} at http://{shown}:{port}/v1 from {scaling} "
-              f"replicas, {plan.routing} routing  (metrics: /metrics, health: /health)", flush=True)
-        stop.wait()
+        for model in fleet.models:
+            plan = model.plan
+            scaling = (f"{plan.prefill_replicas} prefill and {plan.replicas} decode" if plan.prefill_replicas
+                       else f"{plan.replicas}-{plan.max_replicas} (autoscaled)" if plan.max_replicas
+                       else str(plan.replicas))
+            print(f"Kiln is serving {model.name} at http://{shown}:{port}/v1 from {scaling} replica(s), "
+                  f"{plan.routing} routing", flush=True)
+        for tier in fleet.tiers:
+            print(f"  tier {tier.name}: {' -> '.join(tier.models)}", flush=True)
+        print("(metrics: /metrics, health: /health)", flush=True)
+        while True:
+            stop.wait()
+            if not reload.is_set():
+                break
+            stop.clear()
+            reload.clear()
+            log.info("API keys: %d accepted", ingress.reload_keys.remote().result())
         log.info("shutting down: running requests get up to %gs", drain_timeout)
     finally:
         serve.shutdown()

@@ -5,6 +5,7 @@ replica killed mid-run."""
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -33,14 +34,17 @@ def server(engine_dir, tmp_path_factory):
     assert proc.stop() == 0, proc.log()
 
 
-def replicas(server: ServerProcess) -> dict[str, dict[str, float]]:
-    """kiln_replica_* gauges from /metrics: replica id -> {figure: value}."""
+def replicas(server: ServerProcess, model: str | None = None, **headers) -> dict[str, dict[str, float]]:
+    """kiln_replica_* gauges from /metrics (of one model's replicas, or all): replica id -> {figure: value}."""
     figures: dict[str, dict[str, float]] = {}
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("kiln_replica_") and '{replica="' in line and ",gpu=" not in line:
-            name, rest = line[len("kiln_replica_"):].split('{replica="', 1)
-            rid, value = rest.split('"}', 1)
-            figures.setdefault(rid, {})[name] = float(value)
+    for line in httpx.get(f"{server.url}/metrics", timeout=10, headers=headers).text.splitlines():
+        if not line.startswith("kiln_replica_") or "{" not in line:
+            continue
+        name, _, rest = line[len("kiln_replica_"):].partition("{")
+        labels_text, _, value = rest.rpartition("} ")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', labels_text))
+        if "replica" in labels and "gpu" not in labels and model in (None, labels.get("model")):
+            figures.setdefault(labels["replica"], {})[name] = float(value)
     return figures
 
 

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -27,18 +28,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric_value(text: str, series: str) -> float:
+    """The sum of the Prometheus text's samples named like `series` that carry its labels (0 if none)."""
+    name, _, labels = series.partition("{")
+    wanted = set(re.findall(r'\w+="[^"]*"', labels))
+    total = 0.0
+    for line in text.splitlines():
+        sample_name, _, rest = line.partition("{") if "{" in line.split(" ")[0] else (line.split(" ")[0], "", "")
+        if line.startswith("#") or sample_name != name:
+            continue
+        if wanted <= set(re.findall(r'\w+="[^"]*"', rest.rpartition("}")[0])):
+            total += float(line.split()[-1])
+    return total
+
+
 class ServerProcess:
     """`python -m runtime.cli serve` on a free port, ready once /health answers 200."""
 
-    def __init__(self, engine_dir: Path, log_path: Path, *args: str):
+    def __init__(self, engine_dir: Path | None, log_path: Path, *args: str, ready_s: float = 90):
+        """engine_dir: served as MODEL; None: args name what to serve (--fleet)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "runtime.cli", "serve", str(engine_dir), "--port", str(self.port),
-                   "--kv-cache-gib", "0.02", "--threads", "1", "--model-name", MODEL, *args]
+        served = [str(engine_dir), "--model-name", MODEL] if engine_dir is not None else []
+        command = [sys.executable, "-m", "runtime.cli", "serve", *served, "--port", str(self.port),
+                   "--kv-cache-gib", "0.02", "--threads", "1", *args]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + ready_s
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
@@ -53,11 +70,10 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def metric(self, line_prefix: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith(line_prefix + " "):
-                return float(line.split()[-1])
-        return 0.0
+    def metric(self, series: str, **headers) -> float:
+        """A series' value, `name` or `name{label="value",...}`, summed over the series that have those labels
+        (so `kiln_num_requests_running` adds up every model's)."""
+        return metric_value(httpx.get(f"{self.url}/metrics", headers=headers).text, series)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -97,7 +113,7 @@ def greedy(llm: LLMEngine, prompts: list[str], max_tokens: int):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "models": {MODEL: "ok"}}
 
 
 def test_completions_match_offline_generation(client, offline):
@@ -352,7 +368,7 @@ def test_failures_answer_for_that_request_only(engine_dir):
     completion = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 
     async def scenario():
-        transport = httpx.ASGITransport(app=create_app(engine, MODEL))
+        transport = httpx.ASGITransport(app=create_app({MODEL: engine}))
         async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as http:
             loading = await http.get("/health")
             engine.start(asyncio.get_running_loop())
@@ -366,7 +382,7 @@ def test_failures_answer_for_that_request_only(engine_dir):
         return loading, failed, template, fine
 
     loading, failed, template, fine = asyncio.run(scenario())
-    assert loading.status_code == 503 and loading.json() == {"status": "loading"}
+    assert loading.status_code == 503 and loading.json() == {"status": "loading", "models": {MODEL: "loading"}}
     assert failed.status_code == 500 and "injected kernel failure" in failed.json()["error"]["message"]
     assert template.status_code == 400 and "roles must alternate" in template.json()["error"]["message"]
     assert template.json()["error"]["code"] == "chat_template_error"

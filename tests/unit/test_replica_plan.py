@@ -30,7 +30,7 @@ def test_bad_plans_are_refused():
 
 
 def test_app_builder_names_its_arguments():
-    with pytest.raises(ValueError, match="engine=DIR is required"):
+    with pytest.raises(ValueError, match="engine=DIR or fleet=FILE is required"):
         app_builder({"replicas": "2"})
     with pytest.raises(ValueError, match="known: .*routing"):
         app_builder({"engine": "engines/x", "replica": "2"})
