@@ -145,7 +145,7 @@ def generate(
 @one_line_errors
 def serve(
     engines: Optional[list[str]] = typer.Argument(
-        None, metavar="[ENGINE | NAME=ENGINE]...",
+        None, metavar="ENGINE | NAME=ENGINE",
         help="Engine directories to serve, each under its manifest's model name or NAME (default: "
              f"{DEFAULT_ENGINE} when no --fleet)."),
     fleet_file: Optional[Path] = typer.Option(None, "--fleet", metavar="FILE",
