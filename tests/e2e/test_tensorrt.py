@@ -82,10 +82,15 @@ def built(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cpu_tokens(tiny_llama_dir, tmp_path_factory):
+def cpu_twin_dir(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trt") / "cpu-twin"
     build_engine(str(tiny_llama_dir), cpu_twin(tensorrt_plan()), out, show_progress=False)
-    return greedy(out, None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(cpu_twin_dir):
+    return greedy(cpu_twin_dir, None)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
@@ -248,6 +253,27 @@ def test_serve_with_the_onnxruntime_backend(built, cpu_tokens, tmp_path):
         assert reply.json()["usage"]["completion_tokens"] == len(cpu_tokens[0])
     finally:
         assert server.stop() == 0
+
+
+def test_a_tensorrt_engine_and_a_cpu_engine_share_one_endpoint(built, cpu_twin_dir, cpu_tokens, tmp_path):
+    """A fleet of two targets: the tensorrt engine (its verified ONNX, run by the onnxruntime backend the fleet
+    file names for it) and its cpu twin, each answering under its own name with the cpu engine's greedy text."""
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(f'[[models]]\nname = "trt"\nengine = "{built()}"\nbackend = "onnxruntime"\n\n'
+                     f'[[models]]\nname = "cpu"\nengine = "{cpu_twin_dir}"\n')
+    server = ServerProcess(None, tmp_path / "fleet.log", "--fleet", str(fleet))
+    try:
+        for model in ("trt", "cpu"):
+            reply = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": model, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0})
+            assert reply.status_code == 200 and reply.json()["model"] == model, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == len(cpu_tokens[0])
+        texts = {m: httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": m, "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}).json()["choices"][0]["text"]
+            for m in ("trt", "cpu")}
+        assert texts["trt"] == texts["cpu"]
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 # ---------------------------------------------------------------------------------------- bad input
