@@ -59,7 +59,7 @@ def _step_arrays(meta: StepMetadata) -> list[np.ndarray]:
 def _copy_step(dst: list[np.ndarray], src: StepMetadata) -> None:
     """Write src's step inputs into the first entries of dst's buffers (_step_arrays of a step of the same
     sizes but the token fields, which may be longer, and block tables, which may be wider)."""
-    arrays = _step_arrays(src)
+    arrays = src.host_arrays if src.host_arrays is not None else _step_arrays(src)
     groups = len(src.groups)
     for mine, theirs in zip(dst[:-groups], arrays[:-groups]):
         mine[:theirs.shape[0]] = theirs
@@ -174,12 +174,13 @@ class CpuExecutor(Executor):
         self.replayed_steps = self.recorded_steps = 0
         self.governor = process_governor()  # caps the kernels' threads while other processes hold CPUs
 
-    @torch.inference_mode()
     def execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states."""
+        """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states.
+        A replayed step touches no torch op (its tape runs in C), so only the other paths enter inference mode,
+        which costs tens of microseconds a step on caches the step has just evicted."""
         self.governor.tick()
         if self.rope_tables and meta.positions.numel():
-            rows = int(meta.positions.max()) + 1
+            rows = (meta.max_position if meta.max_position >= 0 else int(meta.positions.max())) + 1
             for table in self.rope_tables.values():
                 table.ensure(rows)
         tokens = meta.token_ids.numel()
@@ -204,6 +205,7 @@ class CpuExecutor(Executor):
             return self._run(meta, {}, None)
         return self._record(meta, key)
 
+    @torch.inference_mode()
     def _run(self, meta: StepMetadata, env: dict, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
         self.meta, self.arrays = meta, [attention.StepArrays.of(meta, g) for g in range(len(meta.groups))]
         env.update(tokens=meta.token_ids, positions=meta.positions)
@@ -215,6 +217,7 @@ class CpuExecutor(Executor):
         finally:
             self.meta, self.arrays = None, []
 
+    @torch.inference_mode()
     def _record(self, meta: StepMetadata, key: tuple[int, int, int]) -> torch.Tensor:
         """Run the step on inputs of its own (room for twice the block table columns, and for REPLAY_MAX_TOKENS
         tokens) and keep its tape under key (tokens 0: a tape for any token count)."""

@@ -41,9 +41,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     than they save."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous() or logits.dim() != 2:
         return logits.argmax(dim=-1)
+    return torch.from_numpy(_argmax_rows_c(logits))
+
+
+def _argmax_rows_c(logits: torch.Tensor) -> np.ndarray:
+    """argmax_rows in C of a contiguous [N, V] float32 tensor on the host."""
     out = np.empty(logits.shape[0], dtype=np.int64)
     _ops.argmax_rows(out, logits.numpy(), logits.shape[1], 1 if logits.shape[0] == 1 else threads())
-    return torch.from_numpy(out)
+    return out
 
 
 class Sampler:
@@ -52,9 +57,14 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"sample: logits must be [N, V] with N = {len(seqs)} sequences, "
                              f"got {tuple(logits.shape)}")
-        logits = raw_logits = logits.float()
+        logits = raw_logits = logits if logits.dtype == torch.float32 else logits.float()
         adjusted = [i for i, seq in enumerate(seqs)
                     if seq.params.uses_penalties or seq.params.held_back_token_ids(seq.num_output_tokens)]
+        if not adjusted and logits.device.type == "cpu" and logits.is_contiguous() and all(
+                seq.params.is_greedy and not seq.params.logprobs for seq in seqs):
+            # The common decode step (greedy, nothing asked beyond the token): no torch op after the logits,
+            # each of which costs microseconds on the caches the step has just evicted.
+            return _argmax_rows_c(logits).tolist(), [None] * len(seqs)
         if adjusted:
             logits = logits.clone()
             for i in adjusted:

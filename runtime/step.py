@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +25,10 @@ class StepMetadata:
     # tables ([T] int64, [S, max_blocks] int32, -1 for blocks given back); None: every layer reads the above.
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
+    # Host-side shortcuts that build_step_metadata fills (None / -1 when a step is made otherwise): the numpy
+    # arrays behind the tensors above, in executor._step_arrays' order, and the largest position.
+    host_arrays: list[np.ndarray] | None = field(default=None, repr=False, compare=False)
+    max_position: int = -1
 
     @property
     def groups(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -58,30 +62,27 @@ def build_step_metadata(batch: ScheduledBatch, block_size: int, num_groups: int 
             logits_indices.extend(range(query_start_loc[-1] - 1 - len(guesses), query_start_loc[-1]))
     group_tables = [[seq.block_table for seq in batch.seqs], [seq.window_block_table for seq in batch.seqs]]
     groups = [_slots_and_tables(tables, batch, block_size) for tables in group_tables[:num_groups]]
+    # Built in numpy (a few times faster than torch.tensor for a step's short lists), kept for the executor's
+    # copy into a tape's buffers, and shared with the tensors.
+    host = [np.array(token_ids, dtype=np.int64), np.array(positions, dtype=np.int64), groups[0][0],
+            np.array(context_lens, dtype=np.int32), np.array(query_start_loc, dtype=np.int32),
+            np.array(logits_indices, dtype=np.int64)] + [g[0] for g in groups[1:]] + [g[1] for g in groups]
+    tensors = [torch.from_numpy(a) for a in host]
     return StepMetadata(
-        token_ids=_array(token_ids, np.int64),
-        positions=_array(positions, np.int64),
-        slot_mapping=groups[0][0],
-        block_tables=groups[0][1],
-        context_lens=_array(context_lens, np.int32),
-        query_start_loc=_array(query_start_loc, np.int32),
-        logits_indices=_array(logits_indices, np.int64),
-        **(dict(window_slot_mapping=groups[1][0], window_block_tables=groups[1][1]) if num_groups == 2 else {}),
+        token_ids=tensors[0], positions=tensors[1], slot_mapping=tensors[2], block_tables=tensors[-num_groups],
+        context_lens=tensors[3], query_start_loc=tensors[4], logits_indices=tensors[5],
+        **(dict(window_slot_mapping=tensors[6], window_block_tables=tensors[-1]) if num_groups == 2 else {}),
+        host_arrays=host, max_position=max(context_lens, default=0) - 1,
     )
 
 
-def _array(values: list[int], dtype) -> torch.Tensor:
-    """A tensor of a list of ints, through numpy (a few times faster than torch.tensor for a step's short lists)."""
-    return torch.from_numpy(np.array(values, dtype=dtype))
-
-
 def _slots_and_tables(tables: list[list[int]], batch: ScheduledBatch,
-                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The slot of each packed token ([T] int64) and the block tables ([S, max_blocks] int32, -1 padded)."""
     slots = [table[p // block_size] * block_size + p % block_size
              for seq, n, table in zip(batch.seqs, batch.num_new_tokens, tables)
              for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)]
-    block_tables = np.full((len(tables), max(map(len, tables), default=0)), -1, dtype=np.int32)
-    for row, table in zip(block_tables, tables):
-        row[:len(table)] = table
-    return _array(slots, np.int64), torch.from_numpy(block_tables)
+    width = max(map(len, tables), default=0)
+    block_tables = np.array([table + [-1] * (width - len(table)) for table in tables], dtype=np.int32).reshape(
+        len(tables), width)
+    return np.array(slots, dtype=np.int64), block_tables

@@ -29,6 +29,10 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id():
     tokens, logprobs = Sampler().sample(logits, seqs_with(*[SamplingParams(temperature=0.0)] * 4))
     assert tokens == logits[:3].argmax(dim=-1).tolist() + [5]
     assert logprobs == [None] * 4
+    # the same tokens on the general path (log-probs asked for one row) as on the greedy shortcut
+    mixed = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.0, logprobs=True)]
+    tokens_mixed, logprobs_mixed = Sampler().sample(logits, seqs_with(*mixed))
+    assert tokens_mixed == tokens and logprobs_mixed[:3] == [None] * 3 and logprobs_mixed[3] < 0
 
 
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5)])

@@ -2,6 +2,7 @@
 
 from collections import deque
 
+import numpy as np
 import pytest
 import torch
 
@@ -468,3 +469,20 @@ def test_speculative_steps_keep_outputs_and_release_the_blocks_of_rejected_guess
     stats = scheduler.speculator.stats
     assert guessed == stats.proposed_tokens > 0 and 0 < stats.accepted_tokens < stats.proposed_tokens
     assert scheduler.num_preemptions > 0 and scheduler.block_manager.usage == 0
+
+
+def test_step_metadata_keeps_its_numpy_arrays_in_the_executors_order():
+    """build_step_metadata hands the executor the numpy arrays behind its tensors (so a replayed step copies
+    them without converting again) and the largest position: both must be what the tensors say."""
+    from runtime.executor import _step_arrays
+
+    scheduler, model = make_scheduler(max_num_tokens=12)
+    for i, n in enumerate([3, 9, 5]):
+        scheduler.add(Sequence(f"r{i}", list(range(1, n + 1)), greedy(max_tokens=6)))
+    while scheduler.has_unfinished:
+        _, meta = step(scheduler, model)
+        expected = _step_arrays(meta)
+        assert len(meta.host_arrays) == len(expected)
+        for ours, theirs in zip(meta.host_arrays, expected):
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+        assert meta.max_position == int(meta.positions.max())
