@@ -4,12 +4,14 @@
         [--out /tmp/kiln-fleet-load]
 
 `engine-run serve --fleet` (loopback only) serves model "a" from 2 Ray Serve replicas and model "b" from one,
-behind API keys: alice and carol without limits, bob at --bob-rpm requests a minute. --concurrency clients send
-requests back to back for --duration seconds: streamed and not, to either model, under the three keys; about
+and the tier "auto" (a first, b when a's first 8 tokens have a mean log-probability under -0.6), behind API
+keys: alice and carol without limits, bob at --bob-rpm requests a minute. --concurrency clients send requests
+back to back for --duration seconds: streamed and not, to either model or the tier, under the three keys; about
 one in ten carries a wrong or missing key and one in ten a malformed body (not JSON, a missing field, a wrong
-type). At --kill-at seconds one of a's replicas is killed (SIGKILL of its process). The report gives requests
-served, refused by reason, failed (and whether each failure was in flight on model a when the replica died),
-and latency p50 / p99 per model; --out gets every request as JSON lines.
+type). At --kill-at seconds the replica of a the router favours (most requests running, then most routed) is killed
+(SIGKILL of its process).
+The report gives requests served, refused by reason, failed (and whether each failure was in flight on model a
+or the tier when the replica died), and latency p50 / p99 per model; --out gets every request as JSON lines.
 """
 
 from __future__ import annotations
@@ -38,21 +40,23 @@ MESSAGES = ["Name three colours.", "What is the capital of France?", "Write a ha
             "Explain what a CPU does in one sentence.", "Count from one to ten.", "Give me a tip for sleeping well."]
 
 
-def replica_pids(url: str, model: str) -> dict[str, int]:
+def replica_figures(url: str, model: str) -> dict[str, dict[str, float]]:
+    """kiln_replica_* gauges of one model's replicas: replica id -> {figure: value}."""
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=10).text
-    pids = {}
+    figures: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
-        if line.startswith("kiln_replica_pid{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            if labels.get("model") == model:
-                pids[labels["replica"]] = int(float(line.split()[-1]))
-    return pids
+        if line.startswith("kiln_replica_") and "{" in line:
+            name, _, rest = line[len("kiln_replica_"):].partition("{")
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+            if labels.get("model") == model and "replica" in labels and "gpu" not in labels:
+                figures.setdefault(labels["replica"], {})[name] = float(line.split()[-1])
+    return figures
 
 
 def one_request(rng: random.Random) -> dict:
     """What a client sends next: {kind, model, stream, key, body or raw}."""
     roll = rng.random()
-    model = rng.choice(["a", "b"])
+    model = rng.choice(["a", "a", "b", "b", "auto"])
     key = rng.choice(list(KEYS))
     body = {"model": model, "messages": [{"role": "user", "content": rng.choice(MESSAGES)}],
             "max_tokens": rng.randint(8, 40), "temperature": 0, "stream": rng.random() < 0.5}
@@ -83,7 +87,8 @@ async def send(http: httpx.AsyncClient, request: dict) -> dict:
         elif not result["stream"]:
             response = await http.post("/v1/chat/completions", json=request["body"], headers=headers)
             data = response.json()
-            result.update(status=response.status_code, code=data.get("error", {}).get("code"))
+            result.update(status=response.status_code, code=data.get("error", {}).get("code"),
+                          answered_by=data.get("model"))
             if response.status_code != 200:
                 result["error"] = data.get("error", {}).get("message")
         else:
@@ -99,7 +104,9 @@ async def send(http: httpx.AsyncClient, request: dict) -> dict:
                         event = json.loads(line[len("data: "):])
                         if "error" in event:
                             result["error"] = event["error"]["message"]
-                        elif result["ttft"] is None and event["choices"] and event["choices"][0]["delta"].get(
+                            continue
+                        result["answered_by"] = event.get("model")
+                        if result["ttft"] is None and event["choices"] and event["choices"][0]["delta"].get(
                                 "content"):
                             result["ttft"] = time.monotonic() - started
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -133,13 +140,16 @@ async def drive(url: str, args, kill: dict) -> list[dict]:
             while time.monotonic() < deadline:
                 results.append(await send(http, one_request(local)))
 
-    async def killer() -> None:
+    async def killer() -> None:  # the replica of a the router favours (most requests running, then routed)
         await asyncio.sleep(args.kill_at)
-        pids = await asyncio.to_thread(replica_pids, url, "a")
-        replica, pid = sorted(pids.items())[0]
-        kill.update(time=time.monotonic(), replica=replica, pid=pid, replicas_before=len(pids))
+        figures = await asyncio.to_thread(replica_figures, url, "a")
+        replica = max(sorted(figures), key=lambda r: (figures[r].get("running", 0), figures[r].get("routed", 0)))
+        pid = int(figures[replica]["pid"])
+        kill.update(time=time.monotonic(), replica=replica, pid=pid, replicas_before=len(figures),
+                    running=figures[replica].get("running", 0))
         os.kill(pid, signal.SIGKILL)
-        print(f"killed replica {replica} of model a (pid {pid}) at {args.kill_at:g} s", file=sys.stderr, flush=True)
+        print(f"killed replica {replica} of model a (pid {pid}, {kill['running']:g} requests running) at "
+              f"{args.kill_at:g} s", file=sys.stderr, flush=True)
 
     await asyncio.gather(killer(), *(client(n) for n in range(args.concurrency)))
     return results
@@ -160,7 +170,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     fleet, keys = args.out / "fleet.toml", args.out / "keys.txt"
     fleet.write_text(f'[[models]]\nname = "a"\nengine = "{args.a.resolve()}"\nreplicas = 2\n\n'
-                     f'[[models]]\nname = "b"\nengine = "{args.b.resolve()}"\n')
+                     f'[[models]]\nname = "b"\nengine = "{args.b.resolve()}"\n\n'
+                     '[tiers.auto]\nmodels = ["a", "b"]\nprobe_tokens = 8\nmin_mean_logprob = -0.6\n')
     keys.write_text(f"{KEYS['alice']} name=alice\n{KEYS['bob']} name=bob rpm={args.bob_rpm}\n"
                     f"{KEYS['carol']} name=carol\n")
     proc, url = start_server(fleet, args.out / "server.log", args.threads, "--api-key-file", str(keys))
@@ -170,7 +181,7 @@ def main() -> None:
         started = time.monotonic()
         results = asyncio.run(drive(url, args, kill))
         wall = time.monotonic() - started
-        replicas_after = len(replica_pids(url, "a"))
+        replicas_after = len(replica_figures(url, "a"))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -179,25 +190,28 @@ def main() -> None:
             f.write(json.dumps(r) + "\n")
     outcomes = Counter(outcome(r) for r in results)
     failed = [r for r in results if outcome(r) == "failed"]
-    in_flight = [r for r in failed if r["model"] == "a" and r["start"] <= kill["time"] <= r["end"]]
+    in_flight = [r for r in failed if r["model"] in ("a", "auto") and r["start"] <= kill["time"] <= r["end"]]
     print(f"{len(results)} requests in {wall:.0f} s from {args.concurrency} clients; load average "
           f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after; replica {kill['replica']} of a killed at "
           f"{kill['time'] - started:.0f} s ({kill['replicas_before']} replicas before, {replicas_after} at the end)")
     print("| outcome | requests |\n|---|---|")
     for name, count in sorted(outcomes.items()):
         print(f"| {name} | {count} |")
-    print(f"failed: {len(failed)}, of them in flight on model a when its replica died: {len(in_flight)}")
+    print(f"failed: {len(failed)}, of them in flight on model a or the tier when a's replica died: "
+          f"{len(in_flight)}")
     for r in failed:
         print(f"  failed: model {r['model']}, stream {r['stream']}, {r['status']}: {r['error']}")
     print("| model | served | streamed | latency p50 | latency p99 | first token p50 (streamed) |")
     print("|---|---|---|---|---|---|")
-    for model in ("a", "b"):
+    for model in ("a", "b", "auto"):
         served = [r for r in results if r["model"] == model and outcome(r) == "served" and r["kind"] == "good"]
         latency = sorted(r["end"] - r["start"] for r in served)
         ttft = [r["ttft"] for r in served if r["ttft"] is not None]
         p99 = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
+        answered = Counter(r.get("answered_by") for r in served)
         print(f"| {model} | {len(served)} | {sum(r['stream'] for r in served)} | {statistics.median(latency):.2f} s | "
-              f"{p99:.2f} s | {statistics.median(ttft):.2f} s |")
+              f"{p99:.2f} s | {statistics.median(ttft):.2f} s |"
+              + (f" answered by a {answered['a']}, b {answered['b']}" if model == "auto" else ""))
     wrong = [r for r in results if (r["kind"] == "good") != (outcome(r) in ("served", "failed", "refused: 429 "
                                                                              "rate_limit_exceeded", "refused: 429 queue_full"))]
     print(f"requests whose outcome does not match what they were (a bad key or body served, a good one refused "
