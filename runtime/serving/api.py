@@ -286,17 +286,18 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
     async def read_prompts(answer: _Answer) -> list[list[int]]:
         return await asyncio.to_thread(lambda: answer.prompts(prompt_reader(answer.llm)))
 
-    async def on_one_model(name: str, body, request: Request, kind, rid: str, arrival: float):
+    async def on_one_model(name: str, body, request: Request, key, kind, rid: str, arrival: float):
         pool = ready(name)
         answer = kind(pool.llm, body, rid, int(time.time()), name)
         prompts = await read_prompts(answer)
-        quotas.admit_prompt(request.state.api_key, body.n * sum(map(len, prompts)))
+        quotas.admit_prompt(key, body.n * sum(map(len, prompts)))
         return answer, prompts, await start(pool, body, prompts, answer, arrival)
 
-    async def on_a_tier(tier: TierSpec, body, request: Request, kind, rid: str, arrival: float):
+    async def on_a_tier(tier: TierSpec, body, request: Request, key, kind, rid: str, arrival: float):
         """Start on the tier's cheapest model (or the one the X-Kiln-Tier header names); while a model is not
-        the last, a prompt over max_prompt_tokens or a low-confidence start (its first probe_tokens tokens
-        held back and judged) moves the request to the next model, restarted from the prompt."""
+        the last, one that is not serving (its engine loading or failed), a prompt over max_prompt_tokens or a
+        low-confidence start (its first probe_tokens tokens held back and judged) moves the request to the next
+        model, restarted from the prompt."""
         chain = list(tier.models)
         wanted = request.headers.get(TIER_HEADER)
         if wanted is not None:
@@ -308,15 +309,18 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
             chain = chain[chain.index(wanted):]
         charged = False
         for n, name in enumerate(chain):
+            last = n == len(chain) - 1
+            if not last and not models[name].ready:
+                metrics.tier_escalations.labels(tier.name, name, "unavailable").inc()
+                continue
             pool = ready(name)
             answer = kind(pool.llm, body, rid, int(time.time()), name)
             prompts = await read_prompts(answer)
-            last = n == len(chain) - 1
             if not last and tier.max_prompt_tokens is not None and max(map(len, prompts)) > tier.max_prompt_tokens:
                 metrics.tier_escalations.labels(tier.name, name, "prompt_length").inc()
                 continue
             if not charged:  # the prompt counts once, on the first model that takes it
-                quotas.admit_prompt(request.state.api_key, body.n * sum(map(len, prompts)))
+                quotas.admit_prompt(key, body.n * sum(map(len, prompts)))
                 charged = True
             run = await start(pool, body, prompts, answer, arrival, probe=not last)
             if last:
@@ -342,12 +346,11 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {served()}",
                            param="model", code="model_not_found")
         body.check_supported()
-        key = getattr(request.state, "api_key", None)
-        request.state.api_key = key
+        key = getattr(request.state, "api_key", None)  # auth.RequireApiKey's, when keys are configured
         quotas.admit_request(key)
         rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
-        answer, prompts, run = await (on_a_tier(tier, body, request, kind, rid, arrival) if tier is not None
-                                      else on_one_model(body.model, body, request, kind, rid, arrival))
+        answer, prompts, run = await (on_a_tier(tier, body, request, key, kind, rid, arrival) if tier is not None
+                                      else on_one_model(body.model, body, request, key, kind, rid, arrival))
         if key is not None:
             metrics.key_requests.labels(key.name, answer.model).inc()
         prompt_lens = [len(p) for p in prompts]

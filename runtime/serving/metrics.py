@@ -88,7 +88,7 @@ class FrontMetrics:
         self.tier_answers = Counter("kiln_tier_requests", "Requests for a tier, by tier and the model that "
                                     "answered.", ["tier", "model"], registry=r)
         self.tier_escalations = Counter("kiln_tier_escalations", "Tier requests moved to a stronger model, by tier, "
-                                        "the model left and why (confidence, prompt_length, header).",
+                                        "the model left and why (confidence, prompt_length, header, unavailable).",
                                         ["tier", "model", "reason"], registry=r)
         r.register(_ByModel(models))
 

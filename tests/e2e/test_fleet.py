@@ -217,3 +217,40 @@ max_prompt_tokens = 8
         assert metric_value(metrics(server.url, "k"), 'kiln_key_rate_limited_total{key="k",limit="tpm"}') == 1
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_tier_passes_over_a_model_that_is_not_serving(engines):
+    """In-process (ASGI): the tier's cheap model never loaded (its engine thread not started), so a tier
+    request goes to the strong model, counted as escalated for "unavailable"; the cheap model itself answers
+    503, and /health says which model is not serving."""
+    import contextlib
+
+    from runtime.serving.app import create_app
+    from runtime.serving.engine_loop import EngineLoop
+    from runtime.serving.fleet import TierSpec
+
+    llm = LLMEngine.from_dir(engines["llama"], EngineOptions(kv_cache_gib=0.02))
+    strong = EngineLoop(lambda: contextlib.nullcontext(llm), max_waiting=8)
+    cheap = EngineLoop(lambda: contextlib.nullcontext(llm), max_waiting=8)  # never started: "loading"
+    app = create_app({"qwen": cheap, "llama": strong}, [TierSpec("auto", ("qwen", "llama"), min_mean_logprob=-1000)])
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kiln") as http:
+            strong.start(asyncio.get_running_loop())
+            while not strong.ready:
+                await asyncio.sleep(0.01)
+            tiered = await http.post("/v1/completions", json={**body, "model": "auto"})
+            direct = await http.post("/v1/completions", json={**body, "model": "qwen"})
+            health = await http.get("/health")
+            text = (await http.get("/metrics")).text
+        await asyncio.to_thread(strong.stop)
+        return tiered, direct, health, text
+
+    tiered, direct, health, text = asyncio.run(scenario())
+    expected = offline_answers(engines["llama"], [[5, 6, 7]], 8)[0]
+    assert tiered.status_code == 200 and tiered.json()["model"] == "llama"
+    assert tiered.json()["choices"][0]["text"] == expected
+    assert direct.status_code == 503 and "not loaded yet" in direct.json()["error"]["message"]
+    assert health.status_code == 503 and health.json()["models"] == {"qwen": "loading", "llama": "ok"}
+    assert metric_value(text, 'kiln_tier_escalations_total{tier="auto",model="qwen",reason="unavailable"}') == 1
