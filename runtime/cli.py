@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -248,22 +247,19 @@ def serve(
             from runtime.serving.replicas import serve_replicas
         except ImportError as exc:
             fail(f"replicas and --disaggregate run on Ray Serve ({exc}): pip install 'kiln[serve]'")
-        key_config = ({"lines": list(api_key or []) + ([os.environ["KILN_API_KEY"]] if os.environ.get(
-            "KILN_API_KEY") else []), "file": api_key_file and api_key_file.resolve(), "rpm": key_rpm or None, "tpm": key_tpm or None}
-            if keys.enabled else None)
         raise typer.Exit(serve_replicas(fleet, options, host=host, port=port, drain_timeout=drain_timeout,
-                                        ray_address=ray_address, keys=key_config, **server))
-    from runtime.serving.replicas import model_options
+                                        ray_address=ray_address, keys=keys if keys.enabled else None, **server))
+    from runtime.cpus import usable_cpus
+    from runtime.serving.fleet import model_options
 
-    shared = options.num_threads is None and len(fleet.models) > 1
+    # several engines and no --threads: the host's cores shared between their ranks
+    world = sum(open_engine(m.engine, check_hashes=False).manifest.world_size for m in fleet.models)
+    shared = max(1, usable_cpus() // world) if options.num_threads is None and len(fleet.models) > 1 else None
     opened = {}
     for model in fleet.models:
         chosen = model_options(model, options)
-        if shared and model.threads is None:  # the host's cores shared between the engines' ranks
-            from runtime.cpus import usable_cpus
-
-            world = sum(open_engine(m.engine, check_hashes=False).manifest.world_size for m in fleet.models)
-            chosen = dataclasses.replace(chosen, num_threads=max(1, usable_cpus() // world))
+        if shared is not None and model.threads is None:
+            chosen = dataclasses.replace(chosen, num_threads=shared)
         opened[model.name] = (lambda path=str(model.engine), chosen=chosen: open_llm_engine(path, chosen))
     raise typer.Exit(run_server(opened, tiers=fleet.tiers, host=host, port=port, drain_timeout=drain_timeout,
                                 keys=keys if keys.enabled else None, **server))

@@ -74,7 +74,7 @@ class ApiKeys:
             self.fixed = [parse_key(line, rpm, tpm) for line in lines]
         except KeyFileError as exc:
             raise KeyFileError(f"--api-key: {exc}") from None
-        self.key_file = Path(key_file) if key_file is not None else None
+        self.key_file = Path(key_file).absolute() if key_file is not None else None  # read from any cwd
         self.keys: tuple[ApiKey, ...] = ()
         self.reload(strict=True)
 

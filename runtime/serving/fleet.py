@@ -29,6 +29,10 @@ import dataclasses
 import math
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.engine import EngineOptions
 
 ROUTING_POLICIES = ("prefix", "round-robin")
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -143,6 +147,12 @@ class Fleet:
     @property
     def names(self) -> list[str]:
         return [m.name for m in self.models]
+
+
+def model_options(model: ModelSpec, options: EngineOptions) -> EngineOptions:
+    """The command line's engine options with what the fleet file sets for this model."""
+    changes = {"num_threads": model.threads, "kv_cache_gib": model.kv_cache_gib, "backend": model.backend}
+    return dataclasses.replace(options, **{k: v for k, v in changes.items() if v is not None})
 
 
 def model_name_of(engine: Path) -> str:

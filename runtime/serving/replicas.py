@@ -30,15 +30,19 @@ import re
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.engine import EngineOptions, RequestOutput
 from runtime.engine_format import open_engine
 from runtime.sampling import SamplingParams
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
-from runtime.serving.fleet import Fleet, ModelSpec, ReplicaPlan  # noqa: F401 (ReplicaPlan: where it was)
+from runtime.serving.fleet import ReplicaPlan  # noqa: F401 (where it was)
+from runtime.serving.fleet import Fleet, ModelSpec, model_options
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import APIError
+
+if TYPE_CHECKING:
+    from runtime.serving.auth import ApiKeys
 
 log = logging.getLogger("kiln.replicas")
 
@@ -378,9 +382,7 @@ class KilnIngress:
     tiers, API keys and limits. reload_keys() reads the key file again (the driver calls it on SIGHUP)."""
 
     async def __init__(self, deployments: dict[str, dict], tiers: tuple = (), max_waiting: int = 64,
-                       max_request_bytes: int = 1 << 20, keys: dict | None = None, metrics_open: bool = False):
-        from runtime.serving.auth import ApiKeys
-
+                       max_request_bytes: int = 1 << 20, keys: ApiKeys | None = None, metrics_open: bool = False):
         self.pools = {}
         for name, d in deployments.items():
             described = await d["replicas"].describe.remote()
@@ -389,8 +391,7 @@ class KilnIngress:
             frontend = ModelFrontend(d["engine"], d["options"], described)
             self.pools[name] = ReplicaPool(d["replicas"], frontend, max_waiting, ReplicaMetrics(name),
                                            d.get("prefill"), d["expected_replicas"])
-        self.keys = ApiKeys(keys["lines"], keys["file"], environ={}, rpm=keys["rpm"], tpm=keys["tpm"]) if keys \
-            else None
+        self.keys = keys  # auth.ApiKeys (pickled here whole, its key file path absolute), or None
         self.tiers, self.max_request_bytes, self.metrics_open = tiers, max_request_bytes, metrics_open
 
     def reload_keys(self) -> int:
@@ -467,7 +468,7 @@ class ReplicaMetrics(ServerMetrics):
 # ------------------------------------------------------------------------------------------ the app
 
 def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, dict], *, max_waiting: int = 64,
-              max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0, keys: dict | None = None,
+              max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0, keys: ApiKeys | None = None,
               metrics_open: bool = False):
     """The Serve application: KilnIngress in front of each model's KilnReplicas (disaggregated: its KilnPrefill
     and KilnDecode workers). pools: per model, its KV block_size, blocks_per_replica and max_batch_size."""
@@ -538,12 +539,6 @@ def application(fleet: Fleet, options: EngineOptions, **server):
                              "blocks_per_replica": kv_groups(manifest, backend, chosen.kv_cache_gib).num_blocks[0],
                              "max_batch_size": _lowered(manifest.limits, chosen).max_batch_size}
     return build_app(fleet, per_model, pools, **server)
-
-
-def model_options(model: ModelSpec, options: EngineOptions) -> EngineOptions:
-    """The command line's engine options with what the fleet file sets for this model."""
-    changes = {"num_threads": model.threads, "kv_cache_gib": model.kv_cache_gib, "backend": model.backend}
-    return dataclasses.replace(options, **{k: v for k, v in changes.items() if v is not None})
 
 
 def app_builder(args: dict[str, str]):
