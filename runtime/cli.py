@@ -229,8 +229,8 @@ def serve(
         fleet = from_arguments(engines or [str(DEFAULT_ENGINE)], model_name, plan)
     # Refuse a bad engine or a taken port before anything listens: the files' hashes are checked
     # here once, not again by the ranks.
-    for model in fleet.models:
-        open_engine(model.engine, backend=model.backend or backend)
+    world = sum(open_engine(model.engine, backend=model.backend or backend).manifest.world_size
+                for model in fleet.models)  # every engine's ranks
     check_port_free(host, port)
     try:
         keys = ApiKeys(api_key, api_key_file, rpm=key_rpm or None, tpm=key_tpm or None)
@@ -253,7 +253,6 @@ def serve(
     from runtime.serving.fleet import model_options
 
     # several engines and no --threads: the host's cores shared between their ranks
-    world = sum(open_engine(m.engine, check_hashes=False).manifest.world_size for m in fleet.models)
     shared = max(1, usable_cpus() // world) if options.num_threads is None and len(fleet.models) > 1 else None
     opened = {}
     for model in fleet.models:
