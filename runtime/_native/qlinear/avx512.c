@@ -145,38 +145,56 @@ INLINE void store_rows(float *y, __m512 v, const float *bias, __mmask16 m)
 // ----------------------------------------------------------------------------
 // Activation preparation
 
+/* lane_sum's order (kernels.h): the 16 lanes, then halves added pairwise. */
 static float avx512_block_sum(const float *x, int64_t len)
 {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < len; k += 16)
         acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + k));
-    return _mm512_reduce_add_ps(acc);
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* Same numbers as portable_quantize_token (the block sums aside). Blocks are multiples of 16. */
+/* portable_quantize_token's numbers, the block sums included. Int8 codes go 4 k to a word of
+ * xq, int16 ones 2 k to a word of xq16. Blocks are multiples of 16. */
 static void avx512_quantize_token(const Job *job, int64_t t)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
-    const float *x = job->x + t * K;
+    const float *x = job->x + t * K, levels = act_levels(job->act);
+    const int wide = job->act == ACT_INT16;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t b = 0; b < nb; b++) {
         __m512 vmax = _mm512_setzero_ps();
         for (int64_t k = b * B; k < (b + 1) * B; k += 16)
             vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + k)));
         const float amax = _mm512_reduce_max_ps(vmax);
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
         __m512i qsum = _mm512_setzero_si512();
         for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
             qsum = _mm512_add_epi32(qsum, q);
-            int32_t words[4];
-            _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q));
-            for (int i = 0; i < 4; i++)
-                memcpy(job->ws.xq + xq_index(t, k + 4 * i, K), &words[i], 4);
+            int32_t words[8];
+            if (wide) {
+                _mm256_storeu_si256((__m256i *)words, _mm512_cvtepi32_epi16(q));
+                for (int i = 0; i < 8; i++)
+                    memcpy(job->ws.xq16 + xq16_index(t, k + 2 * i, K), &words[i], 4);
+            } else {
+                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q));
+                for (int i = 0; i < 4; i++)
+                    memcpy(job->ws.xq + xq_index(t, k + 4 * i, K), &words[i], 4);
+            }
         }
-        job->ws.xscale[t * nb + b] = amax / 127.0f;
+        job->ws.xscale[t * nb + b] = amax / levels;
         job->ws.xcorr[t * nb + b] = -vnni_offset(job->w.fmt) * _mm512_reduce_add_epi32(qsum);
         job->ws.xsum[t * nb + b] = avx512_block_sum(x + b * B, B);
+        if (wide) {
+            float *tp = job->ws.tparams + ((t / MRQ) * nb + b) * 3 * MRQ + t % MRQ;
+            tp[0] = job->ws.xscale[t * nb + b];
+            tp[MRQ] = job->ws.xsum[t * nb + b];
+            memcpy(tp + 2 * MRQ, job->ws.xcorr + t * nb + b, 4);
+        }
     }
 }
 
@@ -184,11 +202,7 @@ static void avx512_prepare(Job *job, int tid, int nt)
 {
     const int64_t K = job->w.k, nb = K / job->blk;
     int64_t lo, hi;
-    if (job->act == ACT_INT16) {  /* the portable quantization: the same integers on every path */
-        portable_prepare(job, tid, nt);
-        return;
-    }
-    if (job->act == ACT_INT8) {
+    if (job->act != ACT_F32) {
         thread_range(job->t, tid, nt, &lo, &hi);
         for (int64_t t = lo; t < hi; t++)
             avx512_quantize_token(job, t);
@@ -399,24 +413,17 @@ static void tile_panels(const Job *job, int64_t p, int np, float *tile /* [KC][3
 // ----------------------------------------------------------------------------
 // Int8 and int16 activations (VNNI), q4 and q8
 
-/* y[t0 .. t0+mr, panel p]: per activation block b, dot = corr + sum(u8 code * x) in int32, then
- * acc += f32(dot) * (s * step) (+ z * xsum for q4). Int8 x (wide = 0): vpdpbusd on the 4 codes of
- * a row per 32-bit lane. Int16 x (wide = 1): each lane's codes are widened to two pairs of int16
- * (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd: the portable path's integers. */
-INLINE void micro_vnni(const int fmt, const int wide, const int mr, const Job *job, int64_t p, int64_t t0)
+/* y[t0 .. t0+mr, panel p], int8 activations: per activation block b, dot = corr + sum(u8 code * x)
+ * in int32 (vpdpbusd on the 4 codes of a row per 32-bit lane), then acc += f32(dot) * (s * step)
+ * (+ z * xsum for q4). */
+INLINE void micro_vnni(const int fmt, const int mr, const Job *job, int64_t p, int64_t t0)
 {
     const Weight *w = &job->w;
     const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
-    /* words of x: int8 [K/4][MRQ] (4 k each), int16 [K/2][MRQ] (2 k each) */
-    const int32_t *xq = wide ? (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ
-                             : (const int32_t *)(job->ws.xq + (t0 / MRQ) * K * MRQ);
+    const int32_t *xq = (const int32_t *)(job->ws.xq + (t0 / MRQ) * K * MRQ);  /* words: [K/4][MRQ], 4 k each */
     const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
     const int32_t *corr = job->ws.xcorr + t0 * nb;
     const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    const __m512i pair_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128,
-                                                                 8, -128, 9, -128, 12, -128, 13, -128));
-    const __m512i pair_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128,
-                                                                 10, -128, 11, -128, 14, -128, 15, -128));
     __m512 acc[MRQ];
     #pragma GCC unroll 16
     for (int t = 0; t < mr; t++)
@@ -437,19 +444,6 @@ INLINE void micro_vnni(const int fmt, const int wide, const int mr, const Job *j
             } else {
                 lo = _mm512_xor_si512(_mm512_loadu_si512(chunk), flip);
                 hi = _mm512_xor_si512(_mm512_loadu_si512(chunk + 64), flip);
-            }
-            if (wide) {
-                const __m512i c0 = _mm512_shuffle_epi8(lo, pair_lo), c1 = _mm512_shuffle_epi8(lo, pair_hi);
-                const __m512i c2 = _mm512_shuffle_epi8(hi, pair_lo), c3 = _mm512_shuffle_epi8(hi, pair_hi);
-                const int32_t *xk = xq + (k / 2) * MRQ;
-                #pragma GCC unroll 16
-                for (int t = 0; t < mr; t++) {
-                    dot[t] = _mm512_dpwssd_epi32(dot[t], c0, _mm512_set1_epi32(xk[t]));
-                    dot[t] = _mm512_dpwssd_epi32(dot[t], c1, _mm512_set1_epi32(xk[MRQ + t]));
-                    dot[t] = _mm512_dpwssd_epi32(dot[t], c2, _mm512_set1_epi32(xk[2 * MRQ + t]));
-                    dot[t] = _mm512_dpwssd_epi32(dot[t], c3, _mm512_set1_epi32(xk[3 * MRQ + t]));
-                }
-                continue;
             }
             const int32_t *xk = xq + (k / 4) * MRQ;
             #pragma GCC unroll 16
@@ -474,24 +468,128 @@ INLINE void micro_vnni(const int fmt, const int wide, const int mr, const Job *j
                    rows_mask(N, p));
 }
 
-#define VNNI_CASES(name, fmt, wide)                                                                \
+/* acc += the int16 pair products of code's lanes with the pair at x, broadcast (vpdpwssd with a
+ * {1to16} memory operand). Written in asm because GCC's register allocation of the intrinsic
+ * copies the accumulators around every step: twice the instructions. */
+INLINE __m512i dpwssd_bcast(__m512i acc, __m512i code, const int32_t *x)
+{
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(code), "m"(*x));
+    return acc;
+}
+
+/* Int16 activations, np (1 or 2) panels at once: micro_vnni's arithmetic, with each lane's codes
+ * widened to int16 pairs (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd. Each broadcast
+ * activation pair feeds both panels, so 2 x 8 chains hide the instruction's latency; the f32 sums
+ * live in memory between blocks. Integer sums are exact in any order and each f32 step is
+ * micro_vnni's, so the numbers are the portable path's. */
+INLINE void micro_i16(const int fmt, const int np, const int mr, const Job *job, int64_t p, int64_t t0)
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
+    const int per_channel = w->group == K;
+    const int32_t *xq = (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ;
+    const float *params = job->ws.tparams + (t0 / MRQ) * nb * 3 * MRQ;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i pair_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128,
+                                                                 8, -128, 9, -128, 12, -128, 13, -128));
+    const __m512i pair_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128,
+                                                                 10, -128, 11, -128, 14, -128, 15, -128));
+    float acc[2][MRQ][PANEL] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++) {
+        const float *step = params + b * 3 * MRQ, *xsum = step + MRQ;
+        const int32_t *corr = (const int32_t *)(step + 2 * MRQ);
+        __m512i d[2][MRQ];
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++)
+            d[0][t] = d[1][t] = _mm512_set1_epi32(corr[t]);
+        const uint8_t *chunk = w->codes + p * K * bpk + b * B * bpk;
+        const int32_t *xk = xq + b * (B / 2) * MRQ;
+        for (int64_t c = 0; c < B / 8; c++, chunk += 8 * bpk, xk += 4 * MRQ) {
+            __m512i code[2][4];
+            #pragma GCC unroll 2
+            for (int i = 0; i < np; i++) {
+                const uint8_t *src = chunk + i * K * bpk;
+                prefetch_ahead(src, 8 * bpk);
+                __m512i lo, hi;
+                if (fmt == FMT_Q4) {
+                    const __m512i v = _mm512_loadu_si512(src);
+                    lo = _mm512_and_si512(v, low4);
+                    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                } else {
+                    lo = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
+                    hi = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
+                }
+                code[i][0] = _mm512_shuffle_epi8(lo, pair_lo);
+                code[i][1] = _mm512_shuffle_epi8(lo, pair_hi);
+                code[i][2] = _mm512_shuffle_epi8(hi, pair_lo);
+                code[i][3] = _mm512_shuffle_epi8(hi, pair_hi);
+            }
+            #pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                #pragma GCC unroll 16
+                for (int t = 0; t < mr; t++) {
+                    d[0][t] = dpwssd_bcast(d[0][t], code[0][j], xk + j * MRQ + t);
+                    if (np == 2)
+                        d[1][t] = dpwssd_bcast(d[1][t], code[1][j], xk + j * MRQ + t);
+                }
+            }
+        }
+        #pragma GCC unroll 2
+        for (int i = 0; i < np; i++) {
+            __m512 s, z = _mm512_setzero_ps();
+            group_params(fmt, w, p + i, per_channel ? 0 : b, &s, &z);
+            #pragma GCC unroll 16
+            for (int t = 0; t < mr; t++) {
+                __m512 a = b ? _mm512_load_ps(acc[i][t]) : _mm512_setzero_ps();
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i][t]), _mm512_mul_ps(s, _mm512_set1_ps(step[t])), a);
+                if (fmt == FMT_Q4)
+                    a = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[t]), a);
+                _mm512_store_ps(acc[i][t], a);
+            }
+        }
+    }
+    #pragma GCC unroll 2
+    for (int i = 0; i < np; i++)
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++)
+            store_rows(job->y + (t0 + t) * N + (p + i) * PANEL, _mm512_load_ps(acc[i][t]),
+                       job->bias ? job->bias + (p + i) * PANEL : NULL, rows_mask(N, p + i));
+}
+
+#define I16_CASE(fmt, mr)                                                                          \
+    case mr:                                                                                       \
+        if (np == 2)                                                                               \
+            micro_i16(fmt, 2, mr, job, p, t0);                                                     \
+        else                                                                                       \
+            micro_i16(fmt, 1, mr, job, p, t0);                                                     \
+        break;
+#define I16_CASES(name, fmt)                                                                       \
+    static void name(const Job *job, int64_t p, int np, int64_t t0, int mr)                        \
+    {                                                                                              \
+        switch (mr) {                                                                              \
+            I16_CASE(fmt, 1) I16_CASE(fmt, 2) I16_CASE(fmt, 3) I16_CASE(fmt, 4)                    \
+            I16_CASE(fmt, 5) I16_CASE(fmt, 6) I16_CASE(fmt, 7) default: I16_CASE(fmt, 8)           \
+        }                                                                                          \
+    }
+I16_CASES(i16_FMT_Q4, FMT_Q4)
+I16_CASES(i16_FMT_Q8, FMT_Q8)
+
+#define VNNI_CASES(name, fmt)                                                                \
     static void name(const Job *job, int64_t p, int64_t t0, int mr)                                \
     {                                                                                              \
         switch (mr) {                                                                              \
-        case 1: micro_vnni(fmt, wide, 1, job, p, t0); break;                                       \
-        case 2: micro_vnni(fmt, wide, 2, job, p, t0); break;                                       \
-        case 3: micro_vnni(fmt, wide, 3, job, p, t0); break;                                       \
-        case 4: micro_vnni(fmt, wide, 4, job, p, t0); break;                                       \
-        case 5: micro_vnni(fmt, wide, 5, job, p, t0); break;                                       \
-        case 6: micro_vnni(fmt, wide, 6, job, p, t0); break;                                       \
-        case 7: micro_vnni(fmt, wide, 7, job, p, t0); break;                                       \
-        default: micro_vnni(fmt, wide, 8, job, p, t0); break;                                      \
+        case 1: micro_vnni(fmt, 1, job, p, t0); break;                                       \
+        case 2: micro_vnni(fmt, 2, job, p, t0); break;                                       \
+        case 3: micro_vnni(fmt, 3, job, p, t0); break;                                       \
+        case 4: micro_vnni(fmt, 4, job, p, t0); break;                                       \
+        case 5: micro_vnni(fmt, 5, job, p, t0); break;                                       \
+        case 6: micro_vnni(fmt, 6, job, p, t0); break;                                       \
+        case 7: micro_vnni(fmt, 7, job, p, t0); break;                                       \
+        default: micro_vnni(fmt, 8, job, p, t0); break;                                      \
         }                                                                                          \
     }
-VNNI_CASES(vnni_FMT_Q4, FMT_Q4, 0)
-VNNI_CASES(vnni_FMT_Q8, FMT_Q8, 0)
-VNNI_CASES(vnni16_FMT_Q4, FMT_Q4, 1)
-VNNI_CASES(vnni16_FMT_Q8, FMT_Q8, 1)
+VNNI_CASES(vnni_FMT_Q4, FMT_Q4)
+VNNI_CASES(vnni_FMT_Q8, FMT_Q8)
 
 // ----------------------------------------------------------------------------
 // Per-thread compute
@@ -522,18 +620,33 @@ static void avx512_compute_tiled(const Job *job, int tid, int nt)
         tile_panels(job, 2 * u, 2 * u + 1 < job->w.panels ? 2 : 1, tile);
 }
 
+/* Int16: pairs of panels (one at the end of an odd count), each thread a contiguous range. */
+static void avx512_compute_i16(const Job *job, int tid, int nt)
+{
+    const int64_t P = job->w.panels;
+    int64_t lo, hi;
+    thread_range(ceil_div(P, 2), tid, nt, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) {
+        const int np = 2 * u + 1 < P ? 2 : 1;
+        for (int64_t t0 = 0; t0 < job->t; t0 += MRQ) {
+            const int mr = (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ);
+            (job->w.fmt == FMT_Q4 ? i16_FMT_Q4 : i16_FMT_Q8)(job, 2 * u, np, t0, mr);
+        }
+    }
+}
+
 static void avx512_compute_vnni(const Job *job, int tid, int nt)
 {
     int64_t lo, hi;
+    if (job->act == ACT_INT16) {
+        avx512_compute_i16(job, tid, nt);
+        return;
+    }
     thread_range(job->w.panels, tid, nt, &lo, &hi);
     for (int64_t p = lo; p < hi; p++)
         for (int64_t t0 = 0; t0 < job->t; t0 += MRQ) {
             const int mr = (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ);
-            if (job->act == ACT_INT16 && job->w.fmt == FMT_Q4)
-                vnni16_FMT_Q4(job, p, t0, mr);
-            else if (job->act == ACT_INT16)
-                vnni16_FMT_Q8(job, p, t0, mr);
-            else if (job->w.fmt == FMT_Q4)
+            if (job->w.fmt == FMT_Q4)
                 vnni_FMT_Q4(job, p, t0, mr);
             else
                 vnni_FMT_Q8(job, p, t0, mr);

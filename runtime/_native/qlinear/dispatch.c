@@ -17,9 +17,12 @@ static int build_workspace(Job *job)
     Workspace *ws = &job->ws;
     memset(ws, 0, sizeof *ws);
     if (job->act != ACT_F32) {
-        if (job->act == ACT_INT16)
+        if (job->act == ACT_INT16) {
             ws->xq16 = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K) * sizeof(int16_t));
-        else
+            ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
+            if (!ws->tparams)
+                return 0;
+        } else
             ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));
         ws->xscale = malloc((size_t)(T * nb) * sizeof(float));
         ws->xcorr = malloc((size_t)(T * nb) * sizeof(int32_t));
@@ -40,6 +43,7 @@ static void free_workspace(Workspace *ws)
     free(ws->xq16);
     free(ws->xscale);
     free(ws->xcorr);
+    free(ws->tparams);
     memset(ws, 0, sizeof *ws);
 }
 

@@ -36,6 +36,8 @@ typedef struct {
     int16_t *xq16;   /* [ceil(T/MRQ)][K/2][MRQ][2] int16 activations */
     float *xscale;   /* [T][K/blk] int8 / int16 step of each block */
     int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block */
+    float *tparams;  /* AVX-512 int16: [ceil(T/MRQ)][K/blk][3][MRQ] a tile's xscale, xsum and xcorr
+                        (its int32 bits) per block, its tokens side by side */
 } Workspace;
 
 typedef struct {
@@ -103,6 +105,9 @@ void portable_prepare(Job *job, int tid, int nt);
 void portable_compute(Job *job, int tid, int nt);
 void pack_tile(const Job *job, int64_t tile);
 void dequantize_rows(const Weight *w, const int64_t *ids, int64_t count, float *out, int threads);
+/* The sum of x[0 .. len) in the order of a 16-lane vector sum, which every path computes alike: lane
+ * i adds x[i], x[i + 16], ... in turn, then lanes i and i + w are added for w = 8, 4, 2, 1. */
+float lane_sum(const float *x, int64_t len);
 
 /* Peak micro-benchmarks (runtime/roofline.py): one thread's `iters` rounds of PEAK_CHAINS independent
  * chains of the path's multiply-add instruction on registers alone; each returns the operations

@@ -74,15 +74,26 @@ static float portable_weight(const Weight *w, int64_t n, int64_t k)
     }
 }
 
+float lane_sum(const float *x, int64_t len)
+{
+    float part[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= len; k += 16)  /* lanes apart: the compiler may vectorize it, the order stays */
+        for (int i = 0; i < 16; i++)
+            part[i] += x[k + i];
+    for (; k < len; k++)
+        part[k % 16] += x[k];
+    for (int width = 8; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++)
+            part[i] += part[i + width];
+    return part[0];
+}
+
 static void portable_block_sums(const Job *job, int64_t t)
 {
     const int64_t K = job->w.k, nb = K / job->blk;
-    for (int64_t b = 0; b < nb; b++) {
-        float sum = 0.0f;
-        for (int64_t k = b * job->blk; k < (b + 1) * job->blk; k++)
-            sum += job->x[t * K + k];
-        job->ws.xsum[t * nb + b] = sum;
-    }
+    for (int64_t b = 0; b < nb; b++)
+        job->ws.xsum[t * nb + b] = lane_sum(job->x + t * K + b * job->blk, job->blk);
 }
 
 /* int8 / int16 activations of token t: per block, step = amax / L, q = rint(x * (L / amax)), L the
