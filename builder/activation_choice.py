@@ -8,8 +8,10 @@ perplexity, KL and greedy chat agreement); f32 on weights the build keeps exactl
 
 The choice: the fastest path whose greedy agreement reaches the gate (the plan's
 min_greedy_agreement, else DEFAULT_GATE), where fastest is the geometric mean of decode and prefill
-speed relative to f32 (a path must not buy one with the other). f32 when none does. The report and
-the manifest show the table and the reason.
+speed relative to f32 (a path must not buy one with the other). A path that rounds activations must
+beat f32 by MIN_GAIN: within that margin the timings are noise, and exact wins the tie, so that a
+host where the paths run alike does not flip between builds. f32 when none does. The report and the
+manifest show the table and the reason.
 
 A choice by timing depends on the host it was made on: the engine's bytes follow the choice, and the
 manifest says which was made and why; pin `activations` for an engine built the same anywhere.
@@ -32,6 +34,7 @@ from runtime.step import StepMetadata
 
 CANDIDATES = ("f32", "int16", "int8")
 DEFAULT_GATE = 95.0   # percent of the shipped chat prompts answered as the reference does
+MIN_GAIN = 1.05       # a rounding path must be this much faster than f32 (geometric mean) to be chosen
 PROMPT_TOKENS = 128
 DECODE_STEPS = 16
 ROUNDS = 3
@@ -85,7 +88,8 @@ def time_path(graph: Graph, activations: str, kv_dtype: str, vocab_size: int) ->
 
 
 def choose(speeds: dict[str, Speed], agreement: dict[str, float | None], gate: float) -> tuple[str, str]:
-    """(the chosen path, why): the fastest whose greedy agreement (None: exact) reaches the gate."""
+    """(the chosen path, why): the fastest whose greedy agreement (None: exact) reaches the gate, f32 unless
+    that one gains MIN_GAIN over it."""
     base = speeds["f32"]
 
     def score(mode: str) -> float:
@@ -97,8 +101,14 @@ def choose(speeds: dict[str, Speed], agreement: dict[str, float | None], gate: f
         return "f32", f"no path answers at least {gate:g}% of the chat prompts as the reference does: f32"
     best = max(passing, key=score)
     failed = [m for m in speeds if m not in passing]
-    why = (f"{best}: the fastest (geometric mean of decode and prefill speed, x{score(best):.2f} of f32) of the paths "
-           f"whose greedy agreement reaches {gate:g}%")
+    if best != "f32" and score(best) < MIN_GAIN:
+        why = (f"f32: {best}, the fastest of the paths whose greedy agreement reaches {gate:g}%, is only "
+               f"x{score(best):.2f} of f32 (geometric mean of decode and prefill speed), under the x{MIN_GAIN:g} "
+               f"a rounding path must gain")
+        best = "f32"
+    else:
+        why = (f"{best}: the fastest (geometric mean of decode and prefill speed, x{score(best):.2f} of f32) of the "
+               f"paths whose greedy agreement reaches {gate:g}%")
     if failed:
         why += "; " + ", ".join(f"{m} answered {agreement[m]:.1f}%" for m in failed)
     return best, why

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from builder.activation_choice import MIN_GAIN
 from builder.interpret import Interpreter
 from runtime.engine_format import map_rank_file
 
@@ -65,8 +66,12 @@ def test_auto_times_every_path_and_builds_the_chosen_one(tiny_llama_dir, build_t
     assert all(0 <= row["greedy_agreement_pct"] <= 100 and row["kl_mean"] > 0 for row in paths.values())
     chosen = choice["chosen"]
     score = {m: (r["decode_tok_s"] / paths["f32"]["decode_tok_s"] * r["prefill_tok_s"] / paths["f32"]["prefill_tok_s"])
-             for m, r in paths.items()}
-    assert chosen == max(score, key=score.get) and chosen in choice["why"]
+             ** 0.5 for m, r in paths.items()}
+    fastest = max(score, key=score.get)
+    # exact wins a near-tie; the manifest's speeds are rounded, so right at the margin either is right
+    expected = {fastest, "f32"} if abs(score[fastest] - MIN_GAIN) < 0.01 else \
+        {fastest if score[fastest] >= MIN_GAIN else "f32"}
+    assert chosen in expected and chosen in choice["why"]
     assert manifest["plan"]["quant"]["activations"] == chosen
     program, _ = map_rank_file(engine / "rank0.engine")
     acts = {n["attrs"].get("act") for n in json.loads(program)["nodes"] if n["op"] == "linear"}

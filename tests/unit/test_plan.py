@@ -165,3 +165,9 @@ def test_auto_activations_choose_the_fastest_path_that_keeps_the_gate():
     lopsided = {"f32": Speed(100, 1000), "int8": Speed(130, 600)}
     assert choose(lopsided, {"f32": None, "int8": 100.0}, 95)[0] == "f32"
     assert choose({"f32": Speed(100, 1000), "int8": Speed(200, 2000)}, {"f32": 80.0, "int8": 90.0}, 95)[0] == "f32"
+    # exact wins a near-tie: under MIN_GAIN a rounding path is timing noise
+    close = {"f32": Speed(100, 1000), "int16": Speed(103, 1020)}
+    chosen, why = choose(close, {"f32": None, "int16": 100.0}, 95)
+    assert chosen == "f32" and "int16" in why and "x1.02" in why
+    clear = {"f32": Speed(100, 1000), "int16": Speed(100, 1400)}
+    assert choose(clear, {"f32": None, "int16": 100.0}, 95)[0] == "int16"
