@@ -496,12 +496,14 @@ INLINE void micro_i16(const int fmt, const int np, const int mr, const Job *job,
                                                                  10, -128, 11, -128, 14, -128, 15, -128));
     float acc[2][MRQ][PANEL] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
-        const float *step = params + b * 3 * MRQ, *xsum = step + MRQ;
-        const int32_t *corr = (const int32_t *)(step + 2 * MRQ);
+        const float *step = params + b * 3 * MRQ, *xsum = step + MRQ, *corr = step + 2 * MRQ;
         __m512i d[2][MRQ];
         #pragma GCC unroll 16
-        for (int t = 0; t < mr; t++)
-            d[0][t] = d[1][t] = _mm512_set1_epi32(corr[t]);
+        for (int t = 0; t < mr; t++) {
+            int32_t c;
+            memcpy(&c, corr + t, 4);  /* xcorr's int32 bits */
+            d[0][t] = d[1][t] = _mm512_set1_epi32(c);
+        }
         const uint8_t *chunk = w->codes + p * K * bpk + b * B * bpk;
         const int32_t *xk = xq + b * (B / 2) * MRQ;
         for (int64_t c = 0; c < B / 8; c++, chunk += 8 * bpk, xk += 4 * MRQ) {
@@ -574,7 +576,7 @@ INLINE void micro_i16(const int fmt, const int np, const int mr, const Job *job,
 I16_CASES(i16_FMT_Q4, FMT_Q4)
 I16_CASES(i16_FMT_Q8, FMT_Q8)
 
-#define VNNI_CASES(name, fmt)                                                                \
+#define VNNI_CASES(name, fmt)                                                                      \
     static void name(const Job *job, int64_t p, int64_t t0, int mr)                                \
     {                                                                                              \
         switch (mr) {                                                                              \

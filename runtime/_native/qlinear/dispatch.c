@@ -20,14 +20,12 @@ static int build_workspace(Job *job)
         if (job->act == ACT_INT16) {
             ws->xq16 = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K) * sizeof(int16_t));
             ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
-            if (!ws->tparams)
-                return 0;
         } else
             ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));
         ws->xscale = malloc((size_t)(T * nb) * sizeof(float));
         ws->xcorr = malloc((size_t)(T * nb) * sizeof(int32_t));
         ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
-        return (ws->xq || ws->xq16) && ws->xscale && ws->xcorr && ws->xsum;
+        return (ws->xq || (ws->xq16 && ws->tparams)) && ws->xscale && ws->xcorr && ws->xsum;
     }
     ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
     if (!uses_direct(job))
