@@ -360,8 +360,8 @@ def bench(
     typer.echo(b.table(results))
     if peaks is not None:
         typer.echo(f"peaks on {peaks.threads} threads: read {peaks.read_gbs:.1f} GB/s, f32 {peaks.f32_gflops:.0f} "
-                   f"GFLOP/s, int8 {peaks.int8_gops:.0f} GOP/s; '% compute' is against the peak of the engine's "
-                   "activations", err=True)
+                   f"GFLOP/s, int8 {peaks.int8_gops:.0f} GOP/s, int16 {peaks.int16_gops:.0f} GOP/s; '% compute' is "
+                   "against the peak of the engine's activations", err=True)
     if busy:
         if peaks is not None:
             b.annotate(busy, peaks, manifest.activations)

@@ -1,13 +1,15 @@
 """This machine's measured limits, and where an engine's steps stand against them.
 
-`measure_peaks` times three micro-benchmarks on the threads a run uses (best of a few repeats, so
+`measure_peaks` times four micro-benchmarks on the threads a run uses (best of a few repeats, so
 a figure is what the machine can do, not what a noisy moment gave):
 
 - memory read bandwidth: summing a 256 MiB f32 buffer (far larger than any cache);
 - f32: independent chains of the kernels' FMA instruction on registers (`_qlinear.peak`: AVX-512
   where the qlinear kernels use it, else AVX2);
 - int8: the same with the int8 dot-product instruction (AVX-512 VNNI vpdpbusd, else AVX2
-  vpmaddubsw).
+  vpmaddubsw);
+- int16: the same with the int16 pair-product instruction (AVX-512 VNNI vpdpwssd, twice the f32
+  FMA's operations; else AVX2 vpmaddwd and the vpaddd that accumulates it).
 
 A decoder step reads every weight once (a mixture of experts: the experts its tokens chose, see
 runtime/bench.py) and does two operations per weight per token, so for
@@ -36,6 +38,7 @@ class Peaks:
     read_gbs: float      # GB/s, 1e9 bytes
     f32_gflops: float    # 1e9 f32 operations/s (a multiply-add is two), the FMA instruction's
     int8_gops: float     # 1e9 int8 operations/s, the int8 dot-product instruction's
+    int16_gops: float    # 1e9 int16 operations/s, the int16 pair-product instruction's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +62,7 @@ def _read_seconds() -> float:
 
 @torch.inference_mode()
 def measure_peaks(threads: int | None = None) -> Peaks:
-    """The three micro-benchmarks on `threads` threads (default: torch's current count)."""
+    """The four micro-benchmarks on `threads` threads (default: torch's current count)."""
     before = torch.get_num_threads()
     threads = threads or before
     torch.set_num_threads(threads)
@@ -67,8 +70,8 @@ def measure_peaks(threads: int | None = None) -> Peaks:
         read = _read_seconds()
     finally:
         torch.set_num_threads(before)
-    f32, int8 = (max(_qlinear.peak(kind, threads, PEAK_ITERS) for _ in range(REPEATS)) for kind in (0, 1))
-    return Peaks(threads, READ_BYTES / read / 1e9, f32 / 1e9, int8 / 1e9)
+    f32, int8, int16 = (max(_qlinear.peak(kind, threads, PEAK_ITERS) for _ in range(REPEATS)) for kind in (0, 1, 2))
+    return Peaks(threads, READ_BYTES / read / 1e9, f32 / 1e9, int8 / 1e9, int16 / 1e9)
 
 
 def linear_parameters(config: dict) -> tuple[int, int]:
@@ -89,10 +92,9 @@ def linear_parameters(config: dict) -> tuple[int, int]:
 
 
 def roofline(weight_gbs: float, gops: float, peaks: Peaks, activations: str) -> tuple[float, float, str]:
-    """(share of the read bandwidth, share of the compute peak, the limit that applies). int8
-    activations are held to the int8 peak; f32 and int16 ones (whose pair products run at about
-    f32's rate) to the f32 peak."""
-    kind = "int8" if activations == "int8" else "f32"
+    """(share of the read bandwidth, share of the compute peak, the limit that applies): each
+    activation mode is held to the peak of its own instruction."""
+    kind = activations if activations in ("int8", "int16") else "f32"
     memory = weight_gbs / peaks.read_gbs
-    compute = gops / (peaks.int8_gops if kind == "int8" else peaks.f32_gflops)
+    compute = gops / {"int8": peaks.int8_gops, "int16": peaks.int16_gops, "f32": peaks.f32_gflops}[kind]
     return memory, compute, ("memory" if memory >= compute else kind)

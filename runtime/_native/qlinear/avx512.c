@@ -685,7 +685,8 @@ double avx512_peak(int kind, int64_t iters)
             sink += _mm512_reduce_add_ps(acc[i]);
         return sink == 12345.0f ? 0.0 : (double)iters * PEAK_CHAINS * 32;
     }
-    /* int8: vpdpbusd, 64 u8 x s8 products into 16 int32 lanes: 128 operations */
+    /* int8: vpdpbusd, 64 u8 x s8 products into 16 int32 lanes: 128 operations; int16: vpdpwssd,
+     * 32 s16 x s16 products: 64 */
     __m512i acc[PEAK_CHAINS];
     const __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(-2);
     for (int i = 0; i < PEAK_CHAINS; i++)
@@ -693,11 +694,11 @@ double avx512_peak(int kind, int64_t iters)
     for (int64_t it = 0; it < iters; it++) {
         #pragma GCC unroll 12
         for (int i = 0; i < PEAK_CHAINS; i++)
-            acc[i] = _mm512_dpbusd_epi32(acc[i], u, s);
+            acc[i] = kind == PEAK_INT16 ? _mm512_dpwssd_epi32(acc[i], u, s) : _mm512_dpbusd_epi32(acc[i], u, s);
     }
     for (int i = 0; i < PEAK_CHAINS; i++)
         sink += (float)_mm512_reduce_add_epi32(acc[i]);
-    return sink == 12345.0f ? 0.0 : (double)iters * PEAK_CHAINS * 128;
+    return sink == 12345.0f ? 0.0 : (double)iters * PEAK_CHAINS * (kind == PEAK_INT16 ? 64 : 128);
 }
 
 #pragma GCC pop_options

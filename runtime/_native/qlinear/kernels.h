@@ -112,7 +112,7 @@ float lane_sum(const float *x, int64_t len);
 /* Peak micro-benchmarks (runtime/roofline.py): one thread's `iters` rounds of PEAK_CHAINS independent
  * chains of the path's multiply-add instruction on registers alone; each returns the operations
  * done (a multiply-add counts two). */
-enum { PEAK_F32 = 0, PEAK_INT8 = 1 };
+enum { PEAK_F32 = 0, PEAK_INT8 = 1, PEAK_INT16 = 2 };
 #define PEAK_CHAINS 12
 double avx2_peak(int kind, int64_t iters);
 double avx512_peak(int kind, int64_t iters);

@@ -248,15 +248,15 @@ static PyObject *py_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* peak(kind, threads, iters) -> operations/s of the active kernels' multiply-add instruction
- * (kind 0: f32 FMA, 1: int8 dot product) on `threads` threads, registers only. */
+ * (kind 0: f32 FMA, 1: int8 dot product, 2: int16 pair product) on `threads` threads, registers only. */
 static PyObject *py_peak(PyObject *self, PyObject *args)
 {
     int kind, threads;
     long long iters;
     if (!PyArg_ParseTuple(args, "iiL", &kind, &threads, &iters))
         return NULL;
-    if ((kind != PEAK_F32 && kind != PEAK_INT8) || threads < 1 || iters < 1)
-        return PyErr_Format(PyExc_ValueError, "peak: kind 0 or 1, threads and iters >= 1"), NULL;
+    if ((kind != PEAK_F32 && kind != PEAK_INT8 && kind != PEAK_INT16) || threads < 1 || iters < 1)
+        return PyErr_Format(PyExc_ValueError, "peak: kind 0, 1 or 2, threads and iters >= 1"), NULL;
     double ops;
     Py_BEGIN_ALLOW_THREADS
     ops = measure_peak(active_kernels, kind, threads, (int64_t)iters);
@@ -269,7 +269,8 @@ static PyMethodDef methods[] = {
     {"run", (PyCFunction)(void (*)(void))py_run, METH_FASTCALL, "run(handle, y_address, x_address, T, threads)"},
     {"rows", (PyCFunction)(void (*)(void))py_rows, METH_FASTCALL,
      "rows(handle, out_address, ids_address, R, threads): dequantized weight rows"},
-    {"peak", py_peak, METH_VARARGS, "peak(kind, threads, iters) -> operations/s (kind 0: f32 FMA, 1: int8 dot)."},
+    {"peak", py_peak, METH_VARARGS,
+     "peak(kind, threads, iters) -> operations/s (kind 0: f32 FMA, 1: int8 dot, 2: int16 pairs)."},
     {"isa", py_isa, METH_NOARGS, "Name of the kernels in use: 'avx512', 'avx2' or 'portable'."},
     {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'avx512' | 'avx2' | 'portable') -> name in use."},
     {NULL, NULL, 0, NULL},
