@@ -189,12 +189,10 @@ static void avx512_quantize_token(const Job *job, int64_t t)
         job->ws.xscale[t * nb + b] = amax / levels;
         job->ws.xcorr[t * nb + b] = -vnni_offset(job->w.fmt) * _mm512_reduce_add_epi32(qsum);
         job->ws.xsum[t * nb + b] = avx512_block_sum(x + b * B, B);
-        if (wide) {
-            float *tp = job->ws.tparams + ((t / MRQ) * nb + b) * 3 * MRQ + t % MRQ;
-            tp[0] = job->ws.xscale[t * nb + b];
-            tp[MRQ] = job->ws.xsum[t * nb + b];
-            memcpy(tp + 2 * MRQ, job->ws.xcorr + t * nb + b, 4);
-        }
+        float *tp = job->ws.tparams + ((t / MRQ) * nb + b) * 3 * MRQ + t % MRQ;
+        tp[0] = job->ws.xscale[t * nb + b];
+        tp[MRQ] = job->ws.xsum[t * nb + b];
+        memcpy(tp + 2 * MRQ, job->ws.xcorr + t * nb + b, 4);
     }
 }
 
@@ -413,81 +411,35 @@ static void tile_panels(const Job *job, int64_t p, int np, float *tile /* [KC][3
 // ----------------------------------------------------------------------------
 // Int8 and int16 activations (VNNI), q4 and q8
 
-/* y[t0 .. t0+mr, panel p], int8 activations: per activation block b, dot = corr + sum(u8 code * x)
- * in int32 (vpdpbusd on the 4 codes of a row per 32-bit lane), then acc += f32(dot) * (s * step)
- * (+ z * xsum for q4). */
-INLINE void micro_vnni(const int fmt, const int mr, const Job *job, int64_t p, int64_t t0)
+/* acc += the products of code's lanes with the activation word at x, broadcast (a {1to16} memory
+ * operand): int16 pairs (vpdpwssd) or u8 codes x s8 quads (vpdpbusd). Written in asm because GCC's
+ * register allocation of these intrinsics copies the accumulators around every step: twice the
+ * instructions. */
+INLINE __m512i dot_bcast(const int wide, __m512i acc, __m512i code, const int32_t *x)
 {
-    const Weight *w = &job->w;
-    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
-    const int32_t *xq = (const int32_t *)(job->ws.xq + (t0 / MRQ) * K * MRQ);  /* words: [K/4][MRQ], 4 k each */
-    const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
-    const int32_t *corr = job->ws.xcorr + t0 * nb;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[MRQ];
-    #pragma GCC unroll 16
-    for (int t = 0; t < mr; t++)
-        acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i dot[MRQ];
-        #pragma GCC unroll 16
-        for (int t = 0; t < mr; t++)
-            dot[t] = _mm512_set1_epi32(corr[t * nb + b]);
-        for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
-            const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
-            prefetch_ahead(chunk, 8 * bpk);
-            __m512i lo, hi;
-            if (fmt == FMT_Q4) {
-                const __m512i v = _mm512_loadu_si512(chunk);
-                lo = _mm512_and_si512(v, low4);
-                hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            } else {
-                lo = _mm512_xor_si512(_mm512_loadu_si512(chunk), flip);
-                hi = _mm512_xor_si512(_mm512_loadu_si512(chunk + 64), flip);
-            }
-            const int32_t *xk = xq + (k / 4) * MRQ;
-            #pragma GCC unroll 16
-            for (int t = 0; t < mr; t++)
-                dot[t] = _mm512_dpbusd_epi32(dot[t], lo, _mm512_set1_epi32(xk[t]));
-            #pragma GCC unroll 16
-            for (int t = 0; t < mr; t++)
-                dot[t] = _mm512_dpbusd_epi32(dot[t], hi, _mm512_set1_epi32(xk[MRQ + t]));
-        }
-        __m512 s, z = _mm512_setzero_ps();
-        group_params(fmt, w, p, b * B / w->group, &s, &z);
-        #pragma GCC unroll 16
-        for (int t = 0; t < mr; t++) {
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(s, _mm512_set1_ps(step[t * nb + b])), acc[t]);
-            if (fmt == FMT_Q4)
-                acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[t * nb + b]), acc[t]);
-        }
-    }
-    #pragma GCC unroll 16
-    for (int t = 0; t < mr; t++)
-        store_rows(job->y + (t0 + t) * N + p * PANEL, acc[t], job->bias ? job->bias + p * PANEL : NULL,
-                   rows_mask(N, p));
-}
-
-/* acc += the int16 pair products of code's lanes with the pair at x, broadcast (vpdpwssd with a
- * {1to16} memory operand). Written in asm because GCC's register allocation of the intrinsic
- * copies the accumulators around every step: twice the instructions. */
-INLINE __m512i dpwssd_bcast(__m512i acc, __m512i code, const int32_t *x)
-{
-    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(code), "m"(*x));
+    if (wide)
+        __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(code), "m"(*x));
+    else
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(code), "m"(*x));
     return acc;
 }
 
-/* Int16 activations, np (1 or 2) panels at once: micro_vnni's arithmetic, with each lane's codes
- * widened to int16 pairs (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd. Each broadcast
- * activation pair feeds both panels, so 2 x 8 chains hide the instruction's latency; the f32 sums
- * live in memory between blocks. Integer sums are exact in any order and each f32 step is
- * micro_vnni's, so the numbers are the portable path's. */
-INLINE void micro_i16(const int fmt, const int np, const int mr, const Job *job, int64_t p, int64_t t0)
+/* y[t0 .. t0+mr, panels p .. p+np) (np 1 or 2), integer activations: per activation block b,
+ * dot = corr + sum(u8 code * x) in int32, then acc += f32(dot) * (s * step) (+ z * xsum for q4).
+ * Int8 x (wide = 0): vpdpbusd on the 4 codes of a row per 32-bit lane. Int16 x (wide = 1): each
+ * lane's codes widened to int16 pairs (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd.
+ * Each broadcast activation word feeds both panels, so 2 x 8 chains hide the instructions'
+ * latency; the f32 sums live in memory between blocks. Integer sums are exact in any order and
+ * each f32 step is the portable path's, so the numbers are too. */
+INLINE void micro_int(const int fmt, const int wide, const int np, const int mr, const Job *job, int64_t p,
+                      int64_t t0)
 {
     const Weight *w = &job->w;
     const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
     const int per_channel = w->group == K;
-    const int32_t *xq = (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ;
+    const int words = wide ? 4 : 2;  /* activation words of a token per 8 k */
+    const int32_t *xq = wide ? (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ
+                             : (const int32_t *)job->ws.xq + (t0 / MRQ) * (K / 4) * MRQ;
     const float *params = job->ws.tparams + (t0 / MRQ) * nb * 3 * MRQ;
     const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     const __m512i pair_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128,
@@ -505,8 +457,8 @@ INLINE void micro_i16(const int fmt, const int np, const int mr, const Job *job,
             d[0][t] = d[1][t] = _mm512_set1_epi32(c);
         }
         const uint8_t *chunk = w->codes + p * K * bpk + b * B * bpk;
-        const int32_t *xk = xq + b * (B / 2) * MRQ;
-        for (int64_t c = 0; c < B / 8; c++, chunk += 8 * bpk, xk += 4 * MRQ) {
+        const int32_t *xk = xq + b * (B / 8) * words * MRQ;
+        for (int64_t c = 0; c < B / 8; c++, chunk += 8 * bpk, xk += words * MRQ) {
             __m512i code[2][4];
             #pragma GCC unroll 2
             for (int i = 0; i < np; i++) {
@@ -521,18 +473,23 @@ INLINE void micro_i16(const int fmt, const int np, const int mr, const Job *job,
                     lo = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
                     hi = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
                 }
-                code[i][0] = _mm512_shuffle_epi8(lo, pair_lo);
-                code[i][1] = _mm512_shuffle_epi8(lo, pair_hi);
-                code[i][2] = _mm512_shuffle_epi8(hi, pair_lo);
-                code[i][3] = _mm512_shuffle_epi8(hi, pair_hi);
+                if (wide) {
+                    code[i][0] = _mm512_shuffle_epi8(lo, pair_lo);
+                    code[i][1] = _mm512_shuffle_epi8(lo, pair_hi);
+                    code[i][2] = _mm512_shuffle_epi8(hi, pair_lo);
+                    code[i][3] = _mm512_shuffle_epi8(hi, pair_hi);
+                } else {
+                    code[i][0] = lo;
+                    code[i][1] = hi;
+                }
             }
             #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < words; j++) {
                 #pragma GCC unroll 16
                 for (int t = 0; t < mr; t++) {
-                    d[0][t] = dpwssd_bcast(d[0][t], code[0][j], xk + j * MRQ + t);
+                    d[0][t] = dot_bcast(wide, d[0][t], code[0][j], xk + j * MRQ + t);
                     if (np == 2)
-                        d[1][t] = dpwssd_bcast(d[1][t], code[1][j], xk + j * MRQ + t);
+                        d[1][t] = dot_bcast(wide, d[1][t], code[1][j], xk + j * MRQ + t);
                 }
             }
         }
@@ -558,40 +515,26 @@ INLINE void micro_i16(const int fmt, const int np, const int mr, const Job *job,
                        job->bias ? job->bias + (p + i) * PANEL : NULL, rows_mask(N, p + i));
 }
 
-#define I16_CASE(fmt, mr)                                                                          \
+#define INT_CASE(fmt, wide, mr)                                                                    \
     case mr:                                                                                       \
         if (np == 2)                                                                               \
-            micro_i16(fmt, 2, mr, job, p, t0);                                                     \
+            micro_int(fmt, wide, 2, mr, job, p, t0);                                               \
         else                                                                                       \
-            micro_i16(fmt, 1, mr, job, p, t0);                                                     \
+            micro_int(fmt, wide, 1, mr, job, p, t0);                                               \
         break;
-#define I16_CASES(name, fmt)                                                                       \
+#define INT_CASES(name, fmt, wide)                                                                 \
     static void name(const Job *job, int64_t p, int np, int64_t t0, int mr)                        \
     {                                                                                              \
         switch (mr) {                                                                              \
-            I16_CASE(fmt, 1) I16_CASE(fmt, 2) I16_CASE(fmt, 3) I16_CASE(fmt, 4)                    \
-            I16_CASE(fmt, 5) I16_CASE(fmt, 6) I16_CASE(fmt, 7) default: I16_CASE(fmt, 8)           \
+            INT_CASE(fmt, wide, 1) INT_CASE(fmt, wide, 2) INT_CASE(fmt, wide, 3)                   \
+            INT_CASE(fmt, wide, 4) INT_CASE(fmt, wide, 5) INT_CASE(fmt, wide, 6)                   \
+            INT_CASE(fmt, wide, 7) default: INT_CASE(fmt, wide, 8)                                 \
         }                                                                                          \
     }
-I16_CASES(i16_FMT_Q4, FMT_Q4)
-I16_CASES(i16_FMT_Q8, FMT_Q8)
-
-#define VNNI_CASES(name, fmt)                                                                      \
-    static void name(const Job *job, int64_t p, int64_t t0, int mr)                                \
-    {                                                                                              \
-        switch (mr) {                                                                              \
-        case 1: micro_vnni(fmt, 1, job, p, t0); break;                                       \
-        case 2: micro_vnni(fmt, 2, job, p, t0); break;                                       \
-        case 3: micro_vnni(fmt, 3, job, p, t0); break;                                       \
-        case 4: micro_vnni(fmt, 4, job, p, t0); break;                                       \
-        case 5: micro_vnni(fmt, 5, job, p, t0); break;                                       \
-        case 6: micro_vnni(fmt, 6, job, p, t0); break;                                       \
-        case 7: micro_vnni(fmt, 7, job, p, t0); break;                                       \
-        default: micro_vnni(fmt, 8, job, p, t0); break;                                      \
-        }                                                                                          \
-    }
-VNNI_CASES(vnni_FMT_Q4, FMT_Q4)
-VNNI_CASES(vnni_FMT_Q8, FMT_Q8)
+INT_CASES(i8_FMT_Q4, FMT_Q4, 0)
+INT_CASES(i8_FMT_Q8, FMT_Q8, 0)
+INT_CASES(i16_FMT_Q4, FMT_Q4, 1)
+INT_CASES(i16_FMT_Q8, FMT_Q8, 1)
 
 // ----------------------------------------------------------------------------
 // Per-thread compute
@@ -622,43 +565,27 @@ static void avx512_compute_tiled(const Job *job, int tid, int nt)
         tile_panels(job, 2 * u, 2 * u + 1 < job->w.panels ? 2 : 1, tile);
 }
 
-/* Int16: pairs of panels (one at the end of an odd count), each thread a contiguous range. */
-static void avx512_compute_i16(const Job *job, int tid, int nt)
+/* Integer activations: pairs of panels (one at the end of an odd count), each thread a contiguous
+ * range of them. */
+static void avx512_compute_int(const Job *job, int tid, int nt)
 {
+    const int q4 = job->w.fmt == FMT_Q4;
+    void (*fn)(const Job *, int64_t, int, int64_t, int) =
+        job->act == ACT_INT16 ? (q4 ? i16_FMT_Q4 : i16_FMT_Q8) : (q4 ? i8_FMT_Q4 : i8_FMT_Q8);
     const int64_t P = job->w.panels;
     int64_t lo, hi;
     thread_range(ceil_div(P, 2), tid, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) {
         const int np = 2 * u + 1 < P ? 2 : 1;
-        for (int64_t t0 = 0; t0 < job->t; t0 += MRQ) {
-            const int mr = (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ);
-            (job->w.fmt == FMT_Q4 ? i16_FMT_Q4 : i16_FMT_Q8)(job, 2 * u, np, t0, mr);
-        }
+        for (int64_t t0 = 0; t0 < job->t; t0 += MRQ)
+            fn(job, 2 * u, np, t0, (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ));
     }
-}
-
-static void avx512_compute_vnni(const Job *job, int tid, int nt)
-{
-    int64_t lo, hi;
-    if (job->act == ACT_INT16) {
-        avx512_compute_i16(job, tid, nt);
-        return;
-    }
-    thread_range(job->w.panels, tid, nt, &lo, &hi);
-    for (int64_t p = lo; p < hi; p++)
-        for (int64_t t0 = 0; t0 < job->t; t0 += MRQ) {
-            const int mr = (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ);
-            if (job->w.fmt == FMT_Q4)
-                vnni_FMT_Q4(job, p, t0, mr);
-            else
-                vnni_FMT_Q8(job, p, t0, mr);
-        }
 }
 
 static void avx512_compute(Job *job, int tid, int nt)
 {
     if (job->act != ACT_F32)
-        avx512_compute_vnni(job, tid, nt);
+        avx512_compute_int(job, tid, nt);
     else if (uses_direct(job))
         avx512_compute_direct(job, tid, nt);
     else

@@ -17,15 +17,15 @@ static int build_workspace(Job *job)
     Workspace *ws = &job->ws;
     memset(ws, 0, sizeof *ws);
     if (job->act != ACT_F32) {
-        if (job->act == ACT_INT16) {
+        if (job->act == ACT_INT16)
             ws->xq16 = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K) * sizeof(int16_t));
-            ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
-        } else
+        else
             ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));
+        ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
         ws->xscale = malloc((size_t)(T * nb) * sizeof(float));
         ws->xcorr = malloc((size_t)(T * nb) * sizeof(int32_t));
         ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
-        return (ws->xq || (ws->xq16 && ws->tparams)) && ws->xscale && ws->xcorr && ws->xsum;
+        return (ws->xq || ws->xq16) && ws->tparams && ws->xscale && ws->xcorr && ws->xsum;
     }
     ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
     if (!uses_direct(job))

@@ -36,8 +36,8 @@ typedef struct {
     int16_t *xq16;   /* [ceil(T/MRQ)][K/2][MRQ][2] int16 activations */
     float *xscale;   /* [T][K/blk] int8 / int16 step of each block */
     int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block */
-    float *tparams;  /* AVX-512 int16: [ceil(T/MRQ)][K/blk][3][MRQ] a tile's xscale, xsum and xcorr
-                        (its int32 bits) per block, its tokens side by side */
+    float *tparams;  /* AVX-512 integer modes: [ceil(T/MRQ)][K/blk][3][MRQ] a tile's xscale, xsum
+                        and xcorr (its int32 bits) per block, its tokens side by side */
 } Workspace;
 
 typedef struct {
