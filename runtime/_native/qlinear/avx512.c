@@ -157,8 +157,9 @@ static float avx512_block_sum(const float *x, int64_t len)
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* portable_quantize_token's numbers, the block sums included. Int8 codes go 4 k to a word of
- * xq, int16 ones 2 k to a word of xq16. Blocks are multiples of 16. */
+/* portable_quantize_token's numbers, the block sums included: int8 codes 4 k to a word of xq,
+ * int16 ones 2 k to a word of xq16, and each block's step, sum and correction into the tile
+ * parameters (the only ones micro_int reads). Blocks are multiples of 16. */
 static void avx512_quantize_token(const Job *job, int64_t t)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
@@ -186,13 +187,11 @@ static void avx512_quantize_token(const Job *job, int64_t t)
                     memcpy(job->ws.xq + xq_index(t, k + 4 * i, K), &words[i], 4);
             }
         }
-        job->ws.xscale[t * nb + b] = amax / levels;
-        job->ws.xcorr[t * nb + b] = -vnni_offset(job->w.fmt) * _mm512_reduce_add_epi32(qsum);
-        job->ws.xsum[t * nb + b] = avx512_block_sum(x + b * B, B);
+        const int32_t corr = -vnni_offset(job->w.fmt) * _mm512_reduce_add_epi32(qsum);
         float *tp = job->ws.tparams + ((t / MRQ) * nb + b) * 3 * MRQ + t % MRQ;
-        tp[0] = job->ws.xscale[t * nb + b];
-        tp[MRQ] = job->ws.xsum[t * nb + b];
-        memcpy(tp + 2 * MRQ, job->ws.xcorr + t * nb + b, 4);
+        tp[0] = amax / levels;
+        tp[MRQ] = avx512_block_sum(x + b * B, B);
+        memcpy(tp + 2 * MRQ, &corr, 4);
     }
 }
 

@@ -34,8 +34,8 @@ typedef struct {
     float *xsum;     /* [T][K/blk] sum of x over each block (the q4/q5 offset term) */
     int8_t *xq;      /* [ceil(T/MRQ)][K/4][MRQ][4] int8 activations */
     int16_t *xq16;   /* [ceil(T/MRQ)][K/2][MRQ][2] int16 activations */
-    float *xscale;   /* [T][K/blk] int8 / int16 step of each block */
-    int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block */
+    float *xscale;   /* [T][K/blk] int8 / int16 step of each block (portable, AVX2) */
+    int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block (portable, AVX2) */
     float *tparams;  /* AVX-512 integer modes: [ceil(T/MRQ)][K/blk][3][MRQ] a tile's xscale, xsum
                         and xcorr (its int32 bits) per block, its tokens side by side */
 } Workspace;
