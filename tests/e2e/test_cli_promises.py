@@ -55,7 +55,7 @@ def test_bench_measures_each_level_and_draws_them(tiny_engine_dir, tmp_path):
     # the roofline: the machine's peaks measured on the run's threads, each level's shares of them
     peaks = doc["peaks"]
     assert peaks["threads"] == 1 and min(peaks["read_gbs"], peaks["f32_gflops"], peaks["int8_gops"],
-                                                     peaks["int16_gops"]) > 0
+                                         peaks["int16_gops"]) > 0
     for level in doc["levels"]:
         assert level["limit"] in ("memory", "f32") and 0 < level["memory_pct"] and 0 < level["compute_pct"]
         assert level["memory_pct"] == pytest.approx(100 * level["weight_gbs"] / peaks["read_gbs"])
