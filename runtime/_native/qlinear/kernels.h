@@ -22,7 +22,7 @@
 enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 
 #define MR 12        /* tokens per f32 micro-kernel tile */
-#define MRQ 8        /* tokens per int8 micro-kernel tile */
+#define MRQ 8        /* tokens per integer micro-kernel tile, and per tile of the xq / xq16 layouts */
 #define KC 256       /* k per dequantized f32 tile: [KC][32] f32 = 32 KiB, L1/L2 resident */
 #define DIRECT_T 12  /* AVX-512, f32 activations: T <= DIRECT_T decodes weights in registers, no tile (12
                         tokens: 24 accumulators, the most the 32 registers hold beside a chunk's codes) */
