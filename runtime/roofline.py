@@ -11,6 +11,10 @@ a figure is what the machine can do, not what a noisy moment gave):
 - int16: the same with the int16 pair-product instruction (AVX-512 VNNI vpdpwssd, twice the f32
   FMA's operations; else AVX2 vpmaddwd and the vpaddd that accumulates it).
 
+Where the qlinear kernels use AMX tiles (integer activations' larger steps), the integer peaks stay
+the AVX-512 instructions': the steps of few tokens run on those, and the tiled ones are bound by the
+f32 rescale of every block's sums, far below the tile unit's own peak.
+
 A decoder step reads every weight once (a mixture of experts: the experts its tokens chose, see
 runtime/bench.py) and does two operations per weight per token, so for
 `tokens_per_s` tokens at `steps_per_s` steps: bandwidth used = steps_per_s x weight bytes, and

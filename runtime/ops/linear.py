@@ -23,12 +23,13 @@ ACT_MODES = {"f32": _C.ACT_F32, "int8": _C.ACT_INT8, "int16": _C.ACT_INT16}
 
 
 def isa() -> str:
-    """Kernels in use: "avx512" (AVX-512 F/BW/DQ/VL + VNNI), "avx2" or "portable"."""
+    """Kernels in use: "amx" (AVX-512's, with AMX-INT8 tile multiplies for integer activations' steps of
+    16 tokens and more), "avx512" (AVX-512 F/BW/DQ/VL + VNNI), "avx2" or "portable"."""
     return _C.isa()
 
 
 def set_isa(name: str) -> str:
-    """Pick the kernels: "auto", "avx512", "avx2" or "portable" (tests cover every path with it)."""
+    """Pick the kernels: "auto", "amx", "avx512", "avx2" or "portable" (tests cover every path with it)."""
     return _C.set_isa(name)
 
 

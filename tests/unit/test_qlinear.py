@@ -19,13 +19,27 @@ SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate_up": (3072, 576), "down": (5
 ODD = {"n40_k96": (40, 96), "n17_k320": (17, 320), "n1_k384": (1, 384)}  # N % 16 != 0, K = G * odd
 # each AVX2 direct width, AVX-512's widest direct ones (11, 12), then tiles (13 and more: AVX-512's MR = 12)
 TOKENS = (1, 2, 3, 4, 8, 11, 12, 13, 17, 64)
-ISAS = (["avx512"] if ql.set_isa("auto") == "avx512" else []) + ["avx2", "portable"]  # those this CPU runs
+LACKS = {"amx": "this CPU (or its OS) offers no AMX-INT8 tiles: the amx kernels cannot run here",
+         "avx512": "this CPU lacks AVX-512 F/BW/DQ/VL/VNNI: the avx512 kernels cannot run here"}
 
 
-@pytest.fixture(params=["avx512", "avx2", "portable"])
+def runs_here(name: str) -> bool:
+    try:
+        ql.set_isa(name)
+        return True
+    except ValueError:
+        return False
+    finally:
+        ql.set_isa("auto")
+
+
+ISAS = [name for name in ("amx", "avx512", "avx2", "portable") if runs_here(name)]  # those this CPU runs
+
+
+@pytest.fixture(params=["amx", "avx512", "avx2", "portable"])
 def isa(request):
     if request.param not in ISAS:
-        pytest.skip("this CPU lacks AVX-512 F/BW/DQ/VL/VNNI: the avx512 kernels cannot run here")
+        pytest.skip(LACKS[request.param])
     ql.set_isa(request.param)
     yield request.param
     ql.set_isa("auto")
@@ -112,7 +126,7 @@ def run_shapes(isa, all_smollm2=True):
     """The odd shapes and the SmolLM2 ones: all of them for the AVX-512 kernels' main cases, only
     q elsewhere (AVX2 shares the layouts and loop structure; portable C is slow)."""
     shapes = dict(ODD)
-    shapes.update(SMOLLM2 if isa == "avx512" and all_smollm2 else {"q": SMOLLM2["q"]})
+    shapes.update(SMOLLM2 if isa in ("amx", "avx512") and all_smollm2 else {"q": SMOLLM2["q"]})
     return shapes
 
 
@@ -196,19 +210,21 @@ def test_fp8_decodes_every_finite_code():
     assert torch.equal(ql.linear_fp8(x, packed, 1, 248)[:, 0], expected[0])  # one product each: exact
 
 
-@pytest.mark.parametrize("simd,act", [("avx512", "int16"), ("avx512", "int8"), ("avx2", "int16"), ("avx2", "int8")])
+@pytest.mark.parametrize("simd,act", [("amx", "int16"), ("amx", "int8"), ("avx512", "int16"), ("avx512", "int8"),
+                                      ("avx2", "int16"), ("avx2", "int8")])
 def test_integer_activations_are_the_portable_numbers_bit_for_bit(simd, act):
     """The SIMD kernels' integer modes share the portable quantization, block sums and integer dots:
-    equal, not close."""
+    equal, not close. AMX takes int16 steps from 16 tokens and int8 ones from 64: 17, 40 and 70 tokens
+    fill whole tiles of 16 and a partial last one."""
     if simd not in ISAS:
-        pytest.skip(f"no {simd}")
+        pytest.skip(LACKS[simd])
     cases = [(int4, (40, 320, 64), True), (int4, (576, 576, 32), False), (int8, (33, 256, None), None),
              (int8, (40, 96, 32), None)]
     for fmt, (n, k, g), f16 in cases:
         packed = int4.pack(*random_int4(n, k, g, f16=f16), g) if fmt is int4 else int8.pack(*random_int8(n, k, g), g)
         linear = ql.linear_int4 if fmt is int4 else ql.linear_int8
         bias = torch.randn(n, generator=gen(n))
-        for t in (1, 5, 17):
+        for t in (1, 5, 17, 40, 70):
             x = torch.randn(t, k, generator=gen(t))
             x[0, :32] *= 1e3  # an outlier block
             ys = {}

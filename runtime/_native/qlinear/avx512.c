@@ -15,37 +15,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")
 
-INLINE __mmask16 rows_mask(int64_t n, int64_t p)
-{
-    const int64_t left = n - p * PANEL;
-    return left >= PANEL ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-}
-
-INLINE __m512 load16(const void *base, int64_t idx, int f16)
-{
-    if (f16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
-    return _mm512_loadu_ps((const float *)base + idx);
-}
-
-/* Scale s and offset z of panel p, weight group g, for 16 rows: q4 the zero point, q5 the min (the
- * value of code 0). f8 scales carry the 2^8 that decode_step leaves out. */
-INLINE void group_params(const int fmt, const Weight *w, int64_t p, int64_t g, __m512 *s, __m512 *z)
-{
-    const int64_t idx = (p * (w->k / w->group) + g) * PANEL;
-    if (fmt == FMT_BF16) {
-        *s = _mm512_set1_ps(1.0f);
-        return;
-    }
-    *s = load16(w->scales, idx, w->scales_f16);
-    if (fmt == FMT_F8)
-        *s = _mm512_mul_ps(*s, _mm512_set1_ps(256.0f));
-    if (fmt == FMT_Q4)
-        *z = w->scales_f16 ? _mm512_fmadd_ps(_mm512_set1_ps(8.0f), *s, load16(w->zeros, idx, 1))
-                           : _mm512_loadu_ps((const float *)w->zeros + idx);
-    if (fmt == FMT_Q5)
-        *z = load16(w->zeros, idx, w->scales_f16);
-}
+#include "avx512_shared.h"
 
 /* q6 code bytes: `nibbles` with bits 4-5 from `pairs` (byte j of a lane: its pair at bits 2j, 2j+1), bit 5
  * flipped, so that a byte's low 6 bits read as signed are q - 32. */
@@ -158,8 +128,10 @@ static float avx512_block_sum(const float *x, int64_t len)
 }
 
 /* portable_quantize_token's numbers, the block sums included: int8 codes 4 k to a word of xq,
- * int16 ones 2 k to a word of xq16, and each block's step, sum and correction into the tile
- * parameters (the only ones micro_int reads). Blocks are multiples of 16. */
+ * int16 ones 2 k to a word of xq16 (or, for the AMX kernels, token rows of xhi / xlo: int8 codes,
+ * or each int16 code's high byte, signed, and low byte, unsigned), and each block's step, sum and
+ * correction into the tile parameters (the only ones micro_int and amx.c read). Blocks are
+ * multiples of 16. */
 static void avx512_quantize_token(const Job *job, int64_t t)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
@@ -177,7 +149,15 @@ static void avx512_quantize_token(const Job *job, int64_t t)
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
             qsum = _mm512_add_epi32(qsum, q);
             int32_t words[8];
-            if (wide) {
+            if (job->ws.xhi) {
+                if (wide) {
+                    _mm_storeu_si128((__m128i *)(job->ws.xhi + t * K + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+                    _mm_storeu_si128((__m128i *)(job->ws.xlo + t * K + k),
+                                     _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(0xFF))));
+                } else {
+                    _mm_storeu_si128((__m128i *)(job->ws.xhi + t * K + k), _mm512_cvtepi32_epi8(q));
+                }
+            } else if (wide) {
                 _mm256_storeu_si256((__m256i *)words, _mm512_cvtepi32_epi16(q));
                 for (int i = 0; i < 8; i++)
                     memcpy(job->ws.xq16 + xq16_index(t, k + 2 * i, K), &words[i], 4);
@@ -195,7 +175,7 @@ static void avx512_quantize_token(const Job *job, int64_t t)
     }
 }
 
-static void avx512_prepare(Job *job, int tid, int nt)
+void avx512_prepare(Job *job, int tid, int nt)
 {
     const int64_t K = job->w.k, nb = K / job->blk;
     int64_t lo, hi;
@@ -581,7 +561,7 @@ static void avx512_compute_int(const Job *job, int tid, int nt)
     }
 }
 
-static void avx512_compute(Job *job, int tid, int nt)
+void avx512_compute(Job *job, int tid, int nt)
 {
     if (job->act != ACT_F32)
         avx512_compute_int(job, tid, nt);

@@ -11,11 +11,25 @@ static void *alloc_aligned(size_t bytes)
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
-static int build_workspace(Job *job)
+static int build_workspace(const Kernels *kern, Job *job, int threads)
 {
     const int64_t T = job->t, K = job->w.k, nb = K / job->blk;
     Workspace *ws = &job->ws;
     memset(ws, 0, sizeof *ws);
+    if (kern == &KERNELS_AMX && amx_takes(job)) {
+        const int64_t rows = ceil_div(T, MT) * MT;
+        ws->xhi = alloc_aligned((size_t)(rows * K));
+        ws->xlo = job->act == ACT_INT16 ? alloc_aligned((size_t)(rows * K)) : NULL;
+        ws->wrows = job->w.fmt == FMT_Q4 ? alloc_aligned((size_t)threads * AMX_PANELS * (size_t)K * PANEL) : NULL;
+        ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
+        if (!ws->xhi || (job->act == ACT_INT16 && !ws->xlo) || (job->w.fmt == FMT_Q4 && !ws->wrows) || !ws->tparams)
+            return 0;
+        /* the last tile's rows past T: zeros, so that every tile multiply reads defined bytes */
+        memset(ws->xhi + T * K, 0, (size_t)((rows - T) * K));
+        if (ws->xlo)
+            memset(ws->xlo + T * K, 0, (size_t)((rows - T) * K));
+        return 1;
+    }
     if (job->act != ACT_F32) {
         if (job->act == ACT_INT16)
             ws->xq16 = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K) * sizeof(int16_t));
@@ -42,6 +56,9 @@ static void free_workspace(Workspace *ws)
     free(ws->xscale);
     free(ws->xcorr);
     free(ws->tparams);
+    free(ws->xhi);
+    free(ws->xlo);
+    free(ws->wrows);
     memset(ws, 0, sizeof *ws);
 }
 
@@ -79,7 +96,7 @@ static void run_job(const Kernels *kern, Job *job, int threads)
  * memory runs out. */
 int run_kernels(const Kernels *kern, Job *job, int threads)
 {
-    const int ok = build_workspace(job);
+    const int ok = build_workspace(kern, job, threads > 0 ? threads : 1);
     if (ok)
         run_job(kern, job, threads);
     free_workspace(&job->ws);
@@ -88,10 +105,9 @@ int run_kernels(const Kernels *kern, Job *job, int threads)
 
 double measure_peak(const Kernels *kern, int kind, int threads, int64_t iters)
 {
-    const int avx512 = kern == &KERNELS_AVX512;
     double ops = 0.0;
     const double start = omp_get_wtime();
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(+ : ops)
-    ops += avx512 ? avx512_peak(kind, iters) : avx2_peak(kind, iters);
+    ops += kern == &KERNELS_AVX2 || kern == &KERNELS_PORTABLE ? avx2_peak(kind, iters) : avx512_peak(kind, iters);
     return ops / (omp_get_wtime() - start);
 }

@@ -6,8 +6,9 @@
  * fp32 rescale per block, as llama.cpp does) and int16 (the same with 16-bit activations, step
  * amax / 32767: u8-widened codes x s16 pair products, vpdpwssd on AVX-512 VNNI, vpmaddwd on AVX2).
  *
- * Kernels: AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2 (vpmaddubsw for int8,
- * vpmaddwd for int16); the portable C path is the tests' reference.
+ * Kernels: AMX (AVX-512's, with tile multiplies for integer activations' larger steps) when the CPU
+ * and OS offer AMX-INT8, else AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2
+ * (vpmaddubsw for int8, vpmaddwd for int16); the portable C path is the tests' reference.
  * Each call runs one OpenMP region in which threads own contiguous ranges of panels; activations
  * are first prepared (packed or quantized), by the calling thread when T is small, else in the
  * region before a barrier.
@@ -24,6 +25,8 @@ enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 #define MR 12        /* tokens per f32 micro-kernel tile */
 #define MRQ 8        /* tokens per integer micro-kernel tile, and per tile of the xq / xq16 layouts */
 #define KC 256       /* k per dequantized f32 tile: [KC][32] f32 = 32 KiB, L1/L2 resident */
+#define MT 16          /* tokens per AMX tile (amx.c) */
+#define AMX_PANELS 8   /* panels an AMX pass takes at a time: their sums stay in L1 */
 #define DIRECT_T 12  /* AVX-512, f32 activations: T <= DIRECT_T decodes weights in registers, no tile (12
                         tokens: 24 accumulators, the most the 32 registers hold beside a chunk's codes) */
 
@@ -38,6 +41,9 @@ typedef struct {
     int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block (portable, AVX2) */
     float *tparams;  /* AVX-512 integer modes: [ceil(T/MRQ)][K/blk][3][MRQ] a tile's xscale, xsum
                         and xcorr (its int32 bits) per block, its tokens side by side */
+    int8_t *xhi;     /* AMX: [ceil(T/MT)*MT][K] int8 activations, or int16 ones' high bytes (signed) */
+    uint8_t *xlo;    /* AMX, int16: [ceil(T/MT)*MT][K] their low bytes (unsigned); x = 256 xhi + xlo */
+    uint8_t *wrows;  /* AMX, q4: [threads][AMX_PANELS][K/4][16][4] a group of panels' codes as tile rows */
 } Workspace;
 
 typedef struct {
@@ -95,6 +101,7 @@ typedef struct {
     int64_t direct_t;  /* see Job.direct_t */
 } Kernels;
 
+extern const Kernels KERNELS_AMX;       /* amx.c */
 extern const Kernels KERNELS_AVX512;    /* avx512.c */
 extern const Kernels KERNELS_AVX2;      /* avx2.c */
 extern const Kernels KERNELS_PORTABLE;  /* portable.c */
@@ -115,7 +122,17 @@ float lane_sum(const float *x, int64_t len);
 enum { PEAK_F32 = 0, PEAK_INT8 = 1, PEAK_INT16 = 2 };
 #define PEAK_CHAINS 12
 double avx2_peak(int kind, int64_t iters);
-double avx512_peak(int kind, int64_t iters);
+double avx512_peak(int kind, int64_t iters);  /* also the AMX kernels': their steps of few tokens run on it */
+
+/* avx512.c: its phases, which the AMX kernels reuse beside their own. With ws.xhi set, the
+ * prepare phase quantizes integer activations into AMX's token rows. */
+void avx512_prepare(Job *job, int tid, int nt);
+void avx512_compute(Job *job, int tid, int nt);
+
+/* amx.c: whether this CPU and OS let the process use AMX-INT8 tiles (asked once), and whether a
+ * job runs on them (integer activations, q4 or q8, blocks of 32 or 64). */
+int cpu_has_amx(void);
+int amx_takes(const Job *job);
 
 /* dispatch.c */
 int cpu_has_avx512(void);

@@ -186,15 +186,25 @@ static PyObject *py_isa(PyObject *self, PyObject *unused)
     return PyUnicode_FromString(active_kernels->name);
 }
 
-/* set_isa("auto" | "avx512" | "avx2" | "portable"): pick the kernels (tests use it to cover every path). */
+/* The fastest kernels this CPU runs: AMX, else AVX-512, else AVX2 (each gives the same numbers). */
+static const Kernels *best_kernels(void)
+{
+    return cpu_has_amx() ? &KERNELS_AMX : cpu_has_avx512() ? &KERNELS_AVX512 : &KERNELS_AVX2;
+}
+
+/* set_isa("auto" | "amx" | "avx512" | "avx2" | "portable"): pick the kernels (tests use it to cover every path). */
 static PyObject *py_set_isa(PyObject *self, PyObject *arg)
 {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name)
         return NULL;
     if (!strcmp(name, "auto"))
-        active_kernels = cpu_has_avx512() ? &KERNELS_AVX512 : &KERNELS_AVX2;
-    else if (!strcmp(name, "avx512")) {
+        active_kernels = best_kernels();
+    else if (!strcmp(name, "amx")) {
+        if (!cpu_has_amx())
+            return PyErr_Format(PyExc_ValueError, "qlinear: this CPU (or OS) offers no AMX-INT8 tiles");
+        active_kernels = &KERNELS_AMX;
+    } else if (!strcmp(name, "avx512")) {
         if (!cpu_has_avx512())
             return PyErr_Format(PyExc_ValueError, "qlinear: this CPU lacks AVX-512 F/BW/DQ/VL/VNNI");
         active_kernels = &KERNELS_AVX512;
@@ -203,7 +213,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg)
     else if (!strcmp(name, "portable"))
         active_kernels = &KERNELS_PORTABLE;
     else
-        return PyErr_Format(PyExc_ValueError, "qlinear: unknown isa %R (auto, avx512, avx2, portable)", arg);
+        return PyErr_Format(PyExc_ValueError, "qlinear: unknown isa %R (auto, amx, avx512, avx2, portable)", arg);
     return PyUnicode_FromString(active_kernels->name);
 }
 
@@ -271,8 +281,8 @@ static PyMethodDef methods[] = {
      "rows(handle, out_address, ids_address, R, threads): dequantized weight rows"},
     {"peak", py_peak, METH_VARARGS,
      "peak(kind, threads, iters) -> operations/s (kind 0: f32 FMA, 1: int8 dot, 2: int16 pairs)."},
-    {"isa", py_isa, METH_NOARGS, "Name of the kernels in use: 'avx512', 'avx2' or 'portable'."},
-    {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'avx512' | 'avx2' | 'portable') -> name in use."},
+    {"isa", py_isa, METH_NOARGS, "Name of the kernels in use: 'amx', 'avx512', 'avx2' or 'portable'."},
+    {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'amx' | 'avx512' | 'avx2' | 'portable') -> name in use."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -280,7 +290,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qlinear", "Quantize
 
 PyMODINIT_FUNC PyInit__qlinear(void)
 {
-    active_kernels = cpu_has_avx512() ? &KERNELS_AVX512 : &KERNELS_AVX2;
+    active_kernels = best_kernels();
     if (tape_import() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -1,0 +1,268 @@
+/* The AMX qlinear path (AMX-TILE and AMX-INT8 beside the AVX-512 path's instructions; chosen at run
+ * time when the CPU has them and Linux grants the process the tile state): integer activations
+ * against q4 and q8 codes, every other job on the AVX-512 path.
+ *
+ * A block's integer dot products come from tile multiplies: a tile of MT tokens' activation bytes
+ * [MT][B] times a panel's codes [B/4][16 rows][4] gives [MT][16] int32 sums. Int8 activations take
+ * one multiply a block; int16 ones, split into a signed high byte and an unsigned low byte
+ * (x = 256 hi + lo), take two, combined as 256 * sum(hi) + sum(lo). Integer sums are exact, so each
+ * block's dot is micro_int's (q8 codes multiply as signed bytes, which needs no correction; q4 codes
+ * are 0..15 and take the block's correction as there), and the f32 steps after it are the same:
+ * the numbers are the portable path's, bit for bit. */
+#define _GNU_SOURCE  /* syscall() */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "kernels.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state = -1;  /* -1: not asked yet; 0: no AMX; 1: granted */
+
+int cpu_has_amx(void)
+{
+    if (amx_state < 0) {
+        unsigned int eax, ebx, ecx, edx;
+        __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+        const int tile_int8 = (edx >> 24 & 1) && (edx >> 25 & 1);  /* AMX-TILE, AMX-INT8 */
+        amx_state = tile_int8 && cpu_has_avx512() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return amx_state;
+}
+
+/* Tokens from which the tiles beat the AVX-512 kernels (a SmolLM2 layer, 1 and 2 threads, measured on
+ * a Xeon with AMX): int16 activations from 16 (x1.15 there, x1.3 from 32), int8 ones only from 64. */
+#define AMX_MIN_T_INT16 16
+#define AMX_MIN_T_INT8 64
+
+int amx_takes(const Job *job)
+{
+    return (job->act == ACT_INT16 ? job->t >= AMX_MIN_T_INT16 : job->act == ACT_INT8 && job->t >= AMX_MIN_T_INT8) &&
+           (job->w.fmt == FMT_Q4 || job->w.fmt == FMT_Q8) && (job->blk == 32 || job->blk == 64);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+
+#include "avx512_shared.h"
+
+/* Palette 1's configuration: 64 bytes, then each tile's bytes per row and rows. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+
+/* ldtilecfg with the whole configuration as its operand (the intrinsic names only its first 8 bytes,
+ * so the compiler may drop or delay the stores to the rest). */
+INLINE void load_config(const TileConfig *cfg)
+{
+    __asm__ volatile("ldtilecfg %0" ::"m"(*cfg));
+}
+
+/* The tiles (the intrinsics take their numbers as literals): sums [MT][16] int32, 0 and 1 (high or
+ * int8 bytes' products, low bytes') for the even panels of a group, 2 and 3 for the odd ones;
+ * activation bytes [MT][B], 4 (high or int8) and 5 (low); codes [B/4][64], 6 (even panels) and 7. */
+static void configure(int64_t B)
+{
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 4; i++) {
+        cfg.rows[i] = MT;
+        cfg.colsb[i] = PANEL * 4;
+    }
+    cfg.rows[4] = cfg.rows[5] = MT;
+    cfg.colsb[4] = cfg.colsb[5] = (uint16_t)B;
+    cfg.rows[6] = cfg.rows[7] = (uint8_t)(B / 4);
+    cfg.colsb[6] = cfg.colsb[7] = PANEL * 4;
+    load_config(&cfg);
+}
+
+/* A q4 panel's codes as tile rows: [K/4][16 rows][4 codes], each code a byte 0..15 (a chunk of 8 k
+ * holds k 0-3 in the low nibbles, 4-7 in the high ones). Q8 panels are in this layout already. */
+static void split_q4(const Job *job, int64_t p, uint8_t *rows)
+{
+    const int64_t K = job->w.k;
+    const uint8_t *src = job->w.codes + p * K * panel_bytes_per_k(FMT_Q4);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int64_t c = 0; c < K / 8; c++) {
+        const __m512i v = _mm512_loadu_si512(src + c * 64);
+        _mm512_store_si512(rows + c * 128, _mm512_and_si512(v, low4));
+        _mm512_store_si512(rows + c * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    }
+}
+
+/* One panel's products with the activation tiles over one block, its codes' rows at `codes`: into
+ * tiles 0 and 1 (codes in 6) for an even panel of a group, 2 and 3 (codes in 7) for an odd one.
+ * panel_store takes them out a panel later, so that no store waits on the products just issued. */
+INLINE void panel_products(const int fmt, const int wide, const int odd, const uint8_t *codes)
+{
+    if (!odd) {
+        _tile_zero(0);
+        if (wide)
+            _tile_zero(1);
+        _tile_loadd(6, codes, PANEL * 4);
+        if (fmt == FMT_Q4) {  /* codes 0..15: unsigned */
+            _tile_dpbsud(0, 4, 6);
+            if (wide)
+                _tile_dpbuud(1, 5, 6);
+        } else {  /* q8 codes: signed */
+            _tile_dpbssd(0, 4, 6);
+            if (wide)
+                _tile_dpbusd(1, 5, 6);
+        }
+    } else {
+        _tile_zero(2);
+        if (wide)
+            _tile_zero(3);
+        _tile_loadd(7, codes, PANEL * 4);
+        if (fmt == FMT_Q4) {
+            _tile_dpbsud(2, 4, 7);
+            if (wide)
+                _tile_dpbuud(3, 5, 7);
+        } else {
+            _tile_dpbssd(2, 4, 7);
+            if (wide)
+                _tile_dpbusd(3, 5, 7);
+        }
+    }
+}
+
+/* The sums of panel_products into sums[0] (high or int8) and sums[1] (low). */
+INLINE void panel_store(const int wide, const int odd, int32_t (*sums)[MT][PANEL])
+{
+    if (!odd) {
+        _tile_stored(0, sums[0], PANEL * 4);
+        if (wide)
+            _tile_stored(1, sums[1], PANEL * 4);
+    } else {
+        _tile_stored(2, sums[0], PANEL * 4);
+        if (wide)
+            _tile_stored(3, sums[1], PANEL * 4);
+    }
+}
+
+/* acc[t] (+)= block b's dot (its sums; q4 adds the block's correction) * (s * step) (+ z * xsum for
+ * q4), for tokens t0 .. t0+mt and panel p, in micro_int's order of operations. */
+INLINE void block_finish(const int fmt, const int wide, const int mt, const Job *job, int64_t p, int64_t t0,
+                         int64_t b, int32_t (*sums)[MT][PANEL], float (*acc)[PANEL])
+{
+    const Weight *w = &job->w;
+    const int64_t K = w->k, nb = K / job->blk;
+    __m512 s, z = _mm512_setzero_ps();
+    group_params(fmt, w, p, w->group == K ? 0 : b, &s, &z);  /* per-channel, or block b's group */
+    const float *tp0 = job->ws.tparams + ((t0 / MRQ) * nb + b) * 3 * MRQ;  /* tokens t0 .. t0+7 */
+    const float *tp1 = tp0 + nb * 3 * MRQ;                                  /* t0+8 .. t0+15 */
+    #pragma GCC unroll 16
+    for (int t = 0; t < mt; t++) {
+        const float *tp = (t < MRQ ? tp0 : tp1) + t % MRQ;
+        __m512i d = _mm512_load_si512(sums[0][t]);
+        if (wide)
+            d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), _mm512_load_si512(sums[1][t]));
+        if (fmt == FMT_Q4) {
+            int32_t corr;
+            memcpy(&corr, tp + 2 * MRQ, 4);  /* xcorr's int32 bits */
+            d = _mm512_add_epi32(d, _mm512_set1_epi32(corr));
+        }
+        __m512 a = b ? _mm512_load_ps(acc[t]) : _mm512_setzero_ps();
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(tp[0])), a);
+        if (fmt == FMT_Q4)
+            a = _mm512_fmadd_ps(z, _mm512_set1_ps(tp[MRQ]), a);
+        _mm512_store_ps(acc[t], a);
+    }
+}
+
+INLINE void finish_any(const int fmt, const int wide, int mt, const Job *job, int64_t p, int64_t t0, int64_t b,
+                       int32_t (*sums)[MT][PANEL], float (*acc)[PANEL])
+{
+    if (mt == MT)
+        block_finish(fmt, wide, MT, job, p, t0, b, sums, acc);
+    else
+        block_finish(fmt, wide, mt, job, p, t0, b, sums, acc);
+}
+
+/* y[t0 .. t0+mt, panels p0 .. p0+np) (np <= AMX_PANELS; codes[i]: panel p0+i's tile rows): per block,
+ * the activation tiles once, then each panel's products, finished while the tile unit works on the
+ * next ones; the sums in acc until the last block. */
+INLINE void tiles_int(const int fmt, const int wide, const Job *job, int64_t p0, int np, int64_t t0, int mt,
+                      const uint8_t *const *codes)
+{
+    const int64_t K = job->w.k, B = job->blk, nb = K / B, N = job->w.n;
+    int32_t sums[2][2][MT][PANEL] __attribute__((aligned(64)));
+    float acc[AMX_PANELS][MT][PANEL] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(4, job->ws.xhi + t0 * K + b * B, K);
+        if (wide)
+            _tile_loadd(5, job->ws.xlo + t0 * K + b * B, K);
+        /* panel i's products, panel i-1's store, panel i-2's finish: each waits on work two steps old */
+        for (int i = 0; i < np + 2; i++) {
+            if (i < np)
+                (i & 1) ? panel_products(fmt, wide, 1, codes[i] + b * B * PANEL)
+                        : panel_products(fmt, wide, 0, codes[i] + b * B * PANEL);
+            if (i >= 1 && i <= np)
+                ((i - 1) & 1) ? panel_store(wide, 1, sums[1]) : panel_store(wide, 0, sums[0]);
+            if (i >= 2)
+                finish_any(fmt, wide, mt, job, p0 + i - 2, t0, b, sums[i & 1], acc[i - 2]);
+        }
+    }
+    for (int i = 0; i < np; i++) {
+        const __mmask16 m = rows_mask(N, p0 + i);
+        const __m512 bias = job->bias ? _mm512_maskz_loadu_ps(m, job->bias + (p0 + i) * PANEL) : _mm512_setzero_ps();
+        for (int t = 0; t < mt; t++)
+            _mm512_mask_storeu_ps(job->y + (t0 + t) * N + (p0 + i) * PANEL, m,
+                                  job->bias ? _mm512_add_ps(_mm512_load_ps(acc[i][t]), bias) : _mm512_load_ps(acc[i][t]));
+    }
+}
+
+#define TILES_CASE(name, fmt, wide)                                                                   \
+    static void name(const Job *job, int64_t p0, int np, int64_t t0, int mt, const uint8_t *const *codes) \
+    {                                                                                                 \
+        tiles_int(fmt, wide, job, p0, np, t0, mt, codes);                                             \
+    }
+TILES_CASE(amx_i8_q4, FMT_Q4, 0)
+TILES_CASE(amx_i8_q8, FMT_Q8, 0)
+TILES_CASE(amx_i16_q4, FMT_Q4, 1)
+TILES_CASE(amx_i16_q8, FMT_Q8, 1)
+
+/* Each thread a contiguous range of panels, taken AMX_PANELS at a time (q4: their codes split into
+ * tile rows once), against every tile of MT tokens. */
+static void amx_compute(Job *job, int tid, int nt)
+{
+    if (!job->ws.xhi) {
+        avx512_compute(job, tid, nt);
+        return;
+    }
+    const int64_t K = job->w.k, bpk = panel_bytes_per_k(job->w.fmt);
+    const int q4 = job->w.fmt == FMT_Q4, wide = job->act == ACT_INT16;
+    void (*fn)(const Job *, int64_t, int, int64_t, int, const uint8_t *const *) =
+        wide ? (q4 ? amx_i16_q4 : amx_i16_q8) : (q4 ? amx_i8_q4 : amx_i8_q8);
+    uint8_t *rows = q4 ? job->ws.wrows + (size_t)tid * AMX_PANELS * K * PANEL : NULL;
+    configure(job->blk);
+    int64_t lo, hi;
+    thread_range(job->w.panels, tid, nt, &lo, &hi);
+    for (int64_t p0 = lo; p0 < hi; p0 += AMX_PANELS) {
+        const int np = (int)(hi - p0 < AMX_PANELS ? hi - p0 : AMX_PANELS);
+        const uint8_t *codes[AMX_PANELS];
+        for (int i = 0; i < np; i++) {
+            if (q4) {
+                split_q4(job, p0 + i, rows + i * K * PANEL);
+                codes[i] = rows + i * K * PANEL;
+            } else {
+                codes[i] = job->w.codes + (p0 + i) * K * bpk;
+            }
+        }
+        for (int64_t t0 = 0; t0 < job->t; t0 += MT)
+            fn(job, p0, np, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
+    }
+    _tile_release();
+}
+
+#pragma GCC pop_options
+
+const Kernels KERNELS_AMX = {"amx", avx512_prepare, amx_compute, DIRECT_T};
