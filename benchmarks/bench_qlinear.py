@@ -1,6 +1,6 @@
 """Linear kernels on the SmolLM2-135M layer shapes, side by side in one run: time per layer and GB/s.
 
-    python benchmarks/bench_qlinear.py [--tokens 1,8,32,256] [--layers 30] [--threads 2]
+    python benchmarks/bench_qlinear.py [--tokens 1,8,32,256] [--layers 30] [--threads 2] [--isa amx|avx512|...]
 
 A "layer" is the four linears Kiln runs per decoder layer after fusion: qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536. `--layers` distinct copies of the weights are cycled through, so
@@ -227,7 +227,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated substrings of method names to run")
     parser.add_argument("--no-mix", action="store_true", help="skip the decode-like layer mix")
+    parser.add_argument("--isa", default="auto", choices=("auto", "amx", "avx512", "avx2", "portable"),
+                        help="the kernels to time (default: the fastest this CPU runs)")
     args = parser.parse_args()
+    try:
+        linear.set_isa(args.isa)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"threads={args.threads} layers={args.layers} kernels={linear.isa()} torch={torch.__version__}")
