@@ -123,8 +123,8 @@ def int4_terms(q, s, z, g):
 
 
 def run_shapes(isa, all_smollm2=True):
-    """The odd shapes and the SmolLM2 ones: all of them for the AVX-512 kernels' main cases, only
-    q elsewhere (AVX2 shares the layouts and loop structure; portable C is slow)."""
+    """The odd shapes and the SmolLM2 ones: all of them for the AVX-512 and AMX kernels' main cases,
+    only q elsewhere (AVX2 shares the layouts and loop structure; portable C is slow)."""
     shapes = dict(ODD)
     shapes.update(SMOLLM2 if isa in ("amx", "avx512") and all_smollm2 else {"q": SMOLLM2["q"]})
     return shapes
