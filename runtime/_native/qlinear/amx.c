@@ -36,7 +36,8 @@ int cpu_has_amx(void)
 }
 
 /* Tokens from which the tiles beat the AVX-512 kernels (a SmolLM2 layer, 1 and 2 threads, measured on
- * a Xeon with AMX): int16 activations from 16 (x1.15 there, x1.3 from 32), int8 ones only from 64. */
+ * a Xeon with AMX): int16 activations from 16 (x1.07-1.22 there, x1.27-1.41 at 128), int8 ones only
+ * from 64 (x1.13-1.2 at 128; 3-4% slower at 16-32 on 2 threads). */
 #define AMX_MIN_T_INT16 16
 #define AMX_MIN_T_INT8 64
 
