@@ -16,12 +16,13 @@ static int build_workspace(const Kernels *kern, Job *job, int threads)
     const int64_t T = job->t, K = job->w.k, nb = K / job->blk;
     Workspace *ws = &job->ws;
     memset(ws, 0, sizeof *ws);
+    if (job->act != ACT_F32)  /* every integer path's block parameters, the AVX-512 and AMX ones' per tile */
+        ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
     if (kern == &KERNELS_AMX && amx_takes(job)) {
         const int64_t rows = ceil_div(T, MT) * MT;
         ws->xhi = alloc_aligned((size_t)(rows * K));
         ws->xlo = job->act == ACT_INT16 ? alloc_aligned((size_t)(rows * K)) : NULL;
         ws->wrows = job->w.fmt == FMT_Q4 ? alloc_aligned((size_t)threads * AMX_PANELS * (size_t)K * PANEL) : NULL;
-        ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
         if (!ws->xhi || (job->act == ACT_INT16 && !ws->xlo) || (job->w.fmt == FMT_Q4 && !ws->wrows) || !ws->tparams)
             return 0;
         /* the last tile's rows past T: zeros, so that every tile multiply reads defined bytes */
@@ -35,7 +36,6 @@ static int build_workspace(const Kernels *kern, Job *job, int threads)
             ws->xq16 = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K) * sizeof(int16_t));
         else
             ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));
-        ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
         ws->xscale = malloc((size_t)(T * nb) * sizeof(float));
         ws->xcorr = malloc((size_t)(T * nb) * sizeof(int32_t));
         ws->xsum = malloc((size_t)(T * nb) * sizeof(float));
