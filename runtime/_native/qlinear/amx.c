@@ -7,7 +7,7 @@
  * one multiply a block; int16 ones, split into a signed high byte and an unsigned low byte
  * (x = 256 hi + lo), take two, combined as 256 * sum(hi) + sum(lo). Integer sums are exact, so each
  * block's dot is micro_int's (q8 codes multiply as signed bytes, which needs no correction; q4 codes
- * are 0..15 and take the block's correction as there), and the f32 steps after it are the same:
+ * multiply as q - 8, which is the dot plus micro_int's correction), and the f32 steps after it are the same:
  * the numbers are the portable path's, bit for bit. */
 #define _GNU_SOURCE  /* syscall() */
 #include <immintrin.h>
@@ -85,53 +85,43 @@ static void configure(int64_t B)
     load_config(&cfg);
 }
 
-/* A q4 panel's codes as tile rows: [K/4][16 rows][4 codes], each code a byte 0..15 (a chunk of 8 k
- * holds k 0-3 in the low nibbles, 4-7 in the high ones). Q8 panels are in this layout already. */
+/* A q4 panel's codes as tile rows: [K/4][16 rows][4 codes], each code a signed byte q - 8 (a chunk of 8
+ * k holds k 0-3 in the low nibbles, 4-7 in the high ones). Q8 panels are in this layout already, as
+ * signed bytes too. With q - 8 in the products, a q4 block's integer dot is micro_int's dot plus its
+ * correction (-8 * the sum of the block's activation codes) already. */
 static void split_q4(const Job *job, int64_t p, uint8_t *rows)
 {
     const int64_t K = job->w.k;
     const uint8_t *src = job->w.codes + p * K * panel_bytes_per_k(FMT_Q4);
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t c = 0; c < K / 8; c++) {
         const __m512i v = _mm512_loadu_si512(src + c * 64);
-        _mm512_store_si512(rows + c * 128, _mm512_and_si512(v, low4));
-        _mm512_store_si512(rows + c * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        _mm512_store_si512(rows + c * 128, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
+        _mm512_store_si512(rows + c * 128 + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
     }
 }
 
 /* One panel's products with the activation tiles over one block, its codes' rows at `codes`: into
  * tiles 0 and 1 (codes in 6) for an even panel of a group, 2 and 3 (codes in 7) for an odd one.
  * panel_store takes them out a panel later, so that no store waits on the products just issued. */
-INLINE void panel_products(const int fmt, const int wide, const int odd, const uint8_t *codes)
+INLINE void panel_products(const int wide, const int odd, const uint8_t *codes)
 {
     if (!odd) {
         _tile_zero(0);
         if (wide)
             _tile_zero(1);
         _tile_loadd(6, codes, PANEL * 4);
-        if (fmt == FMT_Q4) {  /* codes 0..15: unsigned */
-            _tile_dpbsud(0, 4, 6);
-            if (wide)
-                _tile_dpbuud(1, 5, 6);
-        } else {  /* q8 codes: signed */
-            _tile_dpbssd(0, 4, 6);
-            if (wide)
-                _tile_dpbusd(1, 5, 6);
-        }
+        _tile_dpbssd(0, 4, 6);      /* high (or int8) bytes, signed, x signed codes */
+        if (wide)
+            _tile_dpbusd(1, 5, 6);  /* low bytes, unsigned, x signed codes */
     } else {
         _tile_zero(2);
         if (wide)
             _tile_zero(3);
         _tile_loadd(7, codes, PANEL * 4);
-        if (fmt == FMT_Q4) {
-            _tile_dpbsud(2, 4, 7);
-            if (wide)
-                _tile_dpbuud(3, 5, 7);
-        } else {
-            _tile_dpbssd(2, 4, 7);
-            if (wide)
-                _tile_dpbusd(3, 5, 7);
-        }
+        _tile_dpbssd(2, 4, 7);
+        if (wide)
+            _tile_dpbusd(3, 5, 7);
     }
 }
 
@@ -149,7 +139,7 @@ INLINE void panel_store(const int wide, const int odd, int32_t (*sums)[MT][PANEL
     }
 }
 
-/* acc[t] (+)= block b's dot (its sums; q4 adds the block's correction) * (s * step) (+ z * xsum for
+/* acc[t] (+)= block b's dot (its sums, the correction included) * (s * step) (+ z * xsum for
  * q4), for tokens t0 .. t0+mt and panel p, in micro_int's order of operations. */
 INLINE void block_finish(const int fmt, const int wide, const int mt, const Job *job, int64_t p, int64_t t0,
                          int64_t b, int32_t (*sums)[MT][PANEL], float (*acc)[PANEL])
@@ -166,11 +156,6 @@ INLINE void block_finish(const int fmt, const int wide, const int mt, const Job 
         __m512i d = _mm512_load_si512(sums[0][t]);
         if (wide)
             d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), _mm512_load_si512(sums[1][t]));
-        if (fmt == FMT_Q4) {
-            int32_t corr;
-            memcpy(&corr, tp + 2 * MRQ, 4);  /* xcorr's int32 bits */
-            d = _mm512_add_epi32(d, _mm512_set1_epi32(corr));
-        }
         __m512 a = b ? _mm512_load_ps(acc[t]) : _mm512_setzero_ps();
         a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(tp[0])), a);
         if (fmt == FMT_Q4)
@@ -204,8 +189,7 @@ INLINE void tiles_int(const int fmt, const int wide, const Job *job, int64_t p0,
         /* panel i's products, panel i-1's store, panel i-2's finish: each waits on work two steps old */
         for (int i = 0; i < np + 2; i++) {
             if (i < np)
-                (i & 1) ? panel_products(fmt, wide, 1, codes[i] + b * B * PANEL)
-                        : panel_products(fmt, wide, 0, codes[i] + b * B * PANEL);
+                (i & 1) ? panel_products(wide, 1, codes[i] + b * B * PANEL) : panel_products(wide, 0, codes[i] + b * B * PANEL);
             if (i >= 1 && i <= np)
                 ((i - 1) & 1) ? panel_store(wide, 1, sums[1]) : panel_store(wide, 0, sums[0]);
             if (i >= 2)
