@@ -11,9 +11,11 @@ a figure is what the machine can do, not what a noisy moment gave):
 - int16: the same with the int16 pair-product instruction (AVX-512 VNNI vpdpwssd, twice the f32
   FMA's operations; else AVX2 vpmaddwd and the vpaddd that accumulates it).
 
-Where the qlinear kernels use AMX tiles (integer activations' larger steps), the integer peaks stay
-the AVX-512 instructions': the steps of few tokens run on those, and the tiled ones are bound by the
-f32 rescale of every block's sums, far below the tile unit's own peak.
+Where the qlinear kernels use AMX tiles (the larger steps), the peaks stay the AVX-512 instructions':
+the steps of few tokens run on those, and the tiled ones are bound by the f32 work after every
+block's tile multiplies, far below the tile unit's own peak. So on such a CPU an f32 step of 13
+tokens or more can exceed 100% of the f32 FMA peak: its multiplies run on the tiles (three bf16
+multiplies a product, see runtime/_native/qlinear/amx.c).
 
 A decoder step reads every weight once (a mixture of experts: the experts its tokens chose, see
 runtime/bench.py) and does two operations per weight per token, so for

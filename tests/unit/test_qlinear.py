@@ -2,8 +2,10 @@
 
 Tolerances come from what the kernels do: act="f32" accumulates fp32 products in chains of at
 most K + 2K/G terms, so |y - ref| <= gamma_n * sum|terms| with gamma_n = n * 2^-24 (plus one
-rounding of each dequantized weight); act="int8" adds the activation rounding, at most half an
-int8 step (block amax / 127) per element times |w|, and act="int16" half an int16 step (amax / 32767).
+rounding of each dequantized weight; AMX's f32 tiles add the 3 x 32 exact products of a 32-k
+chunk from zero, then two terms a chunk: chains of 96 + 2K/32, within the same bound); act="int8"
+adds the activation rounding, at most half an int8 step (block amax / 127) per element times |w|,
+and act="int16" half an int16 step (amax / 32767).
 """
 
 import pytest
@@ -17,7 +19,8 @@ from runtime.weights import int4, int5, int6, int8
 EPS32 = 2.0 ** -24
 SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ODD = {"n40_k96": (40, 96), "n17_k320": (17, 320), "n1_k384": (1, 384)}  # N % 16 != 0, K = G * odd
-# each AVX2 direct width, AVX-512's widest direct ones (11, 12), then tiles (13 and more: AVX-512's MR = 12)
+# each AVX2 direct width, AVX-512's widest direct ones (11, 12), then tiles (13 and more: AVX-512's MR = 12;
+# AMX's f32 tiles of 16 tokens from 13: 13 and 17 end in a partial tile, 64 is four whole ones)
 TOKENS = (1, 2, 3, 4, 8, 11, 12, 13, 17, 64)
 LACKS = {"amx": "this CPU (or its OS) offers no AMX-INT8 tiles: the amx kernels cannot run here",
          "avx512": "this CPU lacks AVX-512 F/BW/DQ/VL/VNNI: the avx512 kernels cannot run here"}

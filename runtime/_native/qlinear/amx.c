@@ -1,6 +1,10 @@
-/* The AMX qlinear path (AMX-TILE and AMX-INT8 beside the AVX-512 path's instructions; chosen at run
- * time when the CPU has them and Linux grants the process the tile state): integer activations
- * against q4 and q8 codes, every other job on the AVX-512 path.
+/* The AMX qlinear path (AMX-TILE and AMX-INT8, and AMX-BF16 for f32 activations, beside the AVX-512
+ * path's instructions; chosen at run time when the CPU has them and Linux grants the process the tile
+ * state): integer activations, and f32 ones in steps of 13 tokens and more, against q4 and q8 codes;
+ * every other job on the AVX-512 path.
+ *
+ * F32 activations: see "F32 activations on AMX-BF16 tiles" below (three bf16 tile multiplies a 32-k
+ * chunk, f32 sums; not bit for bit the other paths', within the same f32 bounds).
  *
  * A block's integer dot products come from tile multiplies: a tile of MT tokens' activation bytes
  * [MT][B] times a panel's codes [B/4][16 rows][4] gives [MT][16] int32 sums. Int8 activations take
@@ -23,6 +27,7 @@
 #define XFEATURE_XTILEDATA 18
 
 static int amx_state = -1;  /* -1: not asked yet; 0: no AMX; 1: granted */
+static int amx_bf16 = 0;    /* the CPU has AMX-BF16 too (f32 activations' tiles) */
 
 int cpu_has_amx(void)
 {
@@ -30,6 +35,7 @@ int cpu_has_amx(void)
         unsigned int eax, ebx, ecx, edx;
         __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
         const int tile_int8 = (edx >> 24 & 1) && (edx >> 25 & 1);  /* AMX-TILE, AMX-INT8 */
+        amx_bf16 = edx >> 22 & 1;
         amx_state = tile_int8 && cpu_has_avx512() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return amx_state;
@@ -37,18 +43,24 @@ int cpu_has_amx(void)
 
 /* Tokens from which the tiles beat the AVX-512 kernels (a SmolLM2 layer, 1 and 2 threads, measured on
  * a Xeon with AMX): int16 activations from 16 (x1.07-1.22 there, x1.27-1.41 at 128), int8 ones only
- * from 64 (x1.13-1.2 at 128; 3-4% slower at 16-32 on 2 threads). */
+ * from 64 (x1.13-1.2 at 128; 3-4% slower at 16-32 on 2 threads), f32 ones from 13, where the AVX-512
+ * tiles begin (x1.4 there on 2 threads, x1.6-1.7 at 16, 1.9-2.0 at 64; at 8 tokens, converting the
+ * codes for the tiles costs more than it saves: 0.75x). */
 #define AMX_MIN_T_INT16 16
 #define AMX_MIN_T_INT8 64
+#define AMX_MIN_T_F32 13
 
 int amx_takes(const Job *job)
 {
+    if (job->act == ACT_F32)
+        return amx_bf16 && job->t >= AMX_MIN_T_F32 && (job->w.fmt == FMT_Q4 || job->w.fmt == FMT_Q8) &&
+               job->w.group % 32 == 0;
     return (job->act == ACT_INT16 ? job->t >= AMX_MIN_T_INT16 : job->act == ACT_INT8 && job->t >= AMX_MIN_T_INT8) &&
            (job->w.fmt == FMT_Q4 || job->w.fmt == FMT_Q8) && (job->blk == 32 || job->blk == 64);
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
 
 #include "avx512_shared.h"
 
@@ -215,10 +227,226 @@ TILES_CASE(amx_i8_q8, FMT_Q8, 0)
 TILES_CASE(amx_i16_q4, FMT_Q4, 1)
 TILES_CASE(amx_i16_q8, FMT_Q8, 1)
 
+// ----------------------------------------------------------------------------
+// F32 activations on AMX-BF16 tiles
+//
+// x = hi + mid + lo exactly, each part a bf16 (hi: x's first 8 significant bits, mid the next 8 of what
+// is left, lo the rest, which fits in 8 bits), and q4 codes q - 8 are exact in bf16; a tile multiply
+// takes each product exactly and adds it to its f32 sum in turn, one rounding an addition, as an FMA
+// does. So a 32-k chunk's sum(x (q - 8)) is the f32 path's dot product, in another order of addition,
+// and each chunk is finished as the f32 path finishes a group: acc += s * sum + z * sum(x).
+
+/* Tiles: sums [MT][16] f32, 0 (even panels) and 2 (odd); x's parts [MT][32] bf16, 4 (hi), 5 (mid),
+ * 1 (lo); codes [16 k-pairs][16 rows][2] bf16, 6 (even panels) and 7. */
+static void configure_bf16(void)
+{
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = i == 6 || i == 7 ? 16 : MT;
+        cfg.colsb[i] = 64;
+    }
+    cfg.rows[3] = 0;
+    cfg.colsb[3] = 0;
+    load_config(&cfg);
+}
+
+/* A q4 panel's codes as bf16 tile rows: row k/2 holds, for each of the 16 rows, (q - 8) of k and k + 1. */
+static void split_q4_bf16(const Job *job, int64_t p, uint16_t *rows)
+{
+    const int64_t K = job->w.k;
+    const uint8_t *src = job->w.codes + p * K * panel_bytes_per_k(FMT_Q4);
+    /* bf16 of i - 8 at index i (a 16-bit permute reads 5 bits of each index; codes are 0..15) */
+    const __m512i table = _mm512_zextsi256_si512(_mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(8)))), 16)));
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    /* each 32-bit lane (one row's 4 codes) -> two 16-bit indices: its codes 0, 1, or 2, 3 */
+    const __m512i first = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
+    const __m512i second = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
+    for (int64_t c = 0; c < K / 8; c++) {
+        const __m512i v = _mm512_loadu_si512(src + c * 64);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        uint16_t *dst = rows + c * 4 * 32;  /* 4 rows of 16 x 2 bf16 per chunk of 8 k */
+        _mm512_store_si512(dst, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, first), table));
+        _mm512_store_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, second), table));
+        _mm512_store_si512(dst + 64, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, first), table));
+        _mm512_store_si512(dst + 96, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, second), table));
+    }
+}
+
+/* A q8 panel's codes as bf16 tile rows, as split_q4_bf16 (q8 codes: [K/4][16 rows][4], each exact in bf16). */
+static void split_q8_bf16(const Job *job, int64_t p, uint16_t *rows)
+{
+    const int64_t K = job->w.k;
+    const uint8_t *src = job->w.codes + p * K * panel_bytes_per_k(FMT_Q8);
+    for (int64_t c = 0; c < K / 4; c++) {
+        const __m512i v = _mm512_loadu_si512(src + c * 64);
+        for (int half = 0; half < 2; half++) {  /* k 0, 1 of each row's 4, then k 2, 3 */
+            const __m512i w = _mm512_cvtepi8_epi16(_mm512_cvtepi32_epi16(half ? _mm512_srli_epi32(v, 16) : v));
+            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
+            const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
+            const __m256i b0 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f0), 16));
+            const __m256i b1 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f1), 16));
+            _mm512_store_si512(rows + (2 * c + half) * 32, _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1));
+        }
+    }
+}
+
+/* Token t's parts of x into the three planes of xbf, and its sums over each 32 k. */
+static void split_token_bf16(const Job *job, int64_t t, int64_t rows)
+{
+    const int64_t K = job->w.k;
+    const float *x = job->x + t * K;
+    uint16_t *hi = job->ws.xbf + t * K, *mid = hi + rows * K, *lo = mid + rows * K;
+    const __m512i top = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t h = k; h < k + 32; h += 16) {
+            const __m512 v = _mm512_loadu_ps(x + h);
+            sum = _mm512_add_ps(sum, v);
+            const __m512i vh = _mm512_and_si512(_mm512_castps_si512(v), top);
+            const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(vh));
+            const __m512i rm = _mm512_and_si512(_mm512_castps_si512(r), top);
+            const __m512i rl = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(rm)));
+            _mm256_storeu_si256((__m256i *)(hi + h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(vh, 16)));
+            _mm256_storeu_si256((__m256i *)(mid + h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rm, 16)));
+            _mm256_storeu_si256((__m256i *)(lo + h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rl, 16)));
+        }
+        job->ws.xsum32[t * (K / 32) + k / 32] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+INLINE void panel_products_bf16(const int odd, const uint16_t *codes)
+{
+    if (!odd) {
+        _tile_zero(0);
+        _tile_loadd(6, codes, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_dpbf16ps(0, 1, 6);
+    } else {
+        _tile_zero(2);
+        _tile_loadd(7, codes, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(2, 5, 7);
+        _tile_dpbf16ps(2, 1, 7);
+    }
+}
+
+/* acc[t] (+)= chunk c's sums * s + z * sum(x over the chunk), tokens t0 .. t0+mt, panel p. */
+INLINE void chunk_finish_f32(const int fmt, const int mt, const Job *job, int64_t p, int64_t t0, int64_t c,
+                             float (*sums)[PANEL], float (*acc)[PANEL])
+{
+    const Weight *w = &job->w;
+    const int64_t nc = w->k / 32;
+    __m512 s, z = _mm512_setzero_ps();
+    group_params(fmt, w, p, c * 32 / w->group, &s, &z);
+    const float *xs = job->ws.xsum32 + t0 * nc + c;
+    #pragma GCC unroll 16
+    for (int t = 0; t < mt; t++) {
+        __m512 a = c ? _mm512_load_ps(acc[t]) : _mm512_setzero_ps();
+        a = _mm512_fmadd_ps(_mm512_load_ps(sums[t]), s, a);
+        if (fmt == FMT_Q4)
+            a = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[t * nc]), a);
+        _mm512_store_ps(acc[t], a);
+    }
+}
+
+/* y[t0 .. t0+mt, panels p0 .. p0+np) for f32 activations, as tiles_int: per 32 k, x's three tiles
+ * once, then each panel's products, stored a panel later and finished two panels later. */
+INLINE void tiles_f32(const int fmt, const Job *job, int64_t p0, int np, int64_t t0, int mt,
+                      const uint16_t *const *codes)
+{
+    const int64_t K = job->w.k, nc = K / 32, N = job->w.n, rows = ceil_div(job->t, MT) * MT;
+    float sums[2][MT][PANEL] __attribute__((aligned(64)));
+    float acc[AMX_PANELS][MT][PANEL] __attribute__((aligned(64)));
+    const uint16_t *xh = job->ws.xbf + t0 * K, *xm = xh + rows * K, *xl = xm + rows * K;
+    for (int64_t c = 0; c < nc; c++) {
+        _tile_loadd(4, xh + c * 32, K * 2);
+        _tile_loadd(5, xm + c * 32, K * 2);
+        _tile_loadd(1, xl + c * 32, K * 2);
+        for (int i = 0; i < np + 2; i++) {
+            if (i < np)
+                (i & 1) ? panel_products_bf16(1, codes[i] + c * 16 * 32) : panel_products_bf16(0, codes[i] + c * 16 * 32);
+            if (i >= 1 && i <= np) {
+                if ((i - 1) & 1)
+                    _tile_stored(2, sums[1], 64);
+                else
+                    _tile_stored(0, sums[0], 64);
+            }
+            if (i >= 2) {
+                if (mt == MT)
+                    chunk_finish_f32(fmt, MT, job, p0 + i - 2, t0, c, sums[i & 1], acc[i - 2]);
+                else
+                    chunk_finish_f32(fmt, mt, job, p0 + i - 2, t0, c, sums[i & 1], acc[i - 2]);
+            }
+        }
+    }
+    for (int i = 0; i < np; i++) {
+        const __mmask16 m = rows_mask(N, p0 + i);
+        const __m512 bias = job->bias ? _mm512_maskz_loadu_ps(m, job->bias + (p0 + i) * PANEL) : _mm512_setzero_ps();
+        for (int t = 0; t < mt; t++)
+            _mm512_mask_storeu_ps(job->y + (t0 + t) * N + (p0 + i) * PANEL, m,
+                                  job->bias ? _mm512_add_ps(_mm512_load_ps(acc[i][t]), bias) : _mm512_load_ps(acc[i][t]));
+    }
+}
+
+static void tiles_f32_q4(const Job *job, int64_t p0, int np, int64_t t0, int mt, const uint16_t *const *codes)
+{
+    tiles_f32(FMT_Q4, job, p0, np, t0, mt, codes);
+}
+
+static void tiles_f32_q8(const Job *job, int64_t p0, int np, int64_t t0, int mt, const uint16_t *const *codes)
+{
+    tiles_f32(FMT_Q8, job, p0, np, t0, mt, codes);
+}
+
+static void amx_compute_f32(Job *job, int tid, int nt)
+{
+    const int64_t K = job->w.k;
+    const int q4 = job->w.fmt == FMT_Q4;
+    uint16_t *rows = (uint16_t *)job->ws.wrows + (size_t)tid * AMX_PANELS * K * PANEL;
+    configure_bf16();
+    int64_t lo, hi;
+    thread_range(job->w.panels, tid, nt, &lo, &hi);
+    for (int64_t p0 = lo; p0 < hi; p0 += AMX_PANELS) {
+        const int np = (int)(hi - p0 < AMX_PANELS ? hi - p0 : AMX_PANELS);
+        const uint16_t *codes[AMX_PANELS];
+        for (int i = 0; i < np; i++) {
+            (q4 ? split_q4_bf16 : split_q8_bf16)(job, p0 + i, rows + i * K * PANEL);
+            codes[i] = rows + i * K * PANEL;
+        }
+        for (int64_t t0 = 0; t0 < job->t; t0 += MT)
+            (q4 ? tiles_f32_q4 : tiles_f32_q8)(job, p0, np, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
+    }
+    _tile_release();
+}
+
+/* f32 activations bound for the tiles: x's bf16 parts and chunk sums; every other job: avx512's. */
+void amx_prepare(Job *job, int tid, int nt)
+{
+    if (!job->ws.xbf) {
+        avx512_prepare(job, tid, nt);
+        return;
+    }
+    int64_t lo, hi;
+    thread_range(job->t, tid, nt, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++)
+        split_token_bf16(job, t, ceil_div(job->t, MT) * MT);
+}
+
 /* Each thread a contiguous range of panels, taken AMX_PANELS at a time (q4: their codes split into
  * tile rows once), against every tile of MT tokens. */
 static void amx_compute(Job *job, int tid, int nt)
 {
+    if (job->ws.xbf) {
+        amx_compute_f32(job, tid, nt);
+        return;
+    }
     if (!job->ws.xhi) {
         avx512_compute(job, tid, nt);
         return;
@@ -250,4 +478,4 @@ static void amx_compute(Job *job, int tid, int nt)
 
 #pragma GCC pop_options
 
-const Kernels KERNELS_AMX = {"amx", avx512_prepare, amx_compute, DIRECT_T};
+const Kernels KERNELS_AMX = {"amx", amx_prepare, amx_compute, DIRECT_T};

@@ -18,6 +18,17 @@ static int build_workspace(const Kernels *kern, Job *job, int threads)
     memset(ws, 0, sizeof *ws);
     if (job->act != ACT_F32)  /* every integer path's block parameters, the AVX-512 and AMX ones' per tile */
         ws->tparams = alloc_aligned((size_t)(ceil_div(T, MRQ) * nb * 3 * MRQ) * sizeof(float));
+    if (kern == &KERNELS_AMX && amx_takes(job) && job->act == ACT_F32) {
+        const int64_t rows = ceil_div(T, MT) * MT;
+        ws->xbf = alloc_aligned((size_t)(3 * rows * K) * sizeof(uint16_t));
+        ws->xsum32 = alloc_aligned((size_t)(T * (K / 32)) * sizeof(float));
+        ws->wrows = alloc_aligned((size_t)threads * AMX_PANELS * (size_t)K * PANEL * sizeof(uint16_t));
+        if (!ws->xbf || !ws->xsum32 || !ws->wrows)
+            return 0;
+        for (int i = 0; i < 3; i++)  /* the last tile's rows past T: zeros (see below) */
+            memset(ws->xbf + (i * rows + T) * K, 0, (size_t)((rows - T) * K) * sizeof(uint16_t));
+        return 1;
+    }
     if (kern == &KERNELS_AMX && amx_takes(job)) {
         const int64_t rows = ceil_div(T, MT) * MT;
         ws->xhi = alloc_aligned((size_t)(rows * K));
@@ -59,6 +70,8 @@ static void free_workspace(Workspace *ws)
     free(ws->xhi);
     free(ws->xlo);
     free(ws->wrows);
+    free(ws->xbf);
+    free(ws->xsum32);
     memset(ws, 0, sizeof *ws);
 }
 

@@ -6,8 +6,9 @@
  * fp32 rescale per block, as llama.cpp does) and int16 (the same with 16-bit activations, step
  * amax / 32767: u8-widened codes x s16 pair products, vpdpwssd on AVX-512 VNNI, vpmaddwd on AVX2).
  *
- * Kernels: AMX (AVX-512's, with tile multiplies for integer activations' larger steps) when the CPU
- * and OS offer AMX-INT8, else AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2
+ * Kernels: AMX (AVX-512's, with tile multiplies for integer activations' larger steps, and for f32
+ * ones' with AMX-BF16: x split exactly into three bf16 parts) when the CPU and OS offer AMX-INT8, else
+ * AVX-512 (F, BW, DQ, VL, VNNI) when the CPU has it, else AVX2
  * (vpmaddubsw for int8, vpmaddwd for int16); the portable C path is the tests' reference.
  * Each call runs one OpenMP region in which threads own contiguous ranges of panels; activations
  * are first prepared (packed or quantized), by the calling thread when T is small, else in the
@@ -43,7 +44,11 @@ typedef struct {
                         and xcorr (its int32 bits) per block, its tokens side by side */
     int8_t *xhi;     /* AMX: [ceil(T/MT)*MT][K] int8 activations, or int16 ones' high bytes (signed) */
     uint8_t *xlo;    /* AMX, int16: [ceil(T/MT)*MT][K] their low bytes (unsigned); x = 256 xhi + xlo */
-    uint8_t *wrows;  /* AMX, q4: [threads][AMX_PANELS][K/4][16][4] a group of panels' codes as tile rows */
+    uint8_t *wrows;  /* AMX, q4: [threads][AMX_PANELS][K/4][16][4] a group of panels' codes as tile rows;
+                        f32 activations: [threads][AMX_PANELS][K/2][16][2] their values as bf16 */
+    uint16_t *xbf;   /* AMX, f32 activations: [3][ceil(T/MT)*MT][K] bf16 parts of x (hi, mid, lo: their sum
+                        is x exactly) */
+    float *xsum32;   /* AMX, f32 activations: [T][K/32] sum of x over each 32 k */
 } Workspace;
 
 typedef struct {
@@ -133,6 +138,7 @@ void avx512_compute(Job *job, int tid, int nt);
  * job runs on them (integer activations, q4 or q8, blocks of 32 or 64). */
 int cpu_has_amx(void);
 int amx_takes(const Job *job);
+void amx_prepare(Job *job, int tid, int nt);
 
 /* dispatch.c */
 int cpu_has_avx512(void);
