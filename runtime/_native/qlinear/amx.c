@@ -35,7 +35,9 @@ int cpu_has_amx(void)
         unsigned int eax, ebx, ecx, edx;
         __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
         const int tile_int8 = (edx >> 24 & 1) && (edx >> 25 & 1);  /* AMX-TILE, AMX-INT8 */
-        amx_bf16 = edx >> 22 & 1;
+        unsigned int eax1, ebx1, ecx1, edx1;  /* leaf 7, subleaf 1: EAX bit 5, AVX512_BF16 */
+        __asm__("cpuid" : "=a"(eax1), "=b"(ebx1), "=c"(ecx1), "=d"(edx1) : "a"(7), "c"(1));
+        amx_bf16 = (edx >> 22 & 1) && (eax1 >> 5 & 1);  /* AMX-BF16, and AVX512_BF16 for the q8 codes */
         amx_state = tile_int8 && cpu_has_avx512() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return amx_state;
@@ -60,7 +62,7 @@ int amx_takes(const Job *job)
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
 
 #include "avx512_shared.h"
 
@@ -252,62 +254,62 @@ static void configure_bf16(void)
     load_config(&cfg);
 }
 
-/* A q4 panel's codes as bf16 tile rows: row k/2 holds, for each of the 16 rows, (q - 8) of k and k + 1. */
+/* A q4 panel's codes as bf16 tile rows: row i of a chunk of 8 k holds, for each of the 16 rows, (q - 8)
+ * of two k, in the pairs (0, 2), (1, 3), (4, 6), (5, 7): a 16-bit permute looks each code up from its
+ * nibble where the layout has it (byte j of a row's 4: k j in the low nibble, j + 4 in the high one),
+ * and split_token_bf16 orders x's k alike (Q4_ORDER). */
 static void split_q4_bf16(const Job *job, int64_t p, uint16_t *rows)
 {
     const int64_t K = job->w.k;
     const uint8_t *src = job->w.codes + p * K * panel_bytes_per_k(FMT_Q4);
-    /* bf16 of i - 8 at index i (a 16-bit permute reads 5 bits of each index; codes are 0..15) */
-    const __m512i table = _mm512_zextsi256_si512(_mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_sub_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(8)))), 16)));
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    /* each 32-bit lane (one row's 4 codes) -> two 16-bit indices: its codes 0, 1, or 2, 3 */
-    const __m512i first = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
-    const __m512i second = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
+    /* bf16 of i - 8 at indices i and i + 16 (the permute reads 5 bits; the 5th is the next nibble's) */
+    const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(8)))), 16));
+    const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
     for (int64_t c = 0; c < K / 8; c++) {
-        const __m512i v = _mm512_loadu_si512(src + c * 64);
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        uint16_t *dst = rows + c * 4 * 32;  /* 4 rows of 16 x 2 bf16 per chunk of 8 k */
-        _mm512_store_si512(dst, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, first), table));
-        _mm512_store_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, second), table));
-        _mm512_store_si512(dst + 64, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, first), table));
-        _mm512_store_si512(dst + 96, _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, second), table));
+        const __m512i v = _mm512_loadu_si512(src + c * 64);  /* 16-bit word 2r: row r's bytes 0, 1; 2r + 1: 2, 3 */
+        uint16_t *dst = rows + c * 4 * 32;                    /* 4 rows of 16 x 2 bf16 per chunk of 8 k */
+        _mm512_store_si512(dst, _mm512_permutexvar_epi16(v, table));                           /* k 0, 2 */
+        _mm512_store_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table));  /* 1, 3 */
+        _mm512_store_si512(dst + 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));  /* 4, 6 */
+        _mm512_store_si512(dst + 96, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table)); /* 5, 7 */
     }
 }
 
-/* A q8 panel's codes as bf16 tile rows, as split_q4_bf16 (q8 codes: [K/4][16 rows][4], each exact in bf16). */
+/* A q8 panel's codes ([K/4][16 rows][4], each exact in bf16) as bf16 tile rows: row 2c holds each row's
+ * k 4c, 4c + 1, row 2c + 1 its k 4c + 2, 4c + 3. */
 static void split_q8_bf16(const Job *job, int64_t p, uint16_t *rows)
 {
     const int64_t K = job->w.k;
     const uint8_t *src = job->w.codes + p * K * panel_bytes_per_k(FMT_Q8);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int64_t c = 0; c < K / 4; c++) {
-        const __m512i v = _mm512_loadu_si512(src + c * 64);
-        for (int half = 0; half < 2; half++) {  /* k 0, 1 of each row's 4, then k 2, 3 */
-            const __m512i w = _mm512_cvtepi8_epi16(_mm512_cvtepi32_epi16(half ? _mm512_srli_epi32(v, 16) : v));
-            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
-            const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
-            const __m256i b0 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f0), 16));
-            const __m256i b1 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f1), 16));
-            _mm512_store_si512(rows + (2 * c + half) * 32, _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1));
-        }
+        __m512 f[4];
+        for (int i = 0; i < 4; i++)
+            f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + c * 64 + 16 * i))));
+        /* bf16 pairs, rows 0-7 (a) and 8-15 (b), two a row: its k 0, 1 then its k 2, 3 */
+        const __m512i a = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), b = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+        _mm512_store_si512(rows + 2 * c * 32, _mm512_permutex2var_epi32(a, even, b));
+        _mm512_store_si512(rows + (2 * c + 1) * 32, _mm512_permutex2var_epi32(a, odd, b));
     }
 }
 
-/* Token t's parts of x into the three planes of xbf, and its sums over each 32 k. */
+/* Token t's parts of x into the three planes of xbf (for q4 codes each 8 k in split_q4_bf16's order),
+ * and its sums over each 32 k. */
 static void split_token_bf16(const Job *job, int64_t t, int64_t rows)
 {
     const int64_t K = job->w.k;
     const float *x = job->x + t * K;
     uint16_t *hi = job->ws.xbf + t * K, *mid = hi + rows * K, *lo = mid + rows * K;
     const __m512i top = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);  /* Q4_ORDER */
+    const int q4 = job->w.fmt == FMT_Q4;
     for (int64_t k = 0; k < K; k += 32) {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t h = k; h < k + 32; h += 16) {
-            const __m512 v = _mm512_loadu_ps(x + h);
-            sum = _mm512_add_ps(sum, v);
+            const __m512 x16 = _mm512_loadu_ps(x + h), v = q4 ? _mm512_permutexvar_ps(order, x16) : x16;
+            sum = _mm512_add_ps(sum, x16);
             const __m512i vh = _mm512_and_si512(_mm512_castps_si512(v), top);
             const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(vh));
             const __m512i rm = _mm512_and_si512(_mm512_castps_si512(r), top);
