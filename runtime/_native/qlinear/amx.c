@@ -236,7 +236,8 @@ TILES_CASE(amx_i16_q8, FMT_Q8, 1)
 // is left, lo the rest, which fits in 8 bits), and q4 codes q - 8 are exact in bf16; a tile multiply
 // takes each product exactly and adds it to its f32 sum in turn, one rounding an addition, as an FMA
 // does. So a 32-k chunk's sum(x (q - 8)) is the f32 path's dot product, in another order of addition,
-// and each chunk is finished as the f32 path finishes a group: acc += s * sum + z * sum(x).
+// and each chunk is finished as the f32 path finishes a group: acc += s * sum + z * sum(x). (The tiles
+// read bf16 subnormals as zero: an x under about 2^-110 in magnitude loses its lo part, 2^-16 of it.)
 
 /* Tiles: sums [MT][16] f32, 0 (even panels) and 2 (odd); x's parts [MT][32] bf16, 4 (hi), 5 (mid),
  * 1 (lo); codes [16 k-pairs][16 rows][2] bf16, 6 (even panels) and 7. */
