@@ -1,7 +1,7 @@
 /* The AMX qlinear path (AMX-TILE and AMX-INT8, and AMX-BF16 for f32 activations, beside the AVX-512
  * path's instructions; chosen at run time when the CPU has them and Linux grants the process the tile
- * state): integer activations, and f32 ones in steps of 13 tokens and more, against q4 and q8 codes;
- * every other job on the AVX-512 path.
+ * state): integer activations against q4 and q8 codes, and f32 ones in steps of 13 tokens and more
+ * against any format whose groups are multiples of 32; every other job on the AVX-512 path.
  *
  * F32 activations: see "F32 activations on AMX-BF16 tiles" below (three bf16 tile multiplies a 32-k
  * chunk, f32 sums; not bit for bit the other paths', within the same f32 bounds).
@@ -54,9 +54,8 @@ int cpu_has_amx(void)
 
 int amx_takes(const Job *job)
 {
-    if (job->act == ACT_F32)
-        return amx_bf16 && job->t >= AMX_MIN_T_F32 && (job->w.fmt == FMT_Q4 || job->w.fmt == FMT_Q8) &&
-               job->w.group % 32 == 0;
+    if (job->act == ACT_F32)  /* every format: its values are exact in bf16 */
+        return amx_bf16 && job->t >= AMX_MIN_T_F32 && job->w.group % 32 == 0;
     return (job->act == ACT_INT16 ? job->t >= AMX_MIN_T_INT16 : job->act == ACT_INT8 && job->t >= AMX_MIN_T_INT8) &&
            (job->w.fmt == FMT_Q4 || job->w.fmt == FMT_Q8) && (job->blk == 32 || job->blk == 64);
 }
@@ -233,9 +232,10 @@ TILES_CASE(amx_i16_q8, FMT_Q8, 1)
 // F32 activations on AMX-BF16 tiles
 //
 // x = hi + mid + lo exactly, each part a bf16 (hi: x's first 8 significant bits, mid the next 8 of what
-// is left, lo the rest, which fits in 8 bits), and q4 codes q - 8 are exact in bf16; a tile multiply
+// is left, lo the rest, which fits in 8 bits), and every format's values are exact in bf16 (q4's q - 8,
+// q5's q, q6's q - 32, q8's q, fp8's e4m3 / 2^8, bf16 itself); a tile multiply
 // takes each product exactly and adds it to its f32 sum in turn, one rounding an addition, as an FMA
-// does. So a 32-k chunk's sum(x (q - 8)) is the f32 path's dot product, in another order of addition,
+// does. So a 32-k chunk's sum(x q) is the f32 path's dot product, in another order of addition,
 // and each chunk is finished as the f32 path finishes a group: acc += s * sum + z * sum(x). (The tiles
 // read bf16 subnormals as zero: an x under about 2^-110 in magnitude loses its lo part, 2^-16 of it.)
 
@@ -296,6 +296,35 @@ static void split_q8_bf16(const Job *job, int64_t p, uint16_t *rows)
     }
 }
 
+/* Any other format's codes as bf16 tile rows, from the f32 values the AVX-512 kernels decode (exact in
+ * bf16, so their top 16 bits): row k/2 holds each row's k and k + 1. */
+INLINE void split_decoded_bf16(const int fmt, const Job *job, int64_t p, uint16_t *rows)
+{
+    const int64_t K = job->w.k, bpk = panel_bytes_per_k(fmt);
+    const __m512i top = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    for (int64_t c = 0; c < K / 8; c++) {
+        const uint8_t *chunk = job->w.codes + p * K * bpk + c * 8 * bpk;
+        __m512i raw0 = _mm512_setzero_si512(), raw1 = _mm512_setzero_si512();
+        load_chunk(fmt, chunk, &raw0, &raw1);
+        #pragma GCC unroll 4
+        for (int j = 0; j < 8; j += 2) {
+            const __m512i a = _mm512_castps_si512(decode_step(fmt, chunk, raw0, raw1, j));
+            const __m512i b = _mm512_castps_si512(decode_step(fmt, chunk, raw0, raw1, j + 1));
+            _mm512_store_si512(rows + (c * 4 + j / 2) * 32, _mm512_or_si512(_mm512_and_si512(b, top), _mm512_srli_epi32(a, 16)));
+        }
+    }
+}
+
+#define SPLIT_DECODED(fmt)                                                          \
+    static void split_decoded_##fmt(const Job *job, int64_t p, uint16_t *rows)      \
+    {                                                                               \
+        split_decoded_bf16(fmt, job, p, rows);                                      \
+    }
+SPLIT_DECODED(FMT_Q5)
+SPLIT_DECODED(FMT_Q6)
+SPLIT_DECODED(FMT_F8)
+SPLIT_DECODED(FMT_BF16)
+
 /* Token t's parts of x into the three planes of xbf (for q4 codes each 8 k in split_q4_bf16's order),
  * and its sums over each 32 k. */
 static void split_token_bf16(const Job *job, int64_t t, int64_t rows)
@@ -353,7 +382,7 @@ INLINE void chunk_finish_f32(const int fmt, const int mt, const Job *job, int64_
     for (int t = 0; t < mt; t++) {
         __m512 a = c ? _mm512_load_ps(acc[t]) : _mm512_setzero_ps();
         a = _mm512_fmadd_ps(_mm512_load_ps(sums[t]), s, a);
-        if (fmt == FMT_Q4)
+        if (has_zeros(fmt))
             a = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[t * nc]), a);
         _mm512_store_ps(acc[t], a);
     }
@@ -398,20 +427,31 @@ INLINE void tiles_f32(const int fmt, const Job *job, int64_t p0, int np, int64_t
     }
 }
 
-static void tiles_f32_q4(const Job *job, int64_t p0, int np, int64_t t0, int mt, const uint16_t *const *codes)
-{
-    tiles_f32(FMT_Q4, job, p0, np, t0, mt, codes);
-}
-
-static void tiles_f32_q8(const Job *job, int64_t p0, int np, int64_t t0, int mt, const uint16_t *const *codes)
-{
-    tiles_f32(FMT_Q8, job, p0, np, t0, mt, codes);
-}
+#define TILES_F32(fmt)                                                                                      \
+    static void tiles_f32_##fmt(const Job *job, int64_t p0, int np, int64_t t0, int mt, const uint16_t *const *codes) \
+    {                                                                                                       \
+        tiles_f32(fmt, job, p0, np, t0, mt, codes);                                                         \
+    }
+TILES_F32(FMT_Q4)
+TILES_F32(FMT_Q8)
+TILES_F32(FMT_Q5)
+TILES_F32(FMT_Q6)
+TILES_F32(FMT_F8)
+TILES_F32(FMT_BF16)
 
 static void amx_compute_f32(Job *job, int tid, int nt)
 {
     const int64_t K = job->w.k;
-    const int q4 = job->w.fmt == FMT_Q4;
+    void (*split)(const Job *, int64_t, uint16_t *);
+    void (*tiles)(const Job *, int64_t, int, int64_t, int, const uint16_t *const *);
+    switch (job->w.fmt) {
+    case FMT_Q4: split = split_q4_bf16, tiles = tiles_f32_FMT_Q4; break;
+    case FMT_Q8: split = split_q8_bf16, tiles = tiles_f32_FMT_Q8; break;
+    case FMT_Q5: split = split_decoded_FMT_Q5, tiles = tiles_f32_FMT_Q5; break;
+    case FMT_Q6: split = split_decoded_FMT_Q6, tiles = tiles_f32_FMT_Q6; break;
+    case FMT_F8: split = split_decoded_FMT_F8, tiles = tiles_f32_FMT_F8; break;
+    default: split = split_decoded_FMT_BF16, tiles = tiles_f32_FMT_BF16; break;
+    }
     uint16_t *rows = (uint16_t *)job->ws.wrows + (size_t)tid * AMX_PANELS * K * PANEL;
     configure_bf16();
     int64_t lo, hi;
@@ -420,11 +460,11 @@ static void amx_compute_f32(Job *job, int tid, int nt)
         const int np = (int)(hi - p0 < AMX_PANELS ? hi - p0 : AMX_PANELS);
         const uint16_t *codes[AMX_PANELS];
         for (int i = 0; i < np; i++) {
-            (q4 ? split_q4_bf16 : split_q8_bf16)(job, p0 + i, rows + i * K * PANEL);
+            split(job, p0 + i, rows + i * K * PANEL);
             codes[i] = rows + i * K * PANEL;
         }
         for (int64_t t0 = 0; t0 < job->t; t0 += MT)
-            (q4 ? tiles_f32_q4 : tiles_f32_q8)(job, p0, np, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
+            tiles(job, p0, np, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
     }
     _tile_release();
 }
