@@ -191,13 +191,26 @@ INLINE void finish_any(const int fmt, const int wide, int mt, const Job *job, in
         block_finish(fmt, wide, mt, job, p, t0, b, sums, acc);
 }
 
+/* y[t0 .. t0+mt, panels p0 .. p0+np) = the sums a tile pass kept in acc (+ bias). */
+INLINE void store_sums(const Job *job, int64_t p0, int np, int64_t t0, int mt, float (*acc)[MT][PANEL])
+{
+    const int64_t N = job->w.n;
+    for (int i = 0; i < np; i++) {
+        const __mmask16 m = rows_mask(N, p0 + i);
+        const __m512 bias = job->bias ? _mm512_maskz_loadu_ps(m, job->bias + (p0 + i) * PANEL) : _mm512_setzero_ps();
+        for (int t = 0; t < mt; t++)
+            _mm512_mask_storeu_ps(job->y + (t0 + t) * N + (p0 + i) * PANEL, m,
+                                  job->bias ? _mm512_add_ps(_mm512_load_ps(acc[i][t]), bias) : _mm512_load_ps(acc[i][t]));
+    }
+}
+
 /* y[t0 .. t0+mt, panels p0 .. p0+np) (np <= AMX_PANELS; codes[i]: panel p0+i's tile rows): per block,
  * the activation tiles once, then each panel's products, finished while the tile unit works on the
  * next ones; the sums in acc until the last block. */
 INLINE void tiles_int(const int fmt, const int wide, const Job *job, int64_t p0, int np, int64_t t0, int mt,
                       const uint8_t *const *codes)
 {
-    const int64_t K = job->w.k, B = job->blk, nb = K / B, N = job->w.n;
+    const int64_t K = job->w.k, B = job->blk, nb = K / B;
     int32_t sums[2][2][MT][PANEL] __attribute__((aligned(64)));
     float acc[AMX_PANELS][MT][PANEL] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
@@ -214,13 +227,7 @@ INLINE void tiles_int(const int fmt, const int wide, const Job *job, int64_t p0,
                 finish_any(fmt, wide, mt, job, p0 + i - 2, t0, b, sums[i & 1], acc[i - 2]);
         }
     }
-    for (int i = 0; i < np; i++) {
-        const __mmask16 m = rows_mask(N, p0 + i);
-        const __m512 bias = job->bias ? _mm512_maskz_loadu_ps(m, job->bias + (p0 + i) * PANEL) : _mm512_setzero_ps();
-        for (int t = 0; t < mt; t++)
-            _mm512_mask_storeu_ps(job->y + (t0 + t) * N + (p0 + i) * PANEL, m,
-                                  job->bias ? _mm512_add_ps(_mm512_load_ps(acc[i][t]), bias) : _mm512_load_ps(acc[i][t]));
-    }
+    store_sums(job, p0, np, t0, mt, acc);
 }
 
 #define TILES_CASE(name, fmt, wide)                                                                   \
@@ -397,7 +404,7 @@ INLINE void chunk_finish_f32(const int fmt, const int mt, const Job *job, int64_
 INLINE void tiles_f32(const int fmt, const Job *job, int64_t p0, int np, int64_t t0, int mt,
                       const uint16_t *const *codes)
 {
-    const int64_t K = job->w.k, nc = K / 32, N = job->w.n, rows = ceil_div(job->t, MT) * MT;
+    const int64_t K = job->w.k, nc = K / 32, rows = ceil_div(job->t, MT) * MT;
     float sums[2][MT][PANEL] __attribute__((aligned(64)));
     float acc[AMX_PANELS][MT][PANEL] __attribute__((aligned(64)));
     const uint16_t *xh = job->ws.xbf + t0 * K, *xm = xh + rows * K, *xl = xm + rows * K;
@@ -422,13 +429,7 @@ INLINE void tiles_f32(const int fmt, const Job *job, int64_t p0, int np, int64_t
             }
         }
     }
-    for (int i = 0; i < np; i++) {
-        const __mmask16 m = rows_mask(N, p0 + i);
-        const __m512 bias = job->bias ? _mm512_maskz_loadu_ps(m, job->bias + (p0 + i) * PANEL) : _mm512_setzero_ps();
-        for (int t = 0; t < mt; t++)
-            _mm512_mask_storeu_ps(job->y + (t0 + t) * N + (p0 + i) * PANEL, m,
-                                  job->bias ? _mm512_add_ps(_mm512_load_ps(acc[i][t]), bias) : _mm512_load_ps(acc[i][t]));
-    }
+    store_sums(job, p0, np, t0, mt, acc);
 }
 
 #define TILES_F32(fmt)                                                                                      \
