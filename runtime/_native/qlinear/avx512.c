@@ -325,15 +325,16 @@ INLINE __m512i dot_bcast(const int wide, __m512i acc, __m512i code, const int32_
     return acc;
 }
 
-/* y[t0 .. t0+mr, panels p .. p+np) (np 1 or 2), integer activations: per activation block b,
- * dot = corr + sum(u8 code * x) in int32, then acc += f32(dot) * (s * step) (+ z * xsum for q4).
- * Int8 x (wide = 0): vpdpbusd on the 4 codes of a row per 32-bit lane. Int16 x (wide = 1): each
- * lane's codes widened to int16 pairs (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd.
- * Each broadcast activation word feeds both panels, so 2 x 8 chains hide the instructions'
- * latency; the f32 sums live in memory between blocks. Integer sums are exact in any order and
- * each f32 step is the portable path's, so the numbers are too. */
-INLINE void micro_int(const int fmt, const int wide, const int np, const int mr, const Job *job, int64_t p,
-                      int64_t t0)
+/* y[t0 .. t0+mr, panel p], integer activations: per activation block b, dot = corr + sum(u8 code
+ * * x) in int32, then acc += f32(dot) * (s * step) (+ z * xsum for q4). Int8 x (wide = 0): vpdpbusd
+ * on the 4 codes of a row per 32-bit lane. Int16 x (wide = 1): each lane's codes widened to int16
+ * pairs (k, k+1 and k+2, k+3; 0x80 is a zero byte) for vpdpwssd. Each token's activation words
+ * alternate between two chains, 2 x 8 of them to hide the instructions' latency, and one panel at a
+ * time keeps one stream of codes from DRAM (two panels side by side, each broadcast word feeding
+ * both, ran 1.1-2x slower on a Zen 5 at every token count, in cache too); the f32 sums live in
+ * memory between blocks. Integer sums are exact in any order and each f32 step is the portable
+ * path's, so the numbers are too. */
+INLINE void micro_int(const int fmt, const int wide, const int mr, const Job *job, int64_t p, int64_t t0)
 {
     const Weight *w = &job->w;
     const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
@@ -347,89 +348,75 @@ INLINE void micro_int(const int fmt, const int wide, const int np, const int mr,
                                                                  8, -128, 9, -128, 12, -128, 13, -128));
     const __m512i pair_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128,
                                                                  10, -128, 11, -128, 14, -128, 15, -128));
-    float acc[2][MRQ][PANEL] __attribute__((aligned(64)));
+    float acc[MRQ][PANEL] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
         const float *step = params + b * 3 * MRQ, *xsum = step + MRQ, *corr = step + 2 * MRQ;
-        __m512i d[2][MRQ];
+        __m512i d[2][MRQ];  /* [chain][token] */
         #pragma GCC unroll 16
         for (int t = 0; t < mr; t++) {
             int32_t c;
             memcpy(&c, corr + t, 4);  /* xcorr's int32 bits */
-            d[0][t] = d[1][t] = _mm512_set1_epi32(c);
+            d[0][t] = _mm512_set1_epi32(c);
+            d[1][t] = _mm512_setzero_si512();
         }
         const uint8_t *chunk = w->codes + p * K * bpk + b * B * bpk;
         const int32_t *xk = xq + b * (B / 8) * words * MRQ;
         for (int64_t c = 0; c < B / 8; c++, chunk += 8 * bpk, xk += words * MRQ) {
-            __m512i code[2][4];
-            #pragma GCC unroll 2
-            for (int i = 0; i < np; i++) {
-                const uint8_t *src = chunk + i * K * bpk;
-                prefetch_ahead(src, 8 * bpk);
-                __m512i lo, hi;
-                if (fmt == FMT_Q4) {
-                    const __m512i v = _mm512_loadu_si512(src);
-                    lo = _mm512_and_si512(v, low4);
-                    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                } else {
-                    lo = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
-                    hi = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
-                }
-                if (wide) {
-                    code[i][0] = _mm512_shuffle_epi8(lo, pair_lo);
-                    code[i][1] = _mm512_shuffle_epi8(lo, pair_hi);
-                    code[i][2] = _mm512_shuffle_epi8(hi, pair_lo);
-                    code[i][3] = _mm512_shuffle_epi8(hi, pair_hi);
-                } else {
-                    code[i][0] = lo;
-                    code[i][1] = hi;
-                }
+            prefetch_ahead(chunk, 8 * bpk);
+            __m512i code[4], lo, hi;
+            if (fmt == FMT_Q4) {
+                const __m512i v = _mm512_loadu_si512(chunk);
+                lo = _mm512_and_si512(v, low4);
+                hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            } else {
+                lo = _mm512_xor_si512(_mm512_loadu_si512(chunk), flip);
+                hi = _mm512_xor_si512(_mm512_loadu_si512(chunk + 64), flip);
+            }
+            if (wide) {
+                code[0] = _mm512_shuffle_epi8(lo, pair_lo);
+                code[1] = _mm512_shuffle_epi8(lo, pair_hi);
+                code[2] = _mm512_shuffle_epi8(hi, pair_lo);
+                code[3] = _mm512_shuffle_epi8(hi, pair_hi);
+            } else {
+                code[0] = lo;
+                code[1] = hi;
             }
             #pragma GCC unroll 4
-            for (int j = 0; j < words; j++) {
+            for (int j = 0; j < words; j++)
                 #pragma GCC unroll 16
-                for (int t = 0; t < mr; t++) {
-                    d[0][t] = dot_bcast(wide, d[0][t], code[0][j], xk + j * MRQ + t);
-                    if (np == 2)
-                        d[1][t] = dot_bcast(wide, d[1][t], code[1][j], xk + j * MRQ + t);
-                }
-            }
+                for (int t = 0; t < mr; t++)
+                    d[j & 1][t] = dot_bcast(wide, d[j & 1][t], code[j], xk + j * MRQ + t);
         }
-        #pragma GCC unroll 2
-        for (int i = 0; i < np; i++) {
-            __m512 s, z = _mm512_setzero_ps();
-            group_params(fmt, w, p + i, per_channel ? 0 : b, &s, &z);
-            #pragma GCC unroll 16
-            for (int t = 0; t < mr; t++) {
-                __m512 a = b ? _mm512_load_ps(acc[i][t]) : _mm512_setzero_ps();
-                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i][t]), _mm512_mul_ps(s, _mm512_set1_ps(step[t])), a);
-                if (fmt == FMT_Q4)
-                    a = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[t]), a);
-                _mm512_store_ps(acc[i][t], a);
-            }
+        __m512 s, z = _mm512_setzero_ps();
+        group_params(fmt, w, p, per_channel ? 0 : b, &s, &z);
+        #pragma GCC unroll 16
+        for (int t = 0; t < mr; t++) {
+            __m512 a = b ? _mm512_load_ps(acc[t]) : _mm512_setzero_ps();
+            const __m512i dot = _mm512_add_epi32(d[0][t], d[1][t]);
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(step[t])), a);
+            if (fmt == FMT_Q4)
+                a = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[t]), a);
+            _mm512_store_ps(acc[t], a);
         }
     }
-    #pragma GCC unroll 2
-    for (int i = 0; i < np; i++)
-        #pragma GCC unroll 16
-        for (int t = 0; t < mr; t++)
-            store_rows(job->y + (t0 + t) * N + (p + i) * PANEL, _mm512_load_ps(acc[i][t]),
-                       job->bias ? job->bias + (p + i) * PANEL : NULL, rows_mask(N, p + i));
+    #pragma GCC unroll 16
+    for (int t = 0; t < mr; t++)
+        store_rows(job->y + (t0 + t) * N + p * PANEL, _mm512_load_ps(acc[t]), job->bias ? job->bias + p * PANEL : NULL,
+                   rows_mask(N, p));
 }
 
-#define INT_CASE(fmt, wide, mr)                                                                    \
-    case mr:                                                                                       \
-        if (np == 2)                                                                               \
-            micro_int(fmt, wide, 2, mr, job, p, t0);                                               \
-        else                                                                                       \
-            micro_int(fmt, wide, 1, mr, job, p, t0);                                               \
-        break;
 #define INT_CASES(name, fmt, wide)                                                                 \
-    static void name(const Job *job, int64_t p, int np, int64_t t0, int mr)                        \
+    static void name(const Job *job, int64_t p, int64_t t0, int mr)                                \
     {                                                                                              \
         switch (mr) {                                                                              \
-            INT_CASE(fmt, wide, 1) INT_CASE(fmt, wide, 2) INT_CASE(fmt, wide, 3)                   \
-            INT_CASE(fmt, wide, 4) INT_CASE(fmt, wide, 5) INT_CASE(fmt, wide, 6)                   \
-            INT_CASE(fmt, wide, 7) default: INT_CASE(fmt, wide, 8)                                 \
+        case 1: micro_int(fmt, wide, 1, job, p, t0); break;                                        \
+        case 2: micro_int(fmt, wide, 2, job, p, t0); break;                                        \
+        case 3: micro_int(fmt, wide, 3, job, p, t0); break;                                        \
+        case 4: micro_int(fmt, wide, 4, job, p, t0); break;                                        \
+        case 5: micro_int(fmt, wide, 5, job, p, t0); break;                                        \
+        case 6: micro_int(fmt, wide, 6, job, p, t0); break;                                        \
+        case 7: micro_int(fmt, wide, 7, job, p, t0); break;                                        \
+        default: micro_int(fmt, wide, 8, job, p, t0); break;                                       \
         }                                                                                          \
     }
 INT_CASES(i8_FMT_Q4, FMT_Q4, 0)
@@ -466,21 +453,18 @@ static void avx512_compute_tiled(const Job *job, int tid, int nt)
         tile_panels(job, 2 * u, 2 * u + 1 < job->w.panels ? 2 : 1, tile);
 }
 
-/* Integer activations: pairs of panels (one at the end of an odd count), each thread a contiguous
- * range of them. */
+/* Integer activations: each thread a contiguous range of panels, each panel's tokens in tiles of
+ * MRQ. */
 static void avx512_compute_int(const Job *job, int tid, int nt)
 {
     const int q4 = job->w.fmt == FMT_Q4;
-    void (*fn)(const Job *, int64_t, int, int64_t, int) =
+    void (*fn)(const Job *, int64_t, int64_t, int) =
         job->act == ACT_INT16 ? (q4 ? i16_FMT_Q4 : i16_FMT_Q8) : (q4 ? i8_FMT_Q4 : i8_FMT_Q8);
-    const int64_t P = job->w.panels;
     int64_t lo, hi;
-    thread_range(ceil_div(P, 2), tid, nt, &lo, &hi);
-    for (int64_t u = lo; u < hi; u++) {
-        const int np = 2 * u + 1 < P ? 2 : 1;
+    thread_range(job->w.panels, tid, nt, &lo, &hi);
+    for (int64_t p = lo; p < hi; p++)
         for (int64_t t0 = 0; t0 < job->t; t0 += MRQ)
-            fn(job, 2 * u, np, t0, (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ));
-    }
+            fn(job, p, t0, (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ));
 }
 
 void avx512_compute(Job *job, int tid, int nt)
