@@ -422,6 +422,7 @@ INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t 
             dot[t] = _mm256_set1_epi32(corr[t * nb + b]);
         for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
             const uint8_t *chunk = w->codes + p * K * bpk + k * bpk + 32 * h;
+            _mm_prefetch((const char *)chunk + 4096, _MM_HINT_T0);
             __m256i lo, hi;  /* codes k..k+3 and k+4..k+7 of 8 rows, as u8 */
             if (fmt == FMT_Q4) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)chunk);
@@ -482,6 +483,7 @@ INLINE void avx2_micro_i8(const int fmt, const int mr, const Job *job, int64_t p
                     part[t] = _mm256_setzero_si256();
                 #pragma GCC unroll 4
                 for (int64_t k = k0; k < k0 + 32; k += 8) {
+                    _mm_prefetch((const char *)(codes + k * bpk) + 4096, _MM_HINT_T0);
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + k * bpk));
                     const __m256i lo = _mm256_and_si256(v, low4);  /* codes k..k+3 of 8 rows */
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  /* k+4..k+7 */
@@ -498,6 +500,7 @@ INLINE void avx2_micro_i8(const int fmt, const int mr, const Job *job, int64_t p
             } else {
                 #pragma GCC unroll 8
                 for (int64_t k = k0; k < k0 + 32; k += 4) {
+                    _mm_prefetch((const char *)(codes + k * bpk) + 4096, _MM_HINT_T0);
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(codes + k * bpk));
                     const __m256i mag = _mm256_abs_epi8(q);
                     const int32_t *xk = xw + (k / 4) * MRQ;
