@@ -125,11 +125,12 @@ void avx512_prepare(Job *job, int tid, int nt)
 
 /* y[0 .. mt, panel p] for mt <= DIRECT_T tokens; per group the codes' dot with x is scaled once:
  * y += s * sum((q-8) x) + z * sum(x) (q5: s * sum(q x) + m * sum(x)). One panel at a time keeps one stream of codes (two
- * interleaved panels read slower from DRAM); a lone token splits its sum over two chains (even
- * and odd k) so the FMA latency hides behind the other chain. */
+ * interleaved panels read slower from DRAM); one or two tokens split each sum over four chains (k
+ * mod 4), three or four over two, so that 8 or more FMAs are in flight (per layer from DRAM on a
+ * Zen 5, 2-4 tokens x1.1-1.2). */
 INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p)
 {
-    const int chains = mt == 1 ? 2 : 1;
+    const int chains = mt <= 2 ? 4 : mt <= 4 ? 2 : 1;
     const Weight *w = &job->w;
     const int64_t K = w->k, G = w->group, ng = K / G, N = w->n, bpk = panel_bytes_per_k(fmt);
     const float *x = job->x;
@@ -138,10 +139,10 @@ INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p
     for (int t = 0; t < mt; t++)
         yacc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        __m512 acc[DIRECT_T][2];
+        __m512 acc[DIRECT_T][4];
 #pragma GCC unroll 16
         for (int t = 0; t < mt; t++)
-            acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+            acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = _mm512_setzero_ps();
         for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
             const uint8_t *chunk = w->codes + p * K * bpk + k * bpk;
             prefetch_ahead(chunk, 8 * bpk);
@@ -159,7 +160,8 @@ INLINE void direct_kernel(const int fmt, const int mt, const Job *job, int64_t p
         group_params(fmt, w, p, g, &s, &z);
 #pragma GCC unroll 16
         for (int t = 0; t < mt; t++) {
-            const __m512 sum = chains == 2 ? _mm512_add_ps(acc[t][0], acc[t][1]) : acc[t][0];
+            const __m512 sum = chains == 4 ? _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3]))
+                             : chains == 2 ? _mm512_add_ps(acc[t][0], acc[t][1]) : acc[t][0];
             yacc[t] = _mm512_fmadd_ps(sum, s, yacc[t]);
             if (has_zeros(fmt))
                 yacc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(job->ws.xsum[t * ng + g]), yacc[t]);
