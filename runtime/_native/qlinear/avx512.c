@@ -38,15 +38,20 @@ INLINE void store_rows(float *y, __m512 v, const float *bias, __mmask16 m)
 // Activation preparation
 
 /* lane_sum's order (kernels.h): the 16 lanes, then halves added pairwise. */
+INLINE float lane_sum16(__m512 acc)
+{
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
 static float avx512_block_sum(const float *x, int64_t len)
 {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < len; k += 16)
         acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + k));
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    return lane_sum16(acc);
 }
 
 /* portable_quantize_token's numbers, the block sums included: int8 codes 4 k to a word of xq,
@@ -60,17 +65,25 @@ static void avx512_quantize_token(const Job *job, int64_t t)
     const float *x = job->x + t * K, levels = act_levels(job->act);
     const int wide = job->act == ACT_INT16;
     const __m512 sign = _mm512_set1_ps(-0.0f);
+    /* xq / xq16 words of this token: one every MRQ words along k (4 k a word for int8, 2 for int16) */
+    int32_t *words = job->ws.xhi ? NULL
+                     : wide ? (int32_t *)job->ws.xq16 + xq16_index(t, 0, K) / 2
+                            : (int32_t *)job->ws.xq + xq_index(t, 0, K) / 4;
+    const __m256i every8 = _mm256_setr_epi32(0, MRQ, 2 * MRQ, 3 * MRQ, 4 * MRQ, 5 * MRQ, 6 * MRQ, 7 * MRQ);
+    const __m128i every4 = _mm_setr_epi32(0, MRQ, 2 * MRQ, 3 * MRQ);
     for (int64_t b = 0; b < nb; b++) {
-        __m512 vmax = _mm512_setzero_ps();
-        for (int64_t k = b * B; k < (b + 1) * B; k += 16)
-            vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + k)));
+        __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+        for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + k);
+            vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign, v));
+            vsum = _mm512_add_ps(vsum, v);  /* avx512_block_sum's order */
+        }
         const float amax = _mm512_reduce_max_ps(vmax);
         const __m512 inv = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
         __m512i qsum = _mm512_setzero_si512();
         for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
             qsum = _mm512_add_epi32(qsum, q);
-            int32_t words[8];
             if (job->ws.xhi) {
                 if (wide) {
                     _mm_storeu_si128((__m128i *)(job->ws.xhi + t * K + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
@@ -79,20 +92,16 @@ static void avx512_quantize_token(const Job *job, int64_t t)
                 } else {
                     _mm_storeu_si128((__m128i *)(job->ws.xhi + t * K + k), _mm512_cvtepi32_epi8(q));
                 }
-            } else if (wide) {
-                _mm256_storeu_si256((__m256i *)words, _mm512_cvtepi32_epi16(q));
-                for (int i = 0; i < 8; i++)
-                    memcpy(job->ws.xq16 + xq16_index(t, k + 2 * i, K), &words[i], 4);
-            } else {
-                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q));
-                for (int i = 0; i < 4; i++)
-                    memcpy(job->ws.xq + xq_index(t, k + 4 * i, K), &words[i], 4);
+            } else if (wide) {  /* 8 words of k pairs, MRQ words apart */
+                _mm256_i32scatter_epi32(words + (k / 2) * MRQ, every8, _mm512_cvtepi32_epi16(q), 4);
+            } else {            /* 4 words of k quads */
+                _mm_i32scatter_epi32(words + (k / 4) * MRQ, every4, _mm512_cvtepi32_epi8(q), 4);
             }
         }
         const int32_t corr = -vnni_offset(job->w.fmt) * _mm512_reduce_add_epi32(qsum);
         float *tp = job->ws.tparams + ((t / MRQ) * nb + b) * 3 * MRQ + t % MRQ;
         tp[0] = amax / levels;
-        tp[MRQ] = avx512_block_sum(x + b * B, B);
+        tp[MRQ] = lane_sum16(vsum);
         memcpy(tp + 2 * MRQ, &corr, 4);
     }
 }
