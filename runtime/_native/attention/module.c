@@ -318,6 +318,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__attention(void) {
     build_f8e4m3_table();
+    detect_avx512();
     if (tape_import() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

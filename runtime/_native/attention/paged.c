@@ -453,21 +453,18 @@ ALWAYS_INLINE void accumulate_slice(const int nr, const int nv, const int dtype,
 }
 
 /* The AVX-512 form of accumulate_slice over whole heads, for CPUs that have it (have_avx512, set
- * once): 16 dimensions a register and up to 64 of them per pass, so each key's values feed 3 x 4
+ * at module init): 16 dimensions a register and up to 64 of them per pass, so each key's values feed 3 x 4
  * independent accumulators where the AVX2 form, in 16 registers, has 3 x 2 on 16 dimensions and
  * waits on FMA latency. Every lane still takes its dimension's products in key order, one FMA each:
  * the same numbers bit for bit. */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
-static int have_avx512 = -1;
+static int have_avx512 = 0;
 
-static int avx512_values(void) {
-    if (have_avx512 < 0) {
-        __builtin_cpu_init();
-        have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl");
-    }
-    return have_avx512;
+void detect_avx512(void) {
+    __builtin_cpu_init();
+    have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl");
 }
 
 /* 16 cache elements of type dtype at src as float32: load8's values, twice as wide. */
@@ -569,7 +566,7 @@ ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const Atten
         }
         row_sum[r] += exp_shifted(scores[r], n, row_max[r]);
     }
-    if (hd % 16 == 0 && avx512_values()) {
+    if (hd % 16 == 0 && have_avx512) {
         accumulate_values_512(dtype, nr, scratch->v_src, n, hd, elem, a->kv_scale, scores, acc);
         return;
     }
