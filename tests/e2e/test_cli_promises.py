@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_server import free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CLIS = {"engine-build": "builder.cli", "engine-run": "runtime.cli"}
@@ -123,12 +124,6 @@ def test_serve_refuses_a_taken_port_before_loading(tiny_engine_dir):
         port = taken.getsockname()[1]
         proc = cli("engine-run", "serve", tiny_engine_dir, "--port", str(port), timeout=60)
     assert_one_line_error(proc, "engine-run", rf"cannot listen on 127\.0\.0\.1:{port}: .*--port")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------- README against --help

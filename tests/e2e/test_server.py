@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import random
 import re
 import signal
 import socket
@@ -23,9 +24,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that binds now, drawn below Linux's ephemeral range (32768 and up by default): a port the kernel
+    picked (bind to 0) can be handed again to any process's next outgoing or ephemeral socket before the server
+    binds it, and Ray Serve's many processes take such ports while a replica server starts."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32767")
 
 
 def metric_value(text: str, series: str) -> float:
