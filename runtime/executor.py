@@ -178,7 +178,10 @@ class CpuExecutor(Executor):
         """Run one step. `inputs` replaces the token inputs on a pipeline stage that receives hidden states.
         A replayed step touches no torch op (its tape runs in C), so only the other paths enter inference mode,
         which costs tens of microseconds a step on caches the step has just evicted."""
-        self.governor.tick()
+        with self.governor.step():  # the thread cap and the kernel threads' placement
+            return self._execute(meta, inputs)
+
+    def _execute(self, meta: StepMetadata, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
         if self.rope_tables and meta.positions.numel():
             rows = (meta.max_position if meta.max_position >= 0 else int(meta.positions.max())) + 1
             for table in self.rope_tables.values():

@@ -11,7 +11,10 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "numeric.h"
@@ -502,6 +505,65 @@ static PyObject *py_live_threads(PyObject *Py_UNUSED(self), PyObject *arg) {
     return PyLong_FromLong(live_threads((int)requested));
 }
 
+/* ----------------------------------------------------------------------------------------
+ * Thread placement
+ */
+
+#define PIN_MAX_THREADS 1024
+
+/* Pins the OpenMP workers that this thread's parallel regions of `count` threads use (libgomp keeps one
+ * pool of them per calling thread) to one CPU each: worker i to cpus[i]. The calling thread itself is
+ * left as it is (runtime.cpus pins it around each step). Returns the native thread ids of the team,
+ * the caller's first. */
+static PyObject *py_pin_team(PyObject *Py_UNUSED(self), PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "pin_team: cpus must be a sequence of CPU numbers");
+    if (!seq)
+        return NULL;
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count < 1 || count > PIN_MAX_THREADS) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "pin_team: 1 to %d CPUs, got %zd", PIN_MAX_THREADS, count);
+    }
+    int cpus[PIN_MAX_THREADS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const long cpu = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (cpu == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (cpu < 0 || cpu >= CPU_SETSIZE) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "pin_team: CPU %ld is not between 0 and %d", cpu, CPU_SETSIZE - 1);
+        }
+        cpus[i] = (int)cpu;
+    }
+    Py_DECREF(seq);
+    long tids[PIN_MAX_THREADS];
+    int ran = 1, failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    #pragma omp parallel num_threads((int)count)
+    {
+        const int tid = omp_get_thread_num();
+        tids[tid] = (long)syscall(SYS_gettid);
+        if (tid > 0) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus[tid], &set);
+            if (sched_setaffinity(0, sizeof set, &set) != 0)
+                __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        } else {
+            ran = omp_get_num_threads();
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    PyObject *out = PyList_New(ran);
+    for (int i = 0; out && i < ran; i++)
+        PyList_SET_ITEM(out, i, PyLong_FromLong(tids[i]));
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(out, x, weight, eps, num_threads): out = weight * x / sqrt(mean(x^2) + eps) per row; "
@@ -542,6 +604,10 @@ static PyMethodDef methods[] = {
      "set_thread_cap(n): every Kiln kernel (of every Kiln C module, replayed tapes too) runs on at most n "
      "threads from now on; 0 lifts the cap."},
     {"thread_cap", py_thread_cap, METH_NOARGS, "thread_cap() -> the cap set_thread_cap set (0: none)."},
+    {"pin_team", py_pin_team, METH_O,
+     "pin_team(cpus) -> thread ids: pins the OpenMP workers of this thread's parallel regions of len(cpus) "
+     "threads to one CPU each (worker i to cpus[i]; the calling thread is not moved); returns the native ids "
+     "of the team's threads, the caller's first."},
     {"live_threads", py_live_threads, METH_O,
      "live_threads(n) -> the threads a kernel call that asks for n runs on now (n, at most the cap)."},
     {NULL, NULL, 0, NULL},

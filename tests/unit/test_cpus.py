@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -197,6 +198,62 @@ def test_a_busy_process_on_one_of_two_cpus_takes_the_kernels_to_one_thread_and_b
         busy.kill()
         governor.close()
         os.sched_setaffinity(0, saved)
+        torch.set_num_threads(threads_before)
+
+
+def _step_on_a_new_thread(governor: ThreadGovernor) -> dict:
+    """One governor step on a thread of its own (its OpenMP workers go with it): the affinities seen."""
+    seen = {}
+
+    def run():
+        seen["before"] = os.sched_getaffinity(0)
+        with governor.step():
+            _ops.argmax_rows(torch.empty(1, dtype=torch.int64).numpy(), torch.randn(1, 1 << 16).numpy(),
+                             1 << 16, 0)  # a kernel on the team: the workers pin_team pinned run it
+            seen["during"] = os.sched_getaffinity(0)
+            team = governor.teams.get(threading.get_native_id(), [])
+            seen["workers"] = [os.sched_getaffinity(tid) for tid in team[1:]]
+            seen["team"] = team
+        seen["after"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return seen
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to place two threads")
+def test_a_step_holds_each_kernel_thread_on_a_cpu_of_its_own_and_only_for_the_step(monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(len(cpus))
+    governor = ThreadGovernor(len(cpus))
+    try:
+        assert governor.pins
+        seen = _step_on_a_new_thread(governor)
+        assert seen["during"] == {cpus[0]}
+        assert seen["after"] == seen["before"] == set(cpus)  # between steps the thread keeps its own mask
+        assert len(seen["team"]) == len(cpus)
+        assert seen["workers"] == [{cpu} for cpu in cpus[1:]]
+
+        governor.close()  # the workers get the whole mask back
+        team = seen["team"]
+        assert all(os.sched_getaffinity(tid) == set(cpus) for tid in team[1:] if os.path.exists(f"/proc/self/task/{tid}"))
+        assert not governor.pins
+
+        capped = ThreadGovernor(len(cpus))
+        capped._set(1)  # a capped step runs on one thread, wherever the scheduler finds room
+        assert _step_on_a_new_thread(capped)["during"] == set(cpus)
+        capped.close()
+
+        monkeypatch.setenv("KILN_PIN_THREADS", "0")
+        assert not ThreadGovernor(len(cpus)).pins
+        monkeypatch.delenv("KILN_PIN_THREADS")
+        torch.set_num_threads(1)  # kernels on fewer threads than the CPUs (ranks sharing a host): not placed
+        assert _step_on_a_new_thread(ThreadGovernor(len(cpus)))["during"] == set(cpus)
+        assert not ThreadGovernor(len(cpus) + 1).pins  # a quota below the mask
+    finally:
+        governor.close()
         torch.set_num_threads(threads_before)
 
 
