@@ -32,7 +32,7 @@ finishing it (and freeing its blocks, which its batch still writes) until its ba
 Preemption frees the victim's blocks and puts it at the front of waiting with its outputs kept:
 prompt + outputs become its next prefill (often largely a prefix-cache hit on its own freed
 blocks), the last output's logits give its next token, and each output position samples from a
-random stream of its own (Sequence.generator_at), so it produces the same tokens as if it had never
+random stream of its own (Sequence.noise_key), so it produces the same tokens as if it had never
 been preempted. Running stays in arrival order (admission is FIFO and the preempted go back to the
 front), so the newest is running[-1].
 """

@@ -28,7 +28,7 @@ class Sequence:
 
     seed is params.seed, or, when that is None, drawn from torch's global generator (so
     torch.manual_seed makes unseeded runs reproducible). Each output position has a random stream of
-    its own, generator_at(index), a function of the seed and the position only: the token sampled at
+    its own, noise_key(index), a function of the seed and the position only: the token sampled at
     a position does not depend on how many draws came before it, so a preempted and recomputed
     sequence, or one whose positions a speculative step verifies several at a time, samples exactly
     the tokens it would have sampled one step at a time.
@@ -62,9 +62,10 @@ class Sequence:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = seed
 
-    def generator_at(self, output_index: int) -> torch.Generator:
-        """The random stream that samples output token `output_index` (0 is the first output token)."""
-        return torch.Generator().manual_seed(_mix(self.seed, output_index))
+    def noise_key(self, output_index: int) -> int:
+        """The key of the random stream that samples output token `output_index` (0 is the first output
+        token): runtime/sampler.py's race noise is a function of it and the token id."""
+        return _mix(self.seed, output_index)
 
     @property
     def num_tokens(self) -> int:

@@ -161,3 +161,40 @@ def test_greedy_picks_in_c_are_torch_argmax_ties_and_nans_included():
             assert out.tolist() == expected.tolist(), (n, threads)
     with pytest.raises(ValueError, match="argmax_rows: out must be int64"):
         _ops.argmax_rows(np.empty(2, dtype=np.int64), torch.zeros(3, 5).numpy(), 5, 1)
+
+
+@pytest.mark.parametrize("vocab", [13, 64, 1001])  # widths that leave a partial vector of 8 at the end
+def test_the_race_in_c_is_argmax_of_probs_over_its_noise(vocab):
+    """sample_random (C, _ops.race_rows) against its definition in torch: softmax(logits / T) / race_noise."""
+    from runtime.sampler import race_noise
+
+    logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    logits[:, 0] = -math.inf  # held back: never drawn
+    seqs = seqs_with(*[SamplingParams(temperature=0.5 + 0.1 * i, seed=1000 + i) for i in range(24)])
+    for i, seq in enumerate(seqs):
+        for _ in range(i % 3):
+            seq.append_token(1)  # other output positions: other noise
+    got = Sampler().sample_random(logits, seqs)
+    temperatures = torch.tensor([seq.params.temperature for seq in seqs]).unsqueeze(1)
+    noise = torch.stack([race_noise(seq, seq.num_output_tokens, vocab) for seq in seqs])
+    want = (torch.softmax(logits / temperatures, dim=-1) / noise).argmax(dim=-1)
+    assert got.tolist() == want.tolist()
+    assert (got > 0).all() and (got < vocab).all()
+    # the filtered path gives the race probabilities, not logits: the same draws when the filters keep all
+    kept_all = seqs_with(*[SamplingParams(temperature=0.5 + 0.1 * i, seed=1000 + i, top_k=vocab) for i in range(24)])
+    for seq, other in zip(kept_all, seqs):
+        seq.output_token_ids = list(other.output_token_ids)
+    assert Sampler().sample_random(logits, kept_all).tolist() == want.tolist()
+
+
+def test_race_noise_is_exponential_and_a_function_of_the_key_alone():
+    from runtime.sampler import race_noise
+
+    seq = Sequence("s", [1], SamplingParams(seed=7))
+    noise = race_noise(seq, 3, 1 << 16)
+    assert torch.equal(noise, race_noise(seq, 3, 1 << 16))
+    assert torch.equal(noise[:100], race_noise(seq, 3, 100))  # token v's noise does not depend on the width
+    assert not torch.equal(noise, race_noise(seq, 4, 1 << 16))
+    assert (noise > 0).all() and torch.isfinite(noise).all()
+    assert abs(noise.mean().item() - 1) < 0.02 and abs(noise.var().item() - 1) < 0.05  # Exp(1)
+    assert abs((noise > 1).float().mean().item() - math.exp(-1)) < 0.01
