@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.ops import linear, moe, reference, rowops
-from runtime.ops.tape import recordable, unrecorded
+from runtime.ops.tape import REUSE_ROWS, Outputs, Slot, recordable, unrecorded
 from runtime.weights import fp8
 
 
@@ -91,11 +91,21 @@ class Program:
         fused = self._fusible_attention(nodes) if hooks.qkv_attention else {}
         skipped = {i for chain in fused.values() for i in chain[:-1]}
         self.calls = []
-        for i, node in enumerate(nodes):
-            if i in fused:
-                self.calls.append(self._bind_chain([nodes[j] for j in fused[i]], tensors, hooks))
-            elif i not in skipped:
-                self.calls.append(self._bind(node, tensors, hooks))
+        self._unchecked = False
+        made: list[list[Outputs]] = []  # per call: the kept-output buffers its binder made
+        try:
+            for i, node in enumerate(nodes):
+                if i in skipped:
+                    continue
+                Outputs.binding = []
+                if i in fused:
+                    self.calls.append(self._bind_chain([nodes[j] for j in fused[i]], tensors, hooks))
+                else:
+                    self.calls.append(self._bind(node, tensors, hooks))
+                made.append(Outputs.binding)
+        finally:
+            Outputs.binding = None
+        self.shared: list[tuple[str, Slot]] = self._share_buffers(made) if reuse_outputs else []
 
     @property
     def recordable(self) -> bool:
@@ -105,6 +115,75 @@ class Program:
     @staticmethod
     def from_json(text: str, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False) -> Program:
         return Program(json.loads(text), tensors, hooks, reuse_outputs)
+
+    def _share_buffers(self, made: list[list[Outputs]]) -> list[tuple[str, Slot]]:
+        """Gives the kept outputs of values that are never alive at once one buffer between them (tape.Slot),
+        from the calls' order: a value lives from the call that makes it to the last call that reads it. A
+        call whose binder made no Outputs of its own (or several) may return views of its inputs, so its
+        outputs count as its inputs for as long as they live. Returns (value, slot) of every shared value."""
+        last_use: dict[str, int] = {}
+        for i, call in enumerate(self.calls):
+            last_use.update((name, i) for name in call.inputs)
+        last_use.update((name, len(self.calls)) for name in self.outputs)  # read after the run
+        holder: dict[str, str] = {}  # value -> the value whose buffer holds it
+
+        def root(name: str) -> str:
+            while holder.get(name, name) != name:
+                name = holder[name]
+            return name
+
+        own = [len(outs) == 1 and len(outs[0].widths) == len(call.outputs) for call, outs in zip(self.calls, made)]
+        for call, mine in zip(self.calls, own):
+            for name in call.outputs:
+                holder[name] = name
+            if not mine:  # its outputs may be its inputs' storage: the inputs live while the outputs do
+                for name in call.inputs:
+                    if name in holder:
+                        for out in call.outputs:
+                            holder[root(out)] = root(name)
+        ends: dict[str, int] = {}
+        for name, at in last_use.items():
+            if name in holder:
+                r = root(name)
+                ends[r] = max(ends.get(r, -1), at)
+        free: list[Slot] = []
+        busy: list[tuple[int, Slot]] = []
+        shared = []
+        for i, (call, mine) in enumerate(zip(self.calls, own)):
+            for end, slot in [b for b in busy if b[0] < i]:  # read for the last time before this call
+                busy.remove((end, slot))
+                free.append(slot)
+            if not mine:
+                continue
+            slots = []
+            for name, width in zip(call.outputs, made[i][0].widths):
+                fits = [slot for slot in free if slot.width >= width]
+                slot = (min(fits, key=lambda s: s.width) if fits else max(free, key=lambda s: s.width) if free
+                        else Slot())
+                if slot in free:
+                    free.remove(slot)
+                slot.width = max(slot.width, width)
+                busy.append((ends.get(root(name), i), slot))
+                slots.append(slot)
+                shared.append((name, slot))
+            made[i][0].slots = tuple(slots)
+        self._unchecked = bool(shared)
+        return shared
+
+    def _check_shared(self, env: dict[str, torch.Tensor]) -> None:
+        """After the first run on kept buffers: every shared value is where its slot is (a binder that returned
+        something else would have had its value overwritten by a later node's)."""
+        checked = False
+        for name, slot in self.shared:
+            value = env.get(name)
+            if (slot.buffer is None or value is None or value.dim() != 2 or value.numel() == 0
+                    or value.shape[0] > REUSE_ROWS):
+                continue
+            if value.data_ptr() != slot.buffer.data_ptr():
+                raise RuntimeError(f"program: value {name!r} is not in the buffer its node was given (runtime.ops."
+                                   "tape.Outputs): its binder must return its Outputs' buffers, in order")
+            checked = True
+        self._unchecked = not checked
 
     def run(self, env: dict[str, torch.Tensor], observer: Observer | None = None) -> list[torch.Tensor] | None:
         """Every call in order over env (value name -> tensor, holding the inputs); the program's outputs.
@@ -119,6 +198,8 @@ class Program:
                     env[call.outputs[0]] = result
                 elif call.outputs:  # send has none
                     env.update(zip(call.outputs, result))
+            if self._unchecked:
+                self._check_shared(env)
             return [env[o] for o in self.outputs]
         for index, call in enumerate(self.calls):
             result = call.fn(*[env[i] for i in call.inputs])

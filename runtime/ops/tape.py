@@ -6,8 +6,10 @@ tape finds its buffers where the recording left them.
 
 A tape recorded with its step's token count can replay a step of another count: every call's row counts
 that follow the tokens are rewritten first (C's tape_rows). The buffers must hold the rows, so kept
-outputs are allocated for REUSE_ROWS rows whatever the step's count, one buffer per node: every tape of
-an executor shares them, and a step of up to REUSE_ROWS tokens finds its rows where any tape points.
+outputs are allocated for REUSE_ROWS rows whatever the step's count: every tape of an executor shares
+them, and a step of up to REUSE_ROWS tokens finds its rows where any tape points. Nodes whose values
+never live at the same time share one buffer (`Slot`, assigned by runtime.program.Program from the
+order of its calls), so that the buffers cost a few values' rows rather than every node's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from runtime._native import _ops as _C
 
-REUSE_ROWS = 64  # outputs of at most this many rows are kept for reuse (decode and small batches)
+REUSE_ROWS = 256  # outputs of at most this many rows are kept for reuse: steps of up to this many tokens replay
 
 
 def recordable(fn):
@@ -75,19 +77,40 @@ def tape_tokens(tape) -> int:
     return _C.tape_tokens(tape)
 
 
+class Slot:
+    """One buffer of REUSE_ROWS rows that several nodes' outputs take in turn (their lives do not overlap):
+    allocated on first use, as wide as the widest of them."""
+
+    def __init__(self):
+        self.width, self.buffer = 0, None
+
+    def rows(self, width: int) -> torch.Tensor:
+        """The buffer as [REUSE_ROWS, width] (contiguous rows of `width`)."""
+        if self.buffer is None:
+            self.buffer = torch.empty(REUSE_ROWS * self.width, dtype=torch.float32)
+        return self.buffer[:REUSE_ROWS * width].view(REUSE_ROWS, width)
+
+
 class Outputs:
     """Output buffers of one node, as (tensor, numpy view) pairs shaped like x with new last sizes.
 
     Fresh per call; with reuse=True, a 2-D output of at most REUSE_ROWS rows is the first rows of one
     buffer of REUSE_ROWS rows per width, kept for the node's life, so that its address is the same
     whatever the step's row count (a tape replays other counts on it), and the views of the last row
-    count are kept (decode steps repeat it). A kept output is overwritten when the node runs again:
-    only for runners whose values live one step.
+    count are kept (decode steps repeat it). A kept output is overwritten when the node runs again, or,
+    when Program gave it a Slot, when a later node's output takes the slot: only for runners whose values
+    live one step and are read in call order. A binder makes at most one Outputs, whose widths are its
+    call's outputs in order (Program checks the first step's values against its slots).
     """
+
+    binding: list | None = None  # while Program binds a node: where each reusing Outputs made registers
 
     def __init__(self, widths: tuple[int, ...], reuse: bool = False):
         self.widths, self.reuse = widths, reuse
         self.rows, self.kept, self.full = -1, (), ()
+        self.slots: tuple[Slot, ...] | None = None  # per width, when Program shares the buffers
+        if reuse and Outputs.binding is not None:
+            Outputs.binding.append(self)
 
     def get(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, object], ...]:
         """Outputs shaped like x (2-D x: rows x.shape[0]) with the node's widths."""
@@ -108,6 +131,7 @@ class Outputs:
 
     def _kept(self, rows: int) -> tuple[tuple[torch.Tensor, object], ...]:
         if not self.full:
-            self.full = tuple(torch.empty((REUSE_ROWS, w), dtype=torch.float32) for w in self.widths)
+            self.full = (tuple(slot.rows(w) for slot, w in zip(self.slots, self.widths)) if self.slots else
+                         tuple(torch.empty((REUSE_ROWS, w), dtype=torch.float32) for w in self.widths))
         self.rows, self.kept = rows, tuple((t, t.numpy()) for t in (full[:rows] for full in self.full))
         return self.kept

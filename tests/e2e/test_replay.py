@@ -173,6 +173,53 @@ def test_a_prompt_length_seen_for_the_first_time_replays(replay_engine_dir, monk
     assert replayed == expected
 
 
+def test_values_alive_at_once_never_share_a_buffer(replay_engine_dir):
+    """Program gives kept outputs whose lives do not overlap one buffer (tape.Slot); checked here against the
+    calls' order: a value lives from its call to the last call that reads it or reads a view made of it."""
+    program = LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.02)).executor.program
+    made_at, end = {}, {}
+    own = {name for name, _ in program.shared}
+    for i, call in enumerate(program.calls):
+        made_at.update((name, i) for name in call.outputs)
+        end.update((name, i) for name in call.outputs)
+    for i, call in enumerate(program.calls):
+        for name in call.inputs:
+            end[name] = max(end.get(name, i), i)
+    for name in program.outputs:
+        end[name] = len(program.calls)
+    for call in reversed(program.calls):  # a view of an input keeps the input alive as long as itself
+        if not set(call.outputs) <= own:
+            for name in call.inputs:
+                if name in end:
+                    end[name] = max([end[name]] + [end[out] for out in call.outputs])
+    by_slot = {}
+    for name, slot in program.shared:
+        by_slot.setdefault(id(slot), []).append(name)
+    assert len(by_slot) < len(program.shared) / 2  # values do share
+    for names in by_slot.values():
+        lives = sorted((made_at[n], end[n], n) for n in names)
+        for (_, first_end, a), (second_start, _, b) in zip(lives, lives[1:]):
+            assert first_end < second_start, f"{a} and {b} are alive at once in one buffer"
+
+
+def test_a_step_of_more_than_64_tokens_replays(replay_engine_dir, monkeypatch):
+    """Steps up to REUSE_ROWS tokens replay (the buffers are shared, so they hold that many rows): a long
+    prompt seen for the first time replays the tape another long prompt recorded, with the same tokens."""
+    def answers():
+        llm = LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.05, enable_prefix_caching=False))
+        g = torch.Generator().manual_seed(11)
+        out = [llm.generate([torch.randint(3, 250, (n,), generator=g).tolist()],
+                            SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids for n in (150, 97, 200)]
+        return out, llm
+
+    assert tape.REUSE_ROWS >= 200
+    replayed, llm = answers()
+    # the 2nd and 3rd prefills, their 3 decodes each, and the 1st prompt's last decode (a shape records when it repeats)
+    assert (0, 1, 1) in llm.executor.tapes and llm.executor.replayed_steps >= 2 + 2 * 3 + 1
+    monkeypatch.setenv("KILN_STEP_REPLAY", "0")
+    assert answers()[0] == replayed
+
+
 @pytest.fixture(scope="module")
 def gemma3_replay_engine_dir(tiny_gemma3_dir, build_tiny_engine):
     """Gemma 3 with every weight int8 (the scaled embedding and the tied logits too), float32 activations."""
