@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.ops import linear, moe, reference, rowops
-from runtime.ops.tape import REUSE_ROWS, Outputs, Slot, recordable, unrecorded
+from runtime.ops.tape import REUSE_ROWS, Outputs, Slot, made_by, recordable, unrecorded
 from runtime.weights import fp8
 
 
@@ -93,18 +93,15 @@ class Program:
         self.calls = []
         self._unchecked = False
         made: list[list[Outputs]] = []  # per call: the kept-output buffers its binder made
-        try:
-            for i, node in enumerate(nodes):
-                if i in skipped:
-                    continue
-                Outputs.binding = []
+        for i, node in enumerate(nodes):
+            if i in skipped:
+                continue
+            with made_by() as outputs:
                 if i in fused:
                     self.calls.append(self._bind_chain([nodes[j] for j in fused[i]], tensors, hooks))
                 else:
                     self.calls.append(self._bind(node, tensors, hooks))
-                made.append(Outputs.binding)
-        finally:
-            Outputs.binding = None
+            made.append(outputs)
         self.shared: list[tuple[str, Slot]] = self._share_buffers(made) if reuse_outputs else []
 
     @property

@@ -14,6 +14,10 @@ order of its calls), so that the buffers cost a few values' rows rather than eve
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from typing import Iterator
+
 import torch
 
 from runtime._native import _ops as _C
@@ -100,17 +104,17 @@ class Outputs:
     count are kept (decode steps repeat it). A kept output is overwritten when the node runs again, or,
     when Program gave it a Slot, when a later node's output takes the slot: only for runners whose values
     live one step and are read in call order. A binder makes at most one Outputs, whose widths are its
-    call's outputs in order (Program checks the first step's values against its slots).
+    call's outputs in order (Program checks the first step's values against its slots); Program learns
+    which binder made which through `made_by`, per thread, so engines may open side by side.
     """
-
-    binding: list | None = None  # while Program binds a node: where each reusing Outputs made registers
 
     def __init__(self, widths: tuple[int, ...], reuse: bool = False):
         self.widths, self.reuse = widths, reuse
         self.rows, self.kept, self.full = -1, (), ()
         self.slots: tuple[Slot, ...] | None = None  # per width, when Program shares the buffers
-        if reuse and Outputs.binding is not None:
-            Outputs.binding.append(self)
+        made = getattr(_binding, "made", None)
+        if reuse and made is not None:
+            made.append(self)
 
     def get(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, object], ...]:
         """Outputs shaped like x (2-D x: rows x.shape[0]) with the node's widths."""
@@ -135,3 +139,16 @@ class Outputs:
                          tuple(torch.empty((REUSE_ROWS, w), dtype=torch.float32) for w in self.widths))
         self.rows, self.kept = rows, tuple((t, t.numpy()) for t in (full[:rows] for full in self.full))
         return self.kept
+
+
+_binding = threading.local()  # .made: while this thread binds a node (`made_by`), the reusing Outputs made
+
+
+@contextlib.contextmanager
+def made_by() -> Iterator[list[Outputs]]:
+    """The reusing Outputs made on this thread inside the block (Program binds a node in one)."""
+    outer, _binding.made = getattr(_binding, "made", None), []
+    try:
+        yield _binding.made
+    finally:
+        _binding.made = outer

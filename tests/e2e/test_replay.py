@@ -202,6 +202,29 @@ def test_values_alive_at_once_never_share_a_buffer(replay_engine_dir):
             assert first_end < second_start, f"{a} and {b} are alive at once in one buffer"
 
 
+def test_each_thread_learns_only_the_outputs_its_own_binders_made():
+    """Engines open side by side (a fleet's engine threads): Program's record of which binder made which
+    kept buffers (tape.made_by) is per thread, so one engine's values never get another's slots."""
+    barrier, seen = threading.Barrier(2), {}
+
+    def bind(name: str):
+        with tape.made_by() as made:
+            barrier.wait()
+            mine = [tape.Outputs((8,), reuse=True) for _ in range(3)]
+            barrier.wait()
+            tape.Outputs((8,), reuse=False)  # not kept: not recorded
+        seen[name] = (made, mine)
+
+    threads = [threading.Thread(target=bind, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for made, mine in seen.values():
+        assert made == mine
+    tape.Outputs((8,), reuse=True)  # outside a block: nowhere to record, no error
+
+
 def test_a_step_of_more_than_64_tokens_replays(replay_engine_dir, monkeypatch):
     """Steps up to REUSE_ROWS tokens replay (the buffers are shared, so they hold that many rows): a long
     prompt seen for the first time replays the tape another long prompt recorded, with the same tokens."""
