@@ -8,6 +8,7 @@ the LLMEngine, and every other rank serves rank 0's steps here and then exits th
 from __future__ import annotations
 
 import contextlib
+import gc
 from pathlib import Path
 
 from runtime.engine import EngineOptions, LLMEngine
@@ -26,12 +27,21 @@ def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
         engine_dir = open_engine(path, world_size=1 if rdzv else None, check_hashes=options.check_hashes,
                                  backend=options.backend)
         if engine_dir.manifest.world_size == 1:
-            yield LLMEngine(engine_dir, options)
+            yield settled(LLMEngine(engine_dir, options))
             return
         world_size = engine_dir.manifest.world_size
     else:
         world_size = rdzv.world_size
     yield from _multi_rank(Path(path), world_size, options, rdzv)
+
+
+def settled(engine):
+    """`engine`, once the process has frozen what is alive now (weights' wrappers, tokenizer, caches'
+    bookkeeping) out of the cyclic collector's reach: they live as long as the engine, and full collections
+    then scan only what requests make. Without it, gc_collect_main took 2-3% of an offline 32-request run's
+    CPU samples and 6.4% of a server's under guidellm."""
+    gc.freeze()
+    return engine
 
 
 def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
@@ -45,7 +55,7 @@ def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
                          backend=options.backend) as rank:
             if worker:  # torchrun: this process is only ever a rank worker
                 raise SystemExit(rank.serve())
-            yield LLMEngine(rank.engine, options, executor=RankDriver(rank))
+            yield settled(LLMEngine(rank.engine, options, executor=RankDriver(rank)))
     except EngineError:
         if worker:
             raise SystemExit(1) from None  # rank 0 reports the same problem, in one line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import subprocess
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class Rank:
 
     def serve(self) -> int:
         """Ranks other than 0: run rank 0's steps until it says stop; the process exit status."""
+        gc.freeze()  # the engine is open: what is alive now lives as long as this process (launcher.settled)
         try:
             while (meta := receive_step(self.control)) is not None:
                 logits = self.run_step(meta)

@@ -184,6 +184,8 @@ typedef struct {
     const float *v_rows[KEY_CHUNK];  /* row pointers of the current value chunk */
     const uint8_t *k_src[KEY_CHUNK]; /* single-query path: the chunk's key rows in the cache */
     const uint8_t *v_src[KEY_CHUNK]; /* ... and its value rows */
+    float *q2;             /* single-query path with AVX-512: [max_rows, 2 hd] each query head with every 8
+                              dimensions written twice (score_keys_512) */
 } Scratch;
 
 static void free_scratch(Scratch *scratch, int num_threads) {
@@ -205,7 +207,7 @@ static Scratch *build_scratch(int num_threads, int max_rows, int hd) {
     size_t scores = cache_lines((size_t)max_rows * KEY_CHUNK), decoded = cache_lines((size_t)KEY_CHUNK * hd);
     for (int i = 0; i < num_threads; i++) {
         Scratch *s = &scratch[i];
-        s->acc = aligned_alloc(64, sizeof(float) * (acc + 2 * rows + scores + 2 * decoded));
+        s->acc = aligned_alloc(64, sizeof(float) * (3 * acc + 2 * rows + scores + 2 * decoded));
         if (!s->acc) {
             free_scratch(scratch, i);
             return NULL;
@@ -215,6 +217,7 @@ static Scratch *build_scratch(int num_threads, int max_rows, int hd) {
         s->scores = s->row_sum + rows;
         s->k_decoded = s->scores + scores;
         s->v_decoded = s->k_decoded + decoded;
+        s->q2 = s->v_decoded + decoded;  /* 2 acc: max_rows x 2 hd floats */
     }
     return scratch;
 }
@@ -279,11 +282,14 @@ static void load_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_
     }
 }
 
-/* Asks for the cache lines of keys and values key_begin .. key_begin + n - 1 of one kv head ahead of
- * their use. A head's rows are strided between the other heads' rows and its blocks lie anywhere
+/* Asks for the cache lines of keys (PREFETCH_KEYS), values (PREFETCH_VALUES) or both, key_begin .. key_begin +
+ * n - 1 of one kv head, ahead of their use. A head's rows are strided between the other heads' rows and its blocks lie anywhere
  * in the pool, so the hardware prefetchers do not see the stream: without this, batched decode
  * waits on memory for each row in turn. */
-static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head, int key_begin, int n) {
+#define PREFETCH_KEYS 1
+#define PREFETCH_VALUES 2
+
+static void prefetch_rows(const AttentionArgs *a, const int32_t *table, int kv_head, int key_begin, int n, int which) {
     size_t elem = (size_t)cache_elem_size[a->cache_dtype];
     size_t slot_bytes = (size_t)a->num_kv_heads * a->head_dim * elem, row_bytes = (size_t)a->head_dim * elem;
     for (int pos = key_begin; pos < key_begin + n; pos++) {
@@ -292,10 +298,25 @@ static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int
         size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
         size_t at = slot * slot_bytes + (size_t)kv_head * row_bytes;
         for (size_t line = 0; line < row_bytes; line += 64) {
-            _mm_prefetch((const char *)a->k_cache + at + line, _MM_HINT_T0);
-            _mm_prefetch((const char *)a->v_cache + at + line, _MM_HINT_T0);
+            if (which & PREFETCH_KEYS)
+                _mm_prefetch((const char *)a->k_cache + at + line, _MM_HINT_T0);
+            if (which & PREFETCH_VALUES)
+                _mm_prefetch((const char *)a->v_cache + at + line, _MM_HINT_T0);
         }
     }
+}
+
+static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head, int key_begin, int n) {
+    prefetch_rows(a, table, kv_head, key_begin, n, PREFETCH_KEYS | PREFETCH_VALUES);
+}
+
+/* prefetch_rows for the first chunk an item reads. */
+static void prefetch_first_chunk(const AttentionArgs *a, const WorkItem *w, int which) {
+    int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
+    int keys_from = first_visible_key(a, a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_begin)
+                    / KEY_CHUNK * KEY_CHUNK;
+    prefetch_rows(a, a->block_tables + (size_t)w->seq * a->max_blocks, w->kv_head, keys_from,
+                  num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK, which);
 }
 
 /* Streaming-softmax update of one (query, head) row with keys skip .. skip + n - 1 of the chunk. */
@@ -538,16 +559,94 @@ static void accumulate_values_512(const int dtype, int nr, const uint8_t *const 
     }
 }
 
+/* 8 cache elements of each of two rows as float32 in one register, a's in lanes 0-7 and b's in 8-15:
+ * load8's values. */
+AVX512_TARGET ALWAYS_INLINE __m512 load8x2(const uint8_t *a, const uint8_t *b, const int dtype, __m256 kv_scale) {
+    if (dtype == CACHE_F16)
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                       _mm_loadu_si128((const __m128i *)b), 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(load8(a, dtype, kv_scale))),
+                                               _mm256_castps_pd(load8(b, dtype, kv_scale)), 1));
+}
+
+/* scores[r][i .. i+8) = scale * q[r] . keys i .. i+7 of the chunk, for nr heads: score_keys_of_heads'
+ * numbers with half its instructions. Two keys share a register, each in its own 8 lanes, so every lane
+ * takes the same products in the same order as there; then each key's lanes are added in hsum8's tree
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). q2[r]: head r's query with every 8 dimensions
+ * written twice. */
+AVX512_TARGET ALWAYS_INLINE void score_eight_keys_512(const int nr, const int dtype, const float *const *q2,
+                                                     const uint8_t *const *k_src, int i, int hd, size_t elem,
+                                                     __m256 kv_scale, float scale, float *const *scores) {
+    __m512 acc[ROW_GROUP][4];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        __m512 k[4];
+        for (int j = 0; j < 4; j++)
+            k[j] = load8x2(k_src[i + 2 * j] + (size_t)d * elem, k_src[i + 2 * j + 1] + (size_t)d * elem, dtype, kv_scale);
+        for (int r = 0; r < nr; r++) {
+            const __m512 qv = _mm512_load_ps(q2[r] + 2 * d);
+            for (int j = 0; j < 4; j++)
+                acc[r][j] = _mm512_fmadd_ps(qv, k[j], acc[r][j]);
+        }
+    }
+    const __m512i pick = _mm512_setr_epi32(0, 8, 16, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i join = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int r = 0; r < nr; r++) {
+        __m512 t[4];
+        for (int j = 0; j < 4; j++) {
+            __m512 a = acc[r][j];
+            a = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));         /* l0 + l1, l2 + l3, ... */
+            a = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4E));         /* (l0 + l1) + (l2 + l3), (l4 + l5) + (l6 + l7) */
+            t[j] = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1)); /* their sum: lane 0 one key's, lane 8 the other's */
+        }
+        const __m512 all = _mm512_permutex2var_ps(_mm512_permutex2var_ps(t[0], pick, t[1]), join,
+                                                  _mm512_permutex2var_ps(t[2], pick, t[3]));
+        _mm256_storeu_ps(scores[r] + i, _mm256_mul_ps(_mm512_castps512_ps256(all), _mm256_set1_ps(scale)));
+    }
+}
+
+#define SCORES_512(nr) \
+    for (int i = 0; i < n8; i += 8) score_eight_keys_512(nr, dtype, q2, k_src, i, hd, elem, kv_scale, scale, scores)
+
+AVX512_TARGET static void score_keys_512_as(const int dtype, int nr, const float *const *q2, const uint8_t *const *k_src,
+                                            int n8, int hd, size_t elem, __m256 kv_scale, float scale,
+                                            float *const *scores) {
+    if (nr == 3) {
+        SCORES_512(3);
+    } else if (nr == 2) {
+        SCORES_512(2);
+    } else {
+        SCORES_512(1);
+    }
+}
+
+/* The first n8 (a multiple of 8) keys' scores for nr heads, on CPUs with AVX-512. */
+static void score_keys_512(const int dtype, int nr, const float *const *q2, const uint8_t *const *k_src, int n8,
+                           int hd, size_t elem, __m256 kv_scale, float scale, float *const *scores) {
+    switch (dtype) {
+    case CACHE_F32: score_keys_512_as(CACHE_F32, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
+    case CACHE_F16: score_keys_512_as(CACHE_F16, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
+    case CACHE_BF16: score_keys_512_as(CACHE_BF16, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
+    case CACHE_I8: score_keys_512_as(CACHE_I8, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
+    default: score_keys_512_as(CACHE_F8E4M3, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
+    }
+}
+
 /* The streaming-softmax update of nr heads with the n keys and values at scratch->k_src / v_src. */
 ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const AttentionArgs *a, const float *const *q,
-                                      int n, Scratch *scratch, float *const *scores, float *const *acc,
-                                      float *row_max, float *row_sum) {
+                                      const float *const *q2, int n, Scratch *scratch, float *const *scores,
+                                      float *const *acc, float *row_max, float *row_sum) {
     const int hd = a->head_dim, n8 = n / 8 * 8;
     const size_t elem = (size_t)cache_elem_size[dtype];
     const __m256 kv_scale = _mm256_set1_ps(a->kv_scale);
     const int nk = nr == 3 ? 2 : 4;
-    for (int i = 0; i < n8; i += nk)
-        score_keys_of_heads(nr, nk, dtype, q, scratch->k_src, i, hd, elem, kv_scale, a->scale, scores);
+    if (have_avx512)
+        score_keys_512(dtype, nr, q2, scratch->k_src, n8, hd, elem, kv_scale, a->scale, scores);
+    else
+        for (int i = 0; i < n8; i += nk)
+            score_keys_of_heads(nr, nk, dtype, q, scratch->k_src, i, hd, elem, kv_scale, a->scale, scores);
 
     for (int i = n8; i < n; i++) {  /* the chunk's last n % 8 keys, as score_keys scores them */
         decode_rows(scratch->k_decoded, scratch->k_src[i], 1, 0, hd, dtype, a->kv_scale);
@@ -578,7 +677,7 @@ ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const Atten
 }
 
 ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *a, const WorkItem *w,
-                                          Scratch *scratch) {
+                                          const WorkItem *ahead, Scratch *scratch) {
     const int hd = a->head_dim, ratio = a->num_heads / a->num_kv_heads, block_size = a->block_size;
     const int token0 = a->query_start_loc[w->seq] + w->q_begin;
     const int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
@@ -586,14 +685,24 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
     const size_t elem = (size_t)cache_elem_size[dtype], slot_bytes = (size_t)a->num_kv_heads * hd * elem;
     const int first_key = first_visible_key(a, num_keys - 1), keys_from = first_key / KEY_CHUNK * KEY_CHUNK;
     start_rows(scratch, ratio, hd);
+    if (have_avx512)  /* the queries as score_keys_512 reads them */
+        for (int r = 0; r < ratio; r++) {
+            const float *q = a->query + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r) * hd;
+            for (int d = 0; d < hd; d += 8) {
+                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d, q + d, 8 * sizeof(float));
+                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d + 8, q + d, 8 * sizeof(float));
+            }
+        }
     prefetch_key_chunk(a, table, w->kv_head, keys_from,
                        num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK);
     for (int key_begin = keys_from; key_begin < num_keys; key_begin += KEY_CHUNK) {
         int skip = first_key > key_begin ? first_key - key_begin : 0;  /* keys before the window */
         int n = (num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK) - skip;
-        int next = key_begin + KEY_CHUNK;
+        int next = key_begin + KEY_CHUNK, next_n = num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK;
         if (next < num_keys)
-            prefetch_key_chunk(a, table, w->kv_head, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
+            prefetch_rows(a, table, w->kv_head, next, next_n, PREFETCH_KEYS);
+        else if (ahead)  /* this thread's next item: its first chunk, as this item's last is worked on */
+            prefetch_first_chunk(a, ahead, PREFETCH_KEYS);
         for (int i = 0; i < n; i++) {
             int pos = key_begin + skip + i;
             size_t at = ((size_t)table[pos / block_size] * block_size + pos % block_size) * slot_bytes
@@ -602,22 +711,27 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
             scratch->v_src[i] = a->v_cache + at;
         }
         for (int r0 = 0; r0 < ratio; r0 += ROW_GROUP) {
-            const float *q[ROW_GROUP];
+            const float *q[ROW_GROUP], *q2[ROW_GROUP];
             float *scores[ROW_GROUP], *acc[ROW_GROUP];
             int nr = ratio - r0 < ROW_GROUP ? ratio - r0 : ROW_GROUP;
             for (int r = 0; r < nr; r++) {
                 q[r] = a->query + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r0 + r) * hd;
+                q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
                 scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
                 acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
             }
             float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
             if (nr == 3)
-                attend_chunk_heads(3, dtype, a, q, n, scratch, scores, acc, row_max, row_sum);
+                attend_chunk_heads(3, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum);
             else if (nr == 2)
-                attend_chunk_heads(2, dtype, a, q, n, scratch, scores, acc, row_max, row_sum);
+                attend_chunk_heads(2, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum);
             else
-                attend_chunk_heads(1, dtype, a, q, n, scratch, scores, acc, row_max, row_sum);
+                attend_chunk_heads(1, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum);
         }
+        if (next < num_keys)  /* the values after the keys, so that fewer requests are in flight at a time */
+            prefetch_rows(a, table, w->kv_head, next, next_n, PREFETCH_VALUES);
+        else if (ahead)
+            prefetch_first_chunk(a, ahead, PREFETCH_VALUES);
     }
     for (int r = 0; r < ratio; r++) {
         float *o = a->out + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r) * hd;
@@ -627,13 +741,13 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
     }
 }
 
-static void attend_single_query(const AttentionArgs *a, const WorkItem *w, Scratch *scratch) {
+static void attend_single_query(const AttentionArgs *a, const WorkItem *w, const WorkItem *ahead, Scratch *scratch) {
     switch (a->cache_dtype) {
-    case CACHE_F32: attend_single_query_as(CACHE_F32, a, w, scratch); break;
-    case CACHE_BF16: attend_single_query_as(CACHE_BF16, a, w, scratch); break;
-    case CACHE_F16: attend_single_query_as(CACHE_F16, a, w, scratch); break;
-    case CACHE_I8: attend_single_query_as(CACHE_I8, a, w, scratch); break;
-    default: attend_single_query_as(CACHE_F8E4M3, a, w, scratch); break;
+    case CACHE_F32: attend_single_query_as(CACHE_F32, a, w, ahead, scratch); break;
+    case CACHE_BF16: attend_single_query_as(CACHE_BF16, a, w, ahead, scratch); break;
+    case CACHE_F16: attend_single_query_as(CACHE_F16, a, w, ahead, scratch); break;
+    case CACHE_I8: attend_single_query_as(CACHE_I8, a, w, ahead, scratch); break;
+    default: attend_single_query_as(CACHE_F8E4M3, a, w, ahead, scratch); break;
     }
 }
 
@@ -651,12 +765,21 @@ int paged_attention_compute(const AttentionArgs *a, int num_threads) {
         return -1;
     }
     build_work_items(a, items);
-    #pragma omp parallel for num_threads(num_threads) schedule(dynamic)
-    for (Py_ssize_t i = 0; i < num_items; i++) {
-        if (items[i].q_end - items[i].q_begin == 1 && a->head_dim % 8 == 0)
-            attend_single_query(a, &items[i], &scratch[omp_get_thread_num()]);
-        else
-            attend_work_item(a, &items[i], &scratch[omp_get_thread_num()]);
+    /* Items are claimed one ahead of their turn (dynamic scheduling otherwise), so that each thread can ask
+     * for its next item's first keys while it works on the last keys of the current one. */
+    Py_ssize_t claimed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        Scratch *own = &scratch[omp_get_thread_num()];
+        Py_ssize_t i = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (i < num_items) {
+            Py_ssize_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            if (items[i].q_end - items[i].q_begin == 1 && a->head_dim % 8 == 0)
+                attend_single_query(a, &items[i], next < num_items ? &items[next] : NULL, own);
+            else
+                attend_work_item(a, &items[i], own);
+            i = next;
+        }
     }
     free_scratch(scratch, num_threads);
     free(items);
