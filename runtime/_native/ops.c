@@ -437,14 +437,18 @@ static inline __m256 race_log(__m256 x) {
     return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
 }
 
-/* e for tokens v .. v + 7 of the stream `key`. */
-static inline __m256 race_noise8(Py_ssize_t v, uint64_t key) {
+/* u for tokens v .. v + 7 of the stream `key`. */
+static inline __m256 race_uniform8(Py_ssize_t v, uint64_t key) {
     const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     __m256i h = race_hash(_mm256_xor_si256(ids, _mm256_set1_epi32((int)(uint32_t)key)));
     h = race_hash(_mm256_add_epi32(h, _mm256_set1_epi32((int)(uint32_t)(key >> 32))));
-    const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0.5f)),
-                                   _mm256_set1_ps(1.0f / 16777216.0f));
-    return _mm256_sub_ps(_mm256_setzero_ps(), race_log(u));
+    return _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0.5f)),
+                         _mm256_set1_ps(1.0f / 16777216.0f));
+}
+
+/* e for tokens v .. v + 7 of the stream `key`. */
+static inline __m256 race_noise8(Py_ssize_t v, uint64_t key) {
+    return _mm256_sub_ps(_mm256_setzero_ps(), race_log(race_uniform8(v, key)));
 }
 
 static inline __m256i race_tail_mask(Py_ssize_t left) {
@@ -469,21 +473,36 @@ static int64_t race_row(const float *x, Py_ssize_t n, float temperature, uint64_
             m = lanes[j] > m ? lanes[j] : m;
         top = _mm256_set1_ps(isfinite(m) ? m : 0.0f);
     }
-    __m256 best = _mm256_set1_ps(-1.0f);
+    /* A token can win only if its p / e beats every ratio already seen. Since e = -log u >= 1 - u (the
+     * computed e too, to well within the factor of 2 kept in hand), a lane with p < bound (1 - u) / 2,
+     * bound a ratio some token reaches, cannot: a vector of such lanes skips the log and the division,
+     * and the winner is the same bit for bit. With logits the top token's p is 1 and its e at most 17.4,
+     * so 0.05 is such a bound from the start; the largest ratio computed so far raises it. Most of a
+     * vocabulary is far below the top token, so most vectors stop at u. */
+    __m256 best = _mm256_set1_ps(-1.0f), cut = _mm256_set1_ps(given_probs ? 0.0f : 0.025f);  /* bound / 2 */
     __m256i best_id = _mm256_setzero_si256(), ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (Py_ssize_t v = 0; v < n; v += 8) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (Py_ssize_t v = 0; v < n; v += 8, ids = _mm256_add_epi32(ids, _mm256_set1_epi32(8))) {
         const __m256i valid = race_tail_mask(n - v);
         const __m256 xs = _mm256_maskload_ps(x + v, valid);
         __m256 p = xs;
         if (!given_probs)
             p = _mm256_andnot_ps(_mm256_cmp_ps(xs, minus_inf, _CMP_EQ_OQ),
                                  exp256(_mm256_sub_ps(_mm256_div_ps(xs, t), top)));
-        __m256 ratio = _mm256_div_ps(p, race_noise8(v, key));
+        const __m256 u = race_uniform8(v, key);
+        const __m256 may_win = _mm256_and_ps(_mm256_cmp_ps(p, _mm256_mul_ps(cut, _mm256_sub_ps(one, u)), _CMP_GE_OQ),
+                                             _mm256_castsi256_ps(valid));
+        if (!_mm256_movemask_ps(may_win))
+            continue;
+        __m256 ratio = _mm256_div_ps(p, _mm256_sub_ps(_mm256_setzero_ps(), race_log(u)));
         ratio = _mm256_blendv_ps(_mm256_set1_ps(-1.0f), ratio, _mm256_castsi256_ps(valid));  /* past n: never */
         const __m256 better = _mm256_cmp_ps(ratio, best, _CMP_GT_OQ);
         best = _mm256_blendv_ps(best, ratio, better);
         best_id = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_id), _mm256_castsi256_ps(ids), better));
-        ids = _mm256_add_epi32(ids, _mm256_set1_epi32(8));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        cut = _mm256_max_ps(cut, _mm256_set1_ps(0.5f * _mm_cvtss_f32(m)));
     }
     float values[8];
     int32_t at[8];

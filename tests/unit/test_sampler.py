@@ -163,12 +163,15 @@ def test_greedy_picks_in_c_are_torch_argmax_ties_and_nans_included():
         _ops.argmax_rows(np.empty(2, dtype=np.int64), torch.zeros(3, 5).numpy(), 5, 1)
 
 
-@pytest.mark.parametrize("vocab", [13, 64, 1001])  # widths that leave a partial vector of 8 at the end
-def test_the_race_in_c_is_argmax_of_probs_over_its_noise(vocab):
+# widths that leave a partial vector of 8 at the end; a vocabulary-sized row with a few tokens far above
+# the rest, as a model's logits have, where most vectors skip the log (race_row's bound)
+@pytest.mark.parametrize("vocab, lead", [(13, 0.0), (64, 0.0), (1001, 0.0), (49157, 14.0)])
+def test_the_race_in_c_is_argmax_of_probs_over_its_noise(vocab, lead):
     """sample_random (C, _ops.race_rows) against its definition in torch: softmax(logits / T) / race_noise."""
     from runtime.sampler import race_noise
 
     logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    logits[:, 1:9] += lead
     logits[:, 0] = -math.inf  # held back: never drawn
     seqs = seqs_with(*[SamplingParams(temperature=0.5 + 0.1 * i, seed=1000 + i) for i in range(24)])
     for i, seq in enumerate(seqs):
