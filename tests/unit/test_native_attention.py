@@ -177,6 +177,32 @@ def test_decoded_query_equals_the_last_query_of_a_prefill_chunk(dtype, ratio, he
     torch.testing.assert_close(alone[0], expected[-1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("ratio, num_kv_heads, head_dim, window", [(3, 3, 64, 0), (1, 2, 48, 0), (4, 2, 40, 5),
+                                                                    (32, 2, 16, 0), (2, 2, 20, 0)])
+def test_a_batch_of_decodes_equals_each_decoded_alone(dtype, ratio, num_kv_heads, head_dim, window):
+    # With at least 4 decoding sequences a thread, each one is a single work item over all its kv heads
+    # (their rows side by side in a slot); decoded alone, a sequence is one item per kv head. Same bits,
+    # with a prefill in the step too; ratio 32 makes the step's query heads outnumber a prefill tile's rows.
+    contexts = (37, 100, 5, 64, 33, 17, 80, 1, 48)
+    generator = torch.Generator().manual_seed(ratio * 100 + head_dim)
+    seqs = [(ctx, 1) for ctx in contexts] + [(30, 4)]
+    k_cache, v_cache, tables, ctx, qsl, kv_scale = build_step(seqs, 16, num_kv_heads, head_dim, dtype, generator)
+    query = torch.randn(int(qsl[-1]), num_kv_heads * ratio, head_dim, generator=generator)
+    scale = 1.0 / math.sqrt(head_dim)
+    batch = torch.full_like(query, float("nan"))
+    paged_attention(batch, query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale=kv_scale, window=window,
+                    num_threads=2)
+    expected = reference_paged_attention(query, k_cache, v_cache, tables, ctx, qsl, scale, kv_scale, window)
+    torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)
+    for s in range(len(contexts)):
+        alone = torch.full_like(query[:1], float("nan"))
+        paged_attention(alone, query[s:s + 1].clone(), k_cache, v_cache, tables[s:s + 1].clone(), ctx[s:s + 1].clone(),
+                        torch.tensor([0, 1], dtype=torch.int32), scale, kv_scale=kv_scale, window=window,
+                        num_threads=2)
+        assert torch.equal(alone[0], batch[s]), f"sequence {s}"
+
+
 def test_thread_count_does_not_change_results():
     single, _ = run_both(MIXED_STEP, 8, 2, 64, 8, torch.float32, seed=4, num_threads=1)
     multi, _ = run_both(MIXED_STEP, 8, 2, 64, 8, torch.float32, seed=4, num_threads=2)

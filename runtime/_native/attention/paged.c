@@ -163,10 +163,12 @@ static void accumulate_values(float *acc, const float *p, const float *const *v_
  */
 
 #define KEY_CHUNK 32      /* keys scored together before one softmax rescale */
+#define WHOLE_SEQ_ITEMS_PER_THREAD 4  /* decoding sequences a thread that make a sequence one work item */
 
 typedef struct {
     int seq;      /* sequence index s */
-    int kv_head;  /* kv head; its nh / nkv query heads are processed together */
+    int kv_head;  /* first kv head; the nh / nkv query heads of each are processed together */
+    int kv_heads; /* kv heads of the item: 1, or every one of a decoding sequence (attend_single_query) */
     int q_begin;  /* first query of the tile, 0-based within the sequence */
     int q_end;    /* one past the last query of the tile */
 } WorkItem;
@@ -228,16 +230,22 @@ static int seq_query_len(const AttentionArgs *a, int s) {
 
 /* Counts work items; with items != NULL also fills them, the costliest (last) tile of each
  * sequence first so that dynamic scheduling balances causal prefill. */
-static Py_ssize_t build_work_items(const AttentionArgs *a, WorkItem *items) {
+static Py_ssize_t build_work_items(const AttentionArgs *a, int whole_seqs, WorkItem *items) {
     Py_ssize_t count = 0;
     int tile = a->queries_per_tile;
     for (int s = 0; s < a->num_seqs; s++) {
         int qlen = seq_query_len(a, s);
+        if (qlen == 1 && whole_seqs) {
+            if (items)
+                items[count] = (WorkItem){s, 0, a->num_kv_heads, 0, 1};
+            count++;
+            continue;
+        }
         for (int q_begin = ((qlen - 1) / tile) * tile; qlen > 0 && q_begin >= 0; q_begin -= tile)
             for (int g = 0; g < a->num_kv_heads; g++, count++)
                 if (items) {
                     int q_end = q_begin + tile < qlen ? q_begin + tile : qlen;
-                    items[count] = (WorkItem){s, g, q_begin, q_end};
+                    items[count] = (WorkItem){s, g, 1, q_begin, q_end};
                 }
     }
     return count;
@@ -289,15 +297,17 @@ static void load_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_
 #define PREFETCH_KEYS 1
 #define PREFETCH_VALUES 2
 
-static void prefetch_rows(const AttentionArgs *a, const int32_t *table, int kv_head, int key_begin, int n, int which) {
+static void prefetch_rows(const AttentionArgs *a, const int32_t *table, int kv_head, int kv_heads, int key_begin, int n,
+                          int which) {
     size_t elem = (size_t)cache_elem_size[a->cache_dtype];
     size_t slot_bytes = (size_t)a->num_kv_heads * a->head_dim * elem, row_bytes = (size_t)a->head_dim * elem;
+    size_t bytes = row_bytes * (size_t)kv_heads;  /* the item's heads are adjacent in a slot */
     for (int pos = key_begin; pos < key_begin + n; pos++) {
         if (table[pos / a->block_size] < 0)  /* given back behind a sliding window */
             continue;
         size_t slot = (size_t)table[pos / a->block_size] * a->block_size + pos % a->block_size;
         size_t at = slot * slot_bytes + (size_t)kv_head * row_bytes;
-        for (size_t line = 0; line < row_bytes; line += 64) {
+        for (size_t line = 0; line < bytes; line += 64) {
             if (which & PREFETCH_KEYS)
                 _mm_prefetch((const char *)a->k_cache + at + line, _MM_HINT_T0);
             if (which & PREFETCH_VALUES)
@@ -306,8 +316,9 @@ static void prefetch_rows(const AttentionArgs *a, const int32_t *table, int kv_h
     }
 }
 
-static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head, int key_begin, int n) {
-    prefetch_rows(a, table, kv_head, key_begin, n, PREFETCH_KEYS | PREFETCH_VALUES);
+static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head, int kv_heads, int key_begin,
+                               int n) {
+    prefetch_rows(a, table, kv_head, kv_heads, key_begin, n, PREFETCH_KEYS | PREFETCH_VALUES);
 }
 
 /* prefetch_rows for the first chunk an item reads. */
@@ -315,7 +326,7 @@ static void prefetch_first_chunk(const AttentionArgs *a, const WorkItem *w, int 
     int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
     int keys_from = first_visible_key(a, a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_begin)
                     / KEY_CHUNK * KEY_CHUNK;
-    prefetch_rows(a, a->block_tables + (size_t)w->seq * a->max_blocks, w->kv_head, keys_from,
+    prefetch_rows(a, a->block_tables + (size_t)w->seq * a->max_blocks, w->kv_head, w->kv_heads, keys_from,
                   num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK, which);
 }
 
@@ -354,13 +365,13 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
     const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
 
     start_rows(scratch, rows, hd);
-    prefetch_key_chunk(a, table, w->kv_head, keys_from,
+    prefetch_key_chunk(a, table, w->kv_head, 1, keys_from,
                        num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK);
     for (int key_begin = keys_from; key_begin < num_keys; key_begin += KEY_CHUNK) {
         int chunk = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK;
         int next = key_begin + KEY_CHUNK;
         if (next < num_keys)
-            prefetch_key_chunk(a, table, w->kv_head, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
+            prefetch_key_chunk(a, table, w->kv_head, 1, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
         load_key_chunk(a, table, w->kv_head, key_begin, chunk, scratch);
         for (int r = 0; r < rows; r++) {
             int j = w->q_begin + r / ratio, head = w->kv_head * ratio + r % ratio;
@@ -386,7 +397,19 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
 
 /* ----------------------------------------------------------------------------------------
  * Paged attention: an item with one query (every item of a decode step), all the query heads
- * of its kv head at once
+ * of its kv head at once, or of every kv head of the sequence
+ *
+ * With enough decoding sequences to share out (WHOLE_SEQ_ITEMS_PER_THREAD a thread), a sequence is
+ * one item: its kv heads' rows lie side by side in each slot, so a chunk's keys are whole runs of
+ * cache lines instead of a third of each slot (5-25% faster than an item a kv head on a Zen 5).
+ * The rows of the chunk after the one being worked on (or of the thread's next item's first chunk)
+ * are asked for a few at a time between the current chunk's keys and values (Ahead), one head at a
+ * time; the slots' offsets are computed once a chunk, with no division a key. The same requests in
+ * one burst a head ran 2x slower: most were lost. bench_attention on a Zen 5, f16, µs a layer, the
+ * previous code against this, interleaved: 32 sequences x 192 / 512 tokens 211-216 / 506-508 ->
+ * 154-156 / 382-385; 8 x 192 / 512 53-55 / 126-132 -> 41-43 / 94-95; one sequence at 512 26 -> 21.
+ * The AVX2 kernels (the same machine, AVX-512 turned off): 32 x 192 / 512 220-239 / 556-567 ->
+ * 169-176 / 418-455, 8 x 512 139-141 -> 109-112.
  *
  * Each key and value row is read once from the cache and converted in registers, where the
  * general path decodes a chunk into scratch and reads it back once per query head. Each head's
@@ -506,9 +529,28 @@ AVX512_TARGET ALWAYS_INLINE __m512 load16(const uint8_t *src, const int dtype, _
 }
 
 /* acc[r][d0 .. d0 + 16 g) += sum_i p[r][i] * value_i[d0 ...], in key order. */
+/* Rows to ask the memory for while a chunk is worked on (the next chunk's keys or values of the same head),
+ * a few at a time between the chunk's own keys: asked for in one burst, most of them were lost (the core's
+ * queue of misses fills, 1.7-2x slower steps on a Zen 5 than spread out). */
+typedef struct {
+    const uint8_t *rows[KEY_CHUNK];
+    int n;      /* rows to ask for */
+    int lines;  /* 64-byte lines a row */
+} Ahead;
+
+static inline void ask_rows(const Ahead *ahead, int from, int to) {
+    if (!ahead)
+        return;
+    to = to < ahead->n ? to : ahead->n;
+    for (int i = from; i < to; i++)
+        for (int line = 0; line < ahead->lines; line++)
+            _mm_prefetch((const char *)ahead->rows[i] + 64 * line, _MM_HINT_T0);
+}
+
 AVX512_TARGET ALWAYS_INLINE void accumulate_heads_512(const int nr, const int g, const int dtype,
                                                      const uint8_t *const *v_src, int n, int d0, size_t elem,
-                                                     float kv_scale, float *const *p, float *const *acc) {
+                                                     float kv_scale, float *const *p, float *const *acc,
+                                                     const Ahead *ahead) {
     const __m512 scale = _mm512_set1_ps(kv_scale);
     __m512 c[ROW_GROUP][4];
     for (int r = 0; r < nr; r++)
@@ -516,6 +558,7 @@ AVX512_TARGET ALWAYS_INLINE void accumulate_heads_512(const int nr, const int g,
             c[r][v] = _mm512_loadu_ps(acc[r] + d0 + 16 * v);
     for (int i = 0; i < n; i++) {
         __m512 val[4];
+        ask_rows(ahead, i, i + 1);
         for (int v = 0; v < g; v++)
             val[v] = load16(v_src[i] + (size_t)(d0 + 16 * v) * elem, dtype, scale);
         for (int r = 0; r < nr; r++) {
@@ -524,17 +567,18 @@ AVX512_TARGET ALWAYS_INLINE void accumulate_heads_512(const int nr, const int g,
                 c[r][v] = _mm512_fmadd_ps(w, val[v], c[r][v]);
         }
     }
+    ask_rows(ahead, n, KEY_CHUNK);
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < g; v++)
             _mm512_storeu_ps(acc[r] + d0 + 16 * v, c[r][v]);
 }
 
 #define HEADS_512(nr, g)                                                                                   \
-    case g: accumulate_heads_512(nr, g, dtype, v_src, n, d0, elem, kv_scale, p, acc); break;
+    case g: accumulate_heads_512(nr, g, dtype, v_src, n, d0, elem, kv_scale, p, acc, d0 ? NULL : ahead); break;
 
 AVX512_TARGET static void accumulate_values_512_as(const int dtype, int nr, const uint8_t *const *v_src, int n,
                                                    int hd, size_t elem, float kv_scale, float *const *p,
-                                                   float *const *acc) {
+                                                   float *const *acc, const Ahead *ahead) {
     for (int d0 = 0; d0 < hd; d0 += 64) {
         const int g = hd - d0 < 64 ? (hd - d0) / 16 : 4;
         if (nr == 3) {
@@ -549,13 +593,13 @@ AVX512_TARGET static void accumulate_values_512_as(const int dtype, int nr, cons
 
 /* For head_dim a multiple of 16 (the caller checks). */
 static void accumulate_values_512(const int dtype, int nr, const uint8_t *const *v_src, int n, int hd, size_t elem,
-                                  float kv_scale, float *const *p, float *const *acc) {
+                                  float kv_scale, float *const *p, float *const *acc, const Ahead *ahead) {
     switch (dtype) {
-    case CACHE_F32: accumulate_values_512_as(CACHE_F32, nr, v_src, n, hd, elem, kv_scale, p, acc); break;
-    case CACHE_F16: accumulate_values_512_as(CACHE_F16, nr, v_src, n, hd, elem, kv_scale, p, acc); break;
-    case CACHE_BF16: accumulate_values_512_as(CACHE_BF16, nr, v_src, n, hd, elem, kv_scale, p, acc); break;
-    case CACHE_I8: accumulate_values_512_as(CACHE_I8, nr, v_src, n, hd, elem, kv_scale, p, acc); break;
-    default: accumulate_values_512_as(CACHE_F8E4M3, nr, v_src, n, hd, elem, kv_scale, p, acc); break;
+    case CACHE_F32: accumulate_values_512_as(CACHE_F32, nr, v_src, n, hd, elem, kv_scale, p, acc, ahead); break;
+    case CACHE_F16: accumulate_values_512_as(CACHE_F16, nr, v_src, n, hd, elem, kv_scale, p, acc, ahead); break;
+    case CACHE_BF16: accumulate_values_512_as(CACHE_BF16, nr, v_src, n, hd, elem, kv_scale, p, acc, ahead); break;
+    case CACHE_I8: accumulate_values_512_as(CACHE_I8, nr, v_src, n, hd, elem, kv_scale, p, acc, ahead); break;
+    default: accumulate_values_512_as(CACHE_F8E4M3, nr, v_src, n, hd, elem, kv_scale, p, acc, ahead); break;
     }
 }
 
@@ -607,12 +651,15 @@ AVX512_TARGET ALWAYS_INLINE void score_eight_keys_512(const int nr, const int dt
     }
 }
 
-#define SCORES_512(nr) \
-    for (int i = 0; i < n8; i += 8) score_eight_keys_512(nr, dtype, q2, k_src, i, hd, elem, kv_scale, scale, scores)
+#define SCORES_512(nr)                                                                           \
+    for (int i = 0; i < n8; i += 8) {                                                            \
+        score_eight_keys_512(nr, dtype, q2, k_src, i, hd, elem, kv_scale, scale, scores);        \
+        ask_rows(ahead, i, i + 8);                                                               \
+    }
 
 AVX512_TARGET static void score_keys_512_as(const int dtype, int nr, const float *const *q2, const uint8_t *const *k_src,
                                             int n8, int hd, size_t elem, __m256 kv_scale, float scale,
-                                            float *const *scores) {
+                                            float *const *scores, const Ahead *ahead) {
     if (nr == 3) {
         SCORES_512(3);
     } else if (nr == 2) {
@@ -620,33 +667,59 @@ AVX512_TARGET static void score_keys_512_as(const int dtype, int nr, const float
     } else {
         SCORES_512(1);
     }
+    ask_rows(ahead, n8, KEY_CHUNK);
 }
 
 /* The first n8 (a multiple of 8) keys' scores for nr heads, on CPUs with AVX-512. */
 static void score_keys_512(const int dtype, int nr, const float *const *q2, const uint8_t *const *k_src, int n8,
-                           int hd, size_t elem, __m256 kv_scale, float scale, float *const *scores) {
+                           int hd, size_t elem, __m256 kv_scale, float scale, float *const *scores,
+                           const Ahead *ahead) {
     switch (dtype) {
-    case CACHE_F32: score_keys_512_as(CACHE_F32, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
-    case CACHE_F16: score_keys_512_as(CACHE_F16, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
-    case CACHE_BF16: score_keys_512_as(CACHE_BF16, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
-    case CACHE_I8: score_keys_512_as(CACHE_I8, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
-    default: score_keys_512_as(CACHE_F8E4M3, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores); break;
+    case CACHE_F32: score_keys_512_as(CACHE_F32, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores, ahead); break;
+    case CACHE_F16: score_keys_512_as(CACHE_F16, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores, ahead); break;
+    case CACHE_BF16: score_keys_512_as(CACHE_BF16, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores, ahead); break;
+    case CACHE_I8: score_keys_512_as(CACHE_I8, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores, ahead); break;
+    default: score_keys_512_as(CACHE_F8E4M3, nr, q2, k_src, n8, hd, elem, kv_scale, scale, scores, ahead); break;
     }
+}
+
+/* The largest of n scores (NaN ignored, -inf for none): a maximum is exact in any order. */
+static inline float max_of(const float *p, int n) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        best = _mm256_max_ps(_mm256_loadu_ps(p + i), best);  /* the second operand where either is NaN */
+    best = _mm256_max_ps(best, _mm256_permute2f128_ps(best, best, 1));
+    best = _mm256_max_ps(best, _mm256_permute_ps(best, 0x4E));
+    best = _mm256_max_ps(best, _mm256_permute_ps(best, 0xB1));
+    float m = _mm256_cvtss_f32(best);
+    for (; i < n; i++)
+        m = p[i] > m ? p[i] : m;
+    return m;
 }
 
 /* The streaming-softmax update of nr heads with the n keys and values at scratch->k_src / v_src. */
 ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const AttentionArgs *a, const float *const *q,
                                       const float *const *q2, int n, Scratch *scratch, float *const *scores,
-                                      float *const *acc, float *row_max, float *row_sum) {
+                                      float *const *acc, float *row_max, float *row_sum, const Ahead *keys_ahead,
+                                      const Ahead *values_ahead) {
     const int hd = a->head_dim, n8 = n / 8 * 8;
     const size_t elem = (size_t)cache_elem_size[dtype];
     const __m256 kv_scale = _mm256_set1_ps(a->kv_scale);
     const int nk = nr == 3 ? 2 : 4;
-    if (have_avx512)
-        score_keys_512(dtype, nr, q2, scratch->k_src, n8, hd, elem, kv_scale, a->scale, scores);
-    else
-        for (int i = 0; i < n8; i += nk)
+    const int values_with_keys = !(hd % 16 == 0 && have_avx512);  /* only accumulate_values_512 asks for values */
+    if (have_avx512) {
+        score_keys_512(dtype, nr, q2, scratch->k_src, n8, hd, elem, kv_scale, a->scale, scores, keys_ahead);
+    } else {
+        for (int i = 0; i < n8; i += nk) {
             score_keys_of_heads(nr, nk, dtype, q, scratch->k_src, i, hd, elem, kv_scale, a->scale, scores);
+            ask_rows(keys_ahead, i, i + nk);
+            ask_rows(values_ahead, i, i + nk);
+        }
+        ask_rows(keys_ahead, n8, KEY_CHUNK);
+    }
+    if (values_with_keys)
+        ask_rows(values_ahead, have_avx512 ? 0 : n8, KEY_CHUNK);
 
     for (int i = n8; i < n; i++) {  /* the chunk's last n % 8 keys, as score_keys scores them */
         decode_rows(scratch->k_decoded, scratch->k_src[i], 1, 0, hd, dtype, a->kv_scale);
@@ -654,9 +727,7 @@ ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const Atten
             scores[r][i] = dot(q[r], scratch->k_decoded, hd) * a->scale;
     }
     for (int r = 0; r < nr; r++) {
-        float chunk_max = -INFINITY;
-        for (int i = 0; i < n; i++)
-            chunk_max = scores[r][i] > chunk_max ? scores[r][i] : chunk_max;
+        float chunk_max = max_of(scores[r], n);
         if (chunk_max > row_max[r]) {
             float correction = expf(row_max[r] - chunk_max);
             scale_row(acc[r], correction, hd);
@@ -666,7 +737,7 @@ ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const Atten
         row_sum[r] += exp_shifted(scores[r], n, row_max[r]);
     }
     if (hd % 16 == 0 && have_avx512) {
-        accumulate_values_512(dtype, nr, scratch->v_src, n, hd, elem, a->kv_scale, scores, acc);
+        accumulate_values_512(dtype, nr, scratch->v_src, n, hd, elem, a->kv_scale, scores, acc, values_ahead);
         return;
     }
     int d0 = 0;
@@ -676,97 +747,161 @@ ALWAYS_INLINE void attend_chunk_heads(const int nr, const int dtype, const Atten
         accumulate_slice(nr, 1, dtype, scratch->v_src, n, d0, elem, kv_scale, scores, acc);
 }
 
+/* at[i]: the byte offset in the cache of key pos + i's slot (n keys), at kv head kv_head; SIZE_MAX for a slot
+ * of a block given back behind a sliding window. One division for the chunk, not one a key. */
+static void slot_offsets(const AttentionArgs *a, const int32_t *table, int kv_head, int pos, int n, size_t *at) {
+    const size_t elem = (size_t)cache_elem_size[a->cache_dtype];
+    const size_t slot_bytes = (size_t)a->num_kv_heads * a->head_dim * elem, head = (size_t)kv_head * a->head_dim * elem;
+    int block = pos / a->block_size, offset = pos % a->block_size;
+    for (int i = 0; i < n; i++) {
+        at[i] = table[block] < 0 ? SIZE_MAX : ((size_t)table[block] * a->block_size + offset) * slot_bytes + head;
+        if (++offset == a->block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+}
+
+/* Asks for the rows of one head (head_bytes past at[i]) of n slots, keys or values */
+static inline void prefetch_slots(const uint8_t *cache, const size_t *at, int n, size_t head_bytes, size_t row_bytes) {
+    for (int i = 0; i < n; i++)
+        if (at[i] != SIZE_MAX)
+            for (size_t line = 0; line < row_bytes; line += 64)
+                _mm_prefetch((const char *)cache + at[i] + head_bytes + line, _MM_HINT_T0);
+}
+
+/* Whether a single-query item asks for the next item's first chunk spread over its own last chunk (Ahead):
+ * when that item is read the same way */
+static int spreads_ahead(const WorkItem *w, const WorkItem *ahead) {
+    return ahead && ahead->q_end - ahead->q_begin == 1 && ahead->kv_heads == w->kv_heads;
+}
+
+/* Where an item's first chunk starts (first_key: the first key its query sees) and how many keys it has */
+static int first_chunk(const AttentionArgs *a, const WorkItem *w, int *first_key) {
+    const int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
+    *first_key = first_visible_key(a, num_keys - 1);
+    const int keys_from = *first_key / KEY_CHUNK * KEY_CHUNK;
+    return (num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK) - (*first_key - keys_from);
+}
+
 ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *a, const WorkItem *w,
-                                          const WorkItem *ahead, Scratch *scratch) {
-    const int hd = a->head_dim, ratio = a->num_heads / a->num_kv_heads, block_size = a->block_size;
+                                          const WorkItem *ahead, int first_asked, Scratch *scratch) {
+    const int hd = a->head_dim, ratio = a->num_heads / a->num_kv_heads;
+    const int heads = w->kv_heads, rows = heads * ratio;  /* the item's query heads, its kv heads' in turn */
     const int token0 = a->query_start_loc[w->seq] + w->q_begin;
     const int num_keys = a->context_lens[w->seq] - seq_query_len(a, w->seq) + w->q_end;
     const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
-    const size_t elem = (size_t)cache_elem_size[dtype], slot_bytes = (size_t)a->num_kv_heads * hd * elem;
-    const int first_key = first_visible_key(a, num_keys - 1), keys_from = first_key / KEY_CHUNK * KEY_CHUNK;
-    start_rows(scratch, ratio, hd);
+    const size_t row_bytes = (size_t)hd * cache_elem_size[dtype];
+    const int lines = (int)((row_bytes + 63) / 64);
+    const float *query = a->query + ((size_t)token0 * a->num_heads + (size_t)w->kv_head * ratio) * hd;
+    const int spread_ahead = spreads_ahead(w, ahead);
+    size_t at[KEY_CHUNK], next_at[KEY_CHUNK];  /* a chunk's slots in the cache, at the item's first head */
+    int first_key, n = first_chunk(a, w, &first_key);
+    start_rows(scratch, rows, hd);
     if (have_avx512)  /* the queries as score_keys_512 reads them */
-        for (int r = 0; r < ratio; r++) {
-            const float *q = a->query + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r) * hd;
+        for (int r = 0; r < rows; r++)
             for (int d = 0; d < hd; d += 8) {
-                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d, q + d, 8 * sizeof(float));
-                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d + 8, q + d, 8 * sizeof(float));
+                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d, query + (size_t)r * hd + d, 8 * sizeof(float));
+                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d + 8, query + (size_t)r * hd + d, 8 * sizeof(float));
             }
+    slot_offsets(a, table, w->kv_head, first_key, n, at);
+    if (!first_asked)  /* else the item before asked for this chunk, spread over its last one */
+        for (int h = 0; h < heads; h++) {
+            prefetch_slots(a->k_cache, at, n, (size_t)h * row_bytes, row_bytes);
+            prefetch_slots(a->v_cache, at, n, (size_t)h * row_bytes, row_bytes);
         }
-    /* Asked for again though the item before this thread's may have asked already: skipping it when
-     * so was 3-8% slower on a Zen 5 (32 sequences at 192 tokens, 185-187 -> 197-202 µs a layer). */
-    prefetch_key_chunk(a, table, w->kv_head, keys_from,
-                       num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK);
-    for (int key_begin = keys_from; key_begin < num_keys; key_begin += KEY_CHUNK) {
-        int skip = first_key > key_begin ? first_key - key_begin : 0;  /* keys before the window */
-        int n = (num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK) - skip;
-        int next = key_begin + KEY_CHUNK, next_n = num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK;
-        if (next < num_keys)
-            prefetch_rows(a, table, w->kv_head, next, next_n, PREFETCH_KEYS);
-        else if (ahead)  /* this thread's next item: its first chunk, as this item's last is worked on */
+    for (int key_begin = first_key / KEY_CHUNK * KEY_CHUNK; key_begin < num_keys; key_begin += KEY_CHUNK) {
+        const int next = key_begin + KEY_CHUNK, last = next >= num_keys;
+        int next_n = 0;  /* keys of the chunk after this one (this item's, or the next item's first) at next_at */
+        if (!last) {
+            next_n = num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK;
+            slot_offsets(a, table, w->kv_head, next, next_n, next_at);
+        } else if (spread_ahead) {
+            int ahead_first;
+            next_n = first_chunk(a, ahead, &ahead_first);
+            slot_offsets(a, a->block_tables + (size_t)ahead->seq * a->max_blocks, ahead->kv_head, ahead_first, next_n,
+                         next_at);
+        } else if (ahead) {
             prefetch_first_chunk(a, ahead, PREFETCH_KEYS);
-        for (int i = 0; i < n; i++) {
-            int pos = key_begin + skip + i;
-            size_t at = ((size_t)table[pos / block_size] * block_size + pos % block_size) * slot_bytes
-                        + (size_t)w->kv_head * hd * elem;
-            scratch->k_src[i] = a->k_cache + at;
-            scratch->v_src[i] = a->v_cache + at;
         }
-        for (int r0 = 0; r0 < ratio; r0 += ROW_GROUP) {
-            const float *q[ROW_GROUP], *q2[ROW_GROUP];
-            float *scores[ROW_GROUP], *acc[ROW_GROUP];
-            int nr = ratio - r0 < ROW_GROUP ? ratio - r0 : ROW_GROUP;
-            for (int r = 0; r < nr; r++) {
-                q[r] = a->query + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r0 + r) * hd;
-                q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
-                scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
-                acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
+        for (int h = 0; h < heads; h++) {  /* each kv head's query heads, as an item of that head alone */
+            const size_t head_bytes = (size_t)h * row_bytes;
+            Ahead keys_ahead, values_ahead;  /* the next chunk's rows of this head */
+            keys_ahead.n = values_ahead.n = next_n;
+            keys_ahead.lines = values_ahead.lines = lines;
+            for (int i = 0; i < next_n; i++) {
+                keys_ahead.rows[i] = a->k_cache + next_at[i] + head_bytes;
+                values_ahead.rows[i] = a->v_cache + next_at[i] + head_bytes;
             }
-            float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
-            if (nr == 3)
-                attend_chunk_heads(3, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum);
-            else if (nr == 2)
-                attend_chunk_heads(2, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum);
-            else
-                attend_chunk_heads(1, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum);
+            for (int i = 0; i < n; i++) {
+                scratch->k_src[i] = a->k_cache + at[i] + head_bytes;
+                scratch->v_src[i] = a->v_cache + at[i] + head_bytes;
+            }
+            for (int r0 = h * ratio; r0 < (h + 1) * ratio; r0 += ROW_GROUP) {
+                const float *q[ROW_GROUP], *q2[ROW_GROUP];
+                float *scores[ROW_GROUP], *acc[ROW_GROUP];
+                int nr = (h + 1) * ratio - r0 < ROW_GROUP ? (h + 1) * ratio - r0 : ROW_GROUP;
+                for (int r = 0; r < nr; r++) {
+                    q[r] = query + (size_t)(r0 + r) * hd;
+                    q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
+                    scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
+                    acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
+                }
+                float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
+                const Ahead *ka = r0 == h * ratio ? &keys_ahead : NULL;  /* asked for once a head */
+                const Ahead *va = r0 == h * ratio ? &values_ahead : NULL;
+                if (nr == 3)
+                    attend_chunk_heads(3, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, ka, va);
+                else if (nr == 2)
+                    attend_chunk_heads(2, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, ka, va);
+                else
+                    attend_chunk_heads(1, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, ka, va);
+            }
         }
-        if (next < num_keys)  /* the values after the keys, so that fewer requests are in flight at a time */
-            prefetch_rows(a, table, w->kv_head, next, next_n, PREFETCH_VALUES);
-        else if (ahead)
+        if (last && ahead && !spread_ahead)
             prefetch_first_chunk(a, ahead, PREFETCH_VALUES);
+        if (!last) {
+            memcpy(at, next_at, sizeof(size_t) * (size_t)next_n);
+            n = next_n;
+        }
     }
-    for (int r = 0; r < ratio; r++) {
-        float *o = a->out + ((size_t)token0 * a->num_heads + w->kv_head * ratio + r) * hd;
+    for (int r = 0; r < rows; r++) {
+        float *o = a->out + ((size_t)token0 * a->num_heads + (size_t)w->kv_head * ratio + r) * hd;
         float inv_sum = 1.0f / scratch->row_sum[r];
         for (int d = 0; d < hd; d++)
             o[d] = scratch->acc[(size_t)r * hd + d] * inv_sum;
     }
 }
 
-static void attend_single_query(const AttentionArgs *a, const WorkItem *w, const WorkItem *ahead, Scratch *scratch) {
+static void attend_single_query(const AttentionArgs *a, const WorkItem *w, const WorkItem *ahead, int first_asked,
+                                Scratch *scratch) {
     switch (a->cache_dtype) {
-    case CACHE_F32: attend_single_query_as(CACHE_F32, a, w, ahead, scratch); break;
-    case CACHE_BF16: attend_single_query_as(CACHE_BF16, a, w, ahead, scratch); break;
-    case CACHE_F16: attend_single_query_as(CACHE_F16, a, w, ahead, scratch); break;
-    case CACHE_I8: attend_single_query_as(CACHE_I8, a, w, ahead, scratch); break;
-    default: attend_single_query_as(CACHE_F8E4M3, a, w, ahead, scratch); break;
+    case CACHE_F32: attend_single_query_as(CACHE_F32, a, w, ahead, first_asked, scratch); break;
+    case CACHE_BF16: attend_single_query_as(CACHE_BF16, a, w, ahead, first_asked, scratch); break;
+    case CACHE_F16: attend_single_query_as(CACHE_F16, a, w, ahead, first_asked, scratch); break;
+    case CACHE_I8: attend_single_query_as(CACHE_I8, a, w, ahead, first_asked, scratch); break;
+    default: attend_single_query_as(CACHE_F8E4M3, a, w, ahead, first_asked, scratch); break;
     }
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_compute(const AttentionArgs *a, int num_threads) {
-    Py_ssize_t num_items = build_work_items(a, NULL);
+    /* A decoding sequence is one item, all its kv heads, when there are enough sequences to keep every thread
+     * busy: its heads' rows lie side by side in each slot, so the item reads whole runs of cache lines. */
+    int single_query_path = a->head_dim % 8 == 0;
+    int whole_seqs = single_query_path && a->num_seqs >= WHOLE_SEQ_ITEMS_PER_THREAD * num_threads;
+    Py_ssize_t num_items = build_work_items(a, whole_seqs, NULL);
     if (num_items == 0)
         return 0;
-    int ratio = a->num_heads / a->num_kv_heads;
+    int ratio = a->num_heads / a->num_kv_heads, tile_rows = a->queries_per_tile * ratio;
     WorkItem *items = malloc(sizeof(WorkItem) * (size_t)num_items);
-    Scratch *scratch = build_scratch(num_threads, a->queries_per_tile * ratio, a->head_dim);
+    Scratch *scratch = build_scratch(num_threads, tile_rows > a->num_heads ? tile_rows : a->num_heads, a->head_dim);
     if (!items || !scratch) {
         free(items);
         if (scratch) free_scratch(scratch, num_threads);
         return -1;
     }
-    build_work_items(a, items);
+    build_work_items(a, whole_seqs, items);
     /* Items are claimed one ahead of their turn (dynamic scheduling otherwise), so that each thread can ask
      * for its next item's first keys while it works on the last keys of the current one. */
     Py_ssize_t claimed = 0;
@@ -774,12 +909,17 @@ int paged_attention_compute(const AttentionArgs *a, int num_threads) {
     {
         Scratch *own = &scratch[omp_get_thread_num()];
         Py_ssize_t i = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        int first_asked = 0;  /* whether the item before asked for item i's first chunk spread over its own last */
         while (i < num_items) {
             Py_ssize_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            if (items[i].q_end - items[i].q_begin == 1 && a->head_dim % 8 == 0)
-                attend_single_query(a, &items[i], next < num_items ? &items[next] : NULL, own);
-            else
+            const WorkItem *ahead = next < num_items ? &items[next] : NULL;
+            if (items[i].q_end - items[i].q_begin == 1 && single_query_path) {
+                attend_single_query(a, &items[i], ahead, first_asked, own);
+                first_asked = spreads_ahead(&items[i], ahead);
+            } else {
                 attend_work_item(a, &items[i], own);
+                first_asked = 0;
+            }
             i = next;
         }
     }
