@@ -54,6 +54,20 @@ static float avx512_block_sum(const float *x, int64_t len)
     return lane_sum16(acc);
 }
 
+/* The largest |x| of a block of len floats (a multiple of 16), and (*sum) their sum in avx512_block_sum's order */
+INLINE float block_amax(const float *x, int64_t len, float *sum)
+{
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < len; k += 16) {
+        const __m512 v = _mm512_loadu_ps(x + k);
+        vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign, v));
+        vsum = _mm512_add_ps(vsum, v);
+    }
+    *sum = lane_sum16(vsum);
+    return _mm512_reduce_max_ps(vmax);
+}
+
 /* portable_quantize_token's numbers, the block sums included: int8 codes 4 k to a word of xq,
  * int16 ones 2 k to a word of xq16 (or, for the AMX kernels, token rows of xhi / xlo: int8 codes,
  * or each int16 code's high byte, signed, and low byte, unsigned), and each block's step, sum and
@@ -64,7 +78,6 @@ static void avx512_quantize_token(const Job *job, int64_t t)
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
     const float *x = job->x + t * K, levels = act_levels(job->act);
     const int wide = job->act == ACT_INT16;
-    const __m512 sign = _mm512_set1_ps(-0.0f);
     /* xq / xq16 words of this token: one every MRQ words along k (4 k a word for int8, 2 for int16) */
     int32_t *words = job->ws.xhi ? NULL
                      : wide ? (int32_t *)job->ws.xq16 + xq16_index(t, 0, K) / 2
@@ -72,13 +85,8 @@ static void avx512_quantize_token(const Job *job, int64_t t)
     const __m256i every8 = _mm256_setr_epi32(0, MRQ, 2 * MRQ, 3 * MRQ, 4 * MRQ, 5 * MRQ, 6 * MRQ, 7 * MRQ);
     const __m128i every4 = _mm_setr_epi32(0, MRQ, 2 * MRQ, 3 * MRQ);
     for (int64_t b = 0; b < nb; b++) {
-        __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
-        for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
-            const __m512 v = _mm512_loadu_ps(x + k);
-            vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign, v));
-            vsum = _mm512_add_ps(vsum, v);  /* avx512_block_sum's order */
-        }
-        const float amax = _mm512_reduce_max_ps(vmax);
+        float sum;
+        const float amax = block_amax(x + b * B, B, &sum);
         const __m512 inv = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
         __m512i qsum = _mm512_setzero_si512();
         for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
@@ -101,7 +109,7 @@ static void avx512_quantize_token(const Job *job, int64_t t)
         const int32_t corr = -vnni_offset(job->w.fmt) * _mm512_reduce_add_epi32(qsum);
         float *tp = job->ws.tparams + ((t / MRQ) * nb + b) * 3 * MRQ + t % MRQ;
         tp[0] = amax / levels;
-        tp[MRQ] = lane_sum16(vsum);
+        tp[MRQ] = sum;
         memcpy(tp + 2 * MRQ, &corr, 4);
     }
 }
@@ -136,25 +144,18 @@ static void avx512_quantize_tile16(const Job *job, int64_t t0, int mr)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
     const float levels = act_levels(ACT_INT16);
-    const __m512 sign = _mm512_set1_ps(-0.0f);
     int32_t *words = (int32_t *)job->ws.xq16 + xq16_index(t0, 0, K) / 2;
     for (int64_t b = 0; b < nb; b++) {
         __m512 inv[MRQ];
         __m512i qsum[MRQ];
         for (int t = 0; t < mr; t++) {
-            const float *x = job->x + (t0 + t) * K;
-            __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
-            for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
-                const __m512 v = _mm512_loadu_ps(x + k);
-                vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign, v));
-                vsum = _mm512_add_ps(vsum, v);  /* avx512_block_sum's order */
-            }
-            const float amax = _mm512_reduce_max_ps(vmax);
+            float sum;
+            const float amax = block_amax(job->x + (t0 + t) * K + b * B, B, &sum);
             inv[t] = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
             qsum[t] = _mm512_setzero_si512();
             float *tp = job->ws.tparams + ((t0 / MRQ) * nb + b) * 3 * MRQ + t;
             tp[0] = amax / levels;
-            tp[MRQ] = lane_sum16(vsum);
+            tp[MRQ] = sum;
         }
         for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
             __m256i rows[MRQ], pairs[MRQ];
