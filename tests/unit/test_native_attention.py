@@ -203,6 +203,33 @@ def test_a_batch_of_decodes_equals_each_decoded_alone(dtype, ratio, num_kv_heads
         assert torch.equal(alone[0], batch[s]), f"sequence {s}"
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("ratio, num_kv_heads, head_dim, window", [(3, 3, 64, 0), (1, 2, 48, 0), (4, 2, 40, 5),
+                                                                    (3, 1, 64, 40)])
+def test_avx512_kernels_give_the_avx2_kernels_numbers(dtype, ratio, num_kv_heads, head_dim, window):
+    # The AVX-512 kernels score two keys a register and sum each key's lanes in the AVX2 kernels' tree, and
+    # add values 16 lanes a register in the same key order: a step gives the same bits on either (decodes
+    # as whole-sequence items, a prefill tile, a lone query).
+    from runtime._native import _attention
+    if not _attention.use_avx512(True):
+        pytest.skip("this CPU has no AVX-512: nothing to compare the AVX2 kernels with")
+    generator = torch.Generator().manual_seed(ratio * 1000 + head_dim + window)
+    for seqs in ([(ctx, 1) for ctx in (37, 100, 5, 64, 33, 17, 80, 1, 48)] + [(70, 24)], [(150, 1)]):
+        k_cache, v_cache, tables, ctx, qsl, kv_scale = build_step(seqs, 16, num_kv_heads, head_dim, dtype, generator)
+        query = torch.randn(int(qsl[-1]), num_kv_heads * ratio, head_dim, generator=generator)
+        outs = []
+        try:
+            for on in (True, False):
+                _attention.use_avx512(on)
+                out = torch.full_like(query, float("nan"))
+                paged_attention(out, query, k_cache, v_cache, tables, ctx, qsl, 1.0 / math.sqrt(head_dim),
+                                kv_scale=kv_scale, window=window, num_threads=2)
+                outs.append(out)
+        finally:
+            _attention.use_avx512(True)
+        assert torch.equal(outs[0], outs[1])
+
+
 def test_thread_count_does_not_change_results():
     single, _ = run_both(MIXED_STEP, 8, 2, 64, 8, torch.float32, seed=4, num_threads=1)
     multi, _ = run_both(MIXED_STEP, 8, 2, 64, 8, torch.float32, seed=4, num_threads=2)

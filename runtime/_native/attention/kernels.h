@@ -85,6 +85,7 @@ typedef struct {
 extern float f8e4m3_table[256];  /* the float value of every e4m3fn byte */
 void build_f8e4m3_table(void);
 void detect_avx512(void);     /* paged.c: whether the single-query path adds values with AVX-512 (module init) */
+int use_avx512(int on);       /* paged.c: the AVX-512 kernels where the CPU has them (on), else AVX2's; returns which */
 void decode_rows(float *dst, const uint8_t *src, int rows, size_t src_stride, int n, int dtype, float kv_scale);
 void encode_row(void *dst, const float *src, int n, int dtype, float kv_scale);
 void kv_write_compute(const KVWriteArgs *a, int num_threads);

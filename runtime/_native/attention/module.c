@@ -292,6 +292,13 @@ static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {
  * Module
  */
 
+static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on))
+        return NULL;
+    return PyBool_FromLong(use_avx512(on));
+}
+
 static PyMethodDef methods[] = {
     {"kv_write", py_kv_write, METH_VARARGS,
      "kv_write(key, value, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim, cache_dtype, "
@@ -308,6 +315,9 @@ static PyMethodDef methods[] = {
      "qkv [T, (nh + 2 nkv) * hd] f32 (or, given k and v [T, nkv * hd], from q [T, nh * hd] and them): per-head "
      "RMSNorm of q and of k by weights [hd] f32 when given (None: none), rotary embedding (rope [rows, hd] = "
      "cos | sin by position), KV write, paged attention into out."},
+    {"use_avx512", py_use_avx512, METH_VARARGS,
+     "use_avx512(on): the AVX-512 kernels where this CPU has them (True), or the AVX2 ones (False), for every "
+     "later call in this process; returns whether AVX-512 is in use (their numbers are the same, bit for bit)."},
     {NULL, NULL, 0, NULL},
 };
 

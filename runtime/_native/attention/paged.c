@@ -511,6 +511,12 @@ void detect_avx512(void) {
                   __builtin_cpu_supports("avx512vl");
 }
 
+int use_avx512(int on) {
+    detect_avx512();
+    have_avx512 = have_avx512 && on;
+    return have_avx512;
+}
+
 /* 16 cache elements of type dtype at src as float32: load8's values, twice as wide. */
 AVX512_TARGET ALWAYS_INLINE __m512 load16(const uint8_t *src, const int dtype, __m512 kv_scale) {
     switch (dtype) {
