@@ -316,9 +316,8 @@ static void prefetch_rows(const AttentionArgs *a, const int32_t *table, int kv_h
     }
 }
 
-static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head, int kv_heads, int key_begin,
-                               int n) {
-    prefetch_rows(a, table, kv_head, kv_heads, key_begin, n, PREFETCH_KEYS | PREFETCH_VALUES);
+static void prefetch_key_chunk(const AttentionArgs *a, const int32_t *table, int kv_head, int key_begin, int n) {
+    prefetch_rows(a, table, kv_head, 1, key_begin, n, PREFETCH_KEYS | PREFETCH_VALUES);
 }
 
 /* prefetch_rows for the first chunk an item reads. */
@@ -365,13 +364,13 @@ static void attend_work_item(const AttentionArgs *a, const WorkItem *w, Scratch 
     const int32_t *table = a->block_tables + (size_t)w->seq * a->max_blocks;
 
     start_rows(scratch, rows, hd);
-    prefetch_key_chunk(a, table, w->kv_head, 1, keys_from,
+    prefetch_key_chunk(a, table, w->kv_head, keys_from,
                        num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK);
     for (int key_begin = keys_from; key_begin < num_keys; key_begin += KEY_CHUNK) {
         int chunk = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK;
         int next = key_begin + KEY_CHUNK;
         if (next < num_keys)
-            prefetch_key_chunk(a, table, w->kv_head, 1, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
+            prefetch_key_chunk(a, table, w->kv_head, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
         load_key_chunk(a, table, w->kv_head, key_begin, chunk, scratch);
         for (int r = 0; r < rows; r++) {
             int j = w->q_begin + r / ratio, head = w->kv_head * ratio + r % ratio;
@@ -780,6 +779,43 @@ static inline void prefetch_slots(const uint8_t *cache, const size_t *at, int n,
                 _mm_prefetch((const char *)cache + at[i] + head_bytes + line, _MM_HINT_T0);
 }
 
+/* Row r's query q as score_keys_512 reads it: every 8 dimensions written twice */
+static void duplicate_query(Scratch *scratch, int r, const float *q, int hd) {
+    for (int d = 0; d < hd; d += 8) {
+        memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d, q + d, 8 * sizeof(float));
+        memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d + 8, q + d, 8 * sizeof(float));
+    }
+}
+
+/* attend_chunk_heads for the item's rows r0 .. r0 + nr (nr <= ROW_GROUP): query heads at q0, hd apart, on the
+ * n keys and values at scratch->k_src / v_src */
+ALWAYS_INLINE void attend_row_group(const int dtype, const AttentionArgs *a, const float *q0, int r0, int nr, int n,
+                                    Scratch *scratch, const Ahead *keys_ahead, const Ahead *values_ahead) {
+    const int hd = a->head_dim;
+    const float *q[ROW_GROUP], *q2[ROW_GROUP];
+    float *scores[ROW_GROUP], *acc[ROW_GROUP];
+    for (int r = 0; r < nr; r++) {
+        q[r] = q0 + (size_t)r * hd;
+        q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
+        scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
+        acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
+    }
+    float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
+    if (nr == 3)
+        attend_chunk_heads(3, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, keys_ahead, values_ahead);
+    else if (nr == 2)
+        attend_chunk_heads(2, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, keys_ahead, values_ahead);
+    else
+        attend_chunk_heads(1, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, keys_ahead, values_ahead);
+}
+
+/* out = row r's weighted sum of values over its sum of weights */
+static void finish_row(float *out, const Scratch *scratch, int r, int hd) {
+    const float inv_sum = 1.0f / scratch->row_sum[r];
+    for (int d = 0; d < hd; d++)
+        out[d] = scratch->acc[(size_t)r * hd + d] * inv_sum;
+}
+
 /* Whether a single-query item asks for the next item's first chunk spread over its own last chunk (Ahead):
  * when that item is read the same way */
 static int spreads_ahead(const WorkItem *w, const WorkItem *ahead) {
@@ -808,12 +844,9 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
     size_t at[KEY_CHUNK], next_at[KEY_CHUNK];  /* a chunk's slots in the cache, at the item's first head */
     int first_key, n = first_chunk(a, w, &first_key);
     start_rows(scratch, rows, hd);
-    if (have_avx512)  /* the queries as score_keys_512 reads them */
+    if (have_avx512)
         for (int r = 0; r < rows; r++)
-            for (int d = 0; d < hd; d += 8) {
-                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d, query + (size_t)r * hd + d, 8 * sizeof(float));
-                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d + 8, query + (size_t)r * hd + d, 8 * sizeof(float));
-            }
+            duplicate_query(scratch, r, query + (size_t)r * hd, hd);
     slot_offsets(a, table, w->kv_head, first_key, n, at);
     if (!first_asked)  /* else the item before asked for this chunk, spread over its last one */
         for (int h = 0; h < heads; h++) {
@@ -848,24 +881,10 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
                 scratch->v_src[i] = a->v_cache + at[i] + head_bytes;
             }
             for (int r0 = h * ratio; r0 < (h + 1) * ratio; r0 += ROW_GROUP) {
-                const float *q[ROW_GROUP], *q2[ROW_GROUP];
-                float *scores[ROW_GROUP], *acc[ROW_GROUP];
-                int nr = (h + 1) * ratio - r0 < ROW_GROUP ? (h + 1) * ratio - r0 : ROW_GROUP;
-                for (int r = 0; r < nr; r++) {
-                    q[r] = query + (size_t)(r0 + r) * hd;
-                    q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
-                    scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
-                    acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
-                }
-                float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
-                const Ahead *ka = r0 == h * ratio ? &keys_ahead : NULL;  /* asked for once a head */
-                const Ahead *va = r0 == h * ratio ? &values_ahead : NULL;
-                if (nr == 3)
-                    attend_chunk_heads(3, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, ka, va);
-                else if (nr == 2)
-                    attend_chunk_heads(2, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, ka, va);
-                else
-                    attend_chunk_heads(1, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, ka, va);
+                const int nr = (h + 1) * ratio - r0 < ROW_GROUP ? (h + 1) * ratio - r0 : ROW_GROUP;
+                const int first = r0 == h * ratio;  /* the next chunk's rows are asked for once a head */
+                attend_row_group(dtype, a, query + (size_t)r0 * hd, r0, nr, n, scratch, first ? &keys_ahead : NULL,
+                                 first ? &values_ahead : NULL);
             }
         }
         if (last && ahead && !spread_ahead)
@@ -875,12 +894,8 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
             n = next_n;
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float *o = a->out + ((size_t)token0 * a->num_heads + (size_t)w->kv_head * ratio + r) * hd;
-        float inv_sum = 1.0f / scratch->row_sum[r];
-        for (int d = 0; d < hd; d++)
-            o[d] = scratch->acc[(size_t)r * hd + d] * inv_sum;
-    }
+    for (int r = 0; r < rows; r++)
+        finish_row(a->out + ((size_t)token0 * a->num_heads + (size_t)w->kv_head * ratio + r) * hd, scratch, r, hd);
 }
 
 /* A multi-query item (a prefill tile) for head_dim a multiple of 8: each chunk decoded once into f32 rows
@@ -899,21 +914,16 @@ static void attend_work_item_heads(const AttentionArgs *a, const WorkItem *w, Sc
     /* query j's heads of this kv head: rows (j - q_begin) * ratio .. + ratio, side by side in a->query */
     const float *query = a->query + ((size_t)(token0 + w->q_begin) * a->num_heads + (size_t)w->kv_head * ratio) * hd;
     start_rows(scratch, rows, hd);
-    if (have_avx512)  /* the queries as score_keys_512 reads them */
-        for (int r = 0; r < rows; r++) {
-            const float *q = query + (size_t)(r / ratio) * a->num_heads * hd + (size_t)(r % ratio) * hd;
-            for (int d = 0; d < hd; d += 8) {
-                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d, q + d, 8 * sizeof(float));
-                memcpy(scratch->q2 + (size_t)r * 2 * hd + 2 * d + 8, q + d, 8 * sizeof(float));
-            }
-        }
-    prefetch_key_chunk(a, table, w->kv_head, 1, keys_from,
+    if (have_avx512)
+        for (int r = 0; r < rows; r++)
+            duplicate_query(scratch, r, query + (size_t)(r / ratio) * a->num_heads * hd + (size_t)(r % ratio) * hd, hd);
+    prefetch_key_chunk(a, table, w->kv_head, keys_from,
                        num_keys - keys_from < KEY_CHUNK ? num_keys - keys_from : KEY_CHUNK);
     for (int key_begin = keys_from; key_begin < num_keys; key_begin += KEY_CHUNK) {
         const int chunk = num_keys - key_begin < KEY_CHUNK ? num_keys - key_begin : KEY_CHUNK;
         const int next = key_begin + KEY_CHUNK;
         if (next < num_keys)
-            prefetch_key_chunk(a, table, w->kv_head, 1, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
+            prefetch_key_chunk(a, table, w->kv_head, next, num_keys - next < KEY_CHUNK ? num_keys - next : KEY_CHUNK);
         load_key_chunk(a, table, w->kv_head, key_begin, chunk, scratch);
         for (int jj = 0; jj < w->q_end - w->q_begin; jj++) {
             const int j = w->q_begin + jj;
@@ -927,36 +937,15 @@ static void attend_work_item_heads(const AttentionArgs *a, const WorkItem *w, Sc
                 scratch->k_src[i - skip] = (const uint8_t *)scratch->k_rows[i];
                 scratch->v_src[i - skip] = (const uint8_t *)scratch->v_rows[i];
             }
-            for (int h0 = 0; h0 < ratio; h0 += ROW_GROUP) {
-                const float *q[ROW_GROUP], *q2[ROW_GROUP];
-                float *scores[ROW_GROUP], *acc[ROW_GROUP];
-                const int nr = ratio - h0 < ROW_GROUP ? ratio - h0 : ROW_GROUP, r0 = jj * ratio + h0;
-                for (int r = 0; r < nr; r++) {
-                    q[r] = query + (size_t)jj * a->num_heads * hd + (size_t)(h0 + r) * hd;
-                    q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
-                    scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
-                    acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
-                }
-                float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
-                if (nr == 3)
-                    attend_chunk_heads(3, CACHE_F32, a, q, q2, end - skip, scratch, scores, acc, row_max, row_sum,
-                                       NULL, NULL);
-                else if (nr == 2)
-                    attend_chunk_heads(2, CACHE_F32, a, q, q2, end - skip, scratch, scores, acc, row_max, row_sum,
-                                       NULL, NULL);
-                else
-                    attend_chunk_heads(1, CACHE_F32, a, q, q2, end - skip, scratch, scores, acc, row_max, row_sum,
-                                       NULL, NULL);
-            }
+            for (int h0 = 0; h0 < ratio; h0 += ROW_GROUP)
+                attend_row_group(CACHE_F32, a, query + (size_t)jj * a->num_heads * hd + (size_t)h0 * hd,
+                                 jj * ratio + h0, ratio - h0 < ROW_GROUP ? ratio - h0 : ROW_GROUP, end - skip, scratch,
+                                 NULL, NULL);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float *o = a->out + ((size_t)(token0 + w->q_begin + r / ratio) * a->num_heads + (size_t)w->kv_head * ratio
-                             + r % ratio) * hd;
-        const float inv_sum = 1.0f / scratch->row_sum[r];
-        for (int d = 0; d < hd; d++)
-            o[d] = scratch->acc[(size_t)r * hd + d] * inv_sum;
-    }
+    for (int r = 0; r < rows; r++)
+        finish_row(a->out + ((size_t)(token0 + w->q_begin + r / ratio) * a->num_heads + (size_t)w->kv_head * ratio
+                             + r % ratio) * hd, scratch, r, hd);
 }
 
 static void attend_single_query(const AttentionArgs *a, const WorkItem *w, const WorkItem *ahead, int first_asked,
