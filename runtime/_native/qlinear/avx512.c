@@ -425,11 +425,11 @@ INLINE __m512i dot_bcast(const int wide, __m512i acc, __m512i code, const int32_
  * at every token count, in cache too), and the f32 sums stay in registers from block to block (2-5%
  * faster on a Zen 5 than keeping them in memory). Integer sums are exact in any order and each f32
  * step is the portable path's, so the numbers are too. */
-INLINE void micro_int(const int fmt, const int wide, const int mr, const Job *job, int64_t p, int64_t t0)
+INLINE void micro_int(const int fmt, const int wide, const int mr, const int b32, const Job *job, int64_t p, int64_t t0)
 {
     const Weight *w = &job->w;
-    const int64_t K = w->k, B = job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
-    const int per_channel = w->group == K;
+    const int64_t K = w->k, B = b32 ? 32 : job->blk, nb = K / B, N = w->n, bpk = panel_bytes_per_k(fmt);
+    const int per_channel = !b32 && w->group == K;
     const int words = wide ? 4 : 2;  /* activation words of a token per 8 k */
     const int32_t *xq = wide ? (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ
                              : (const int32_t *)job->ws.xq + (t0 / MRQ) * (K / 4) * MRQ;
@@ -484,7 +484,10 @@ INLINE void micro_int(const int fmt, const int wide, const int mr, const Job *jo
                     d[j % chains][t] = dot_bcast(wide, d[j % chains][t], code[j], xk + j * MRQ + t);
         }
         __m512 s, z = _mm512_setzero_ps();
-        group_params(fmt, w, p, per_channel ? 0 : b, &s, &z);
+        if (b32)
+            group_params_at(fmt, w, (p * nb + b) * PANEL, &s, &z);
+        else
+            group_params(fmt, w, p, per_channel ? 0 : b, &s, &z);
         #pragma GCC unroll 16
         for (int t = 0; t < mr; t++) {
             const __m512i dot = chains == 2 ? _mm512_add_epi32(d[0][t], d[1][t]) : d[0][t];
@@ -499,19 +502,26 @@ INLINE void micro_int(const int fmt, const int wide, const int mr, const Job *jo
                    rows_mask(N, p));
 }
 
+#define INT_MR_CASES(fmt, wide, b32)                                                                 \
+    switch (mr) {                                                                                    \
+    case 1: micro_int(fmt, wide, 1, b32, job, p, t0); break;                                         \
+    case 2: micro_int(fmt, wide, 2, b32, job, p, t0); break;                                         \
+    case 3: micro_int(fmt, wide, 3, b32, job, p, t0); break;                                         \
+    case 4: micro_int(fmt, wide, 4, b32, job, p, t0); break;                                         \
+    case 5: micro_int(fmt, wide, 5, b32, job, p, t0); break;                                         \
+    case 6: micro_int(fmt, wide, 6, b32, job, p, t0); break;                                         \
+    case 7: micro_int(fmt, wide, 7, b32, job, p, t0); break;                                         \
+    default: micro_int(fmt, wide, 8, b32, job, p, t0); break;                                        \
+    }
+/* Blocks of 32 k over weight groups of 32 (GGUF's Q4_0, Q4_1 and Q8_0: the models' usual case) take
+ * a copy with both known at compile time: its 4 chunks a block unrolled, its group the block. */
 #define INT_CASES(name, fmt, wide)                                                                 \
     static void name(const Job *job, int64_t p, int64_t t0, int mr)                                \
     {                                                                                              \
-        switch (mr) {                                                                              \
-        case 1: micro_int(fmt, wide, 1, job, p, t0); break;                                        \
-        case 2: micro_int(fmt, wide, 2, job, p, t0); break;                                        \
-        case 3: micro_int(fmt, wide, 3, job, p, t0); break;                                        \
-        case 4: micro_int(fmt, wide, 4, job, p, t0); break;                                        \
-        case 5: micro_int(fmt, wide, 5, job, p, t0); break;                                        \
-        case 6: micro_int(fmt, wide, 6, job, p, t0); break;                                        \
-        case 7: micro_int(fmt, wide, 7, job, p, t0); break;                                        \
-        default: micro_int(fmt, wide, 8, job, p, t0); break;                                       \
-        }                                                                                          \
+        if (job->blk == 32 && job->w.group == 32)                                                  \
+            INT_MR_CASES(fmt, wide, 1)                                                             \
+        else                                                                                       \
+            INT_MR_CASES(fmt, wide, 0)                                                             \
     }
 INT_CASES(i8_FMT_Q4, FMT_Q4, 0)
 INT_CASES(i8_FMT_Q8, FMT_Q8, 0)

@@ -21,11 +21,10 @@ INLINE __m512 load16(const void *base, int64_t idx, int f16)
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
-/* Scale s and offset z of panel p, weight group g, for 16 rows: q4 the zero point, q5 the min (the
+/* Scale s and offset z of panel p, weight group g, for 16 rows (group_params_at: at index (p * groups + g) * PANEL): q4 the zero point, q5 the min (the
  * value of code 0). f8 scales carry the 2^8 that decode_step leaves out. */
-INLINE void group_params(const int fmt, const Weight *w, int64_t p, int64_t g, __m512 *s, __m512 *z)
+INLINE void group_params_at(const int fmt, const Weight *w, int64_t idx, __m512 *s, __m512 *z)
 {
-    const int64_t idx = (p * (w->k / w->group) + g) * PANEL;
     if (fmt == FMT_BF16) {
         *s = _mm512_set1_ps(1.0f);
         return;
@@ -38,6 +37,11 @@ INLINE void group_params(const int fmt, const Weight *w, int64_t p, int64_t g, _
                            : _mm512_loadu_ps((const float *)w->zeros + idx);
     if (fmt == FMT_Q5)
         *z = load16(w->zeros, idx, w->scales_f16);
+}
+
+INLINE void group_params(const int fmt, const Weight *w, int64_t p, int64_t g, __m512 *s, __m512 *z)
+{
+    group_params_at(fmt, w, (p * (w->k / w->group) + g) * PANEL, s, z);
 }
 
 /* q6 code bytes: `nibbles` with bits 4-5 from `pairs` (byte j of a lane: its pair at bits 2j, 2j+1), bit 5
