@@ -351,10 +351,12 @@ static void avx2_tile_panel(const Job *job, int64_t p, float *tile /* [KC][16] *
 #define PAIR_HI _mm256_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11, -128, 14, -128, 15, -128, \
                                  2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11, -128, 14, -128, 15, -128)
 
-/* The scale s and zero point z (as portable_zero computes it) of rows 8h..8h+7 of panel p, group g. */
-INLINE void avx2_int_params(const int fmt, const Weight *w, int64_t p, int h, int64_t g, __m256 *s, __m256 *z)
+/* The scale s and zero point z (as portable_zero computes it) of rows 8h..8h+7 of panel p, group g of the
+ * panel's `groups`. */
+INLINE void avx2_int_params(const int fmt, const Weight *w, int64_t p, int h, int64_t g, int64_t groups, __m256 *s,
+                            __m256 *z)
 {
-    const int64_t idx = (p * (w->k / w->group) + g) * PANEL + 8 * h;
+    const int64_t idx = (p * groups + g) * PANEL + 8 * h;
     const Rows16 sv = avx2_load16(w->scales, idx - 8 * h, w->scales_f16);
     *s = h ? sv.hi : sv.lo;
     if (fmt != FMT_Q4)
@@ -368,13 +370,16 @@ INLINE void avx2_int_params(const int fmt, const Weight *w, int64_t p, int h, in
 
 /* The end of activation block b for tokens t0 .. t0+mr, rows 8h..8h+7 of panel p: acc +=
  * f32(dot) * (s * step) (+ z * xsum for q4), in the portable path's order. */
-INLINE void avx2_int_block_end(const int fmt, const int mr, const Job *job, int64_t p, int h, int64_t t0, int64_t b,
-                               const __m256i *dot, __m256 *acc)
+INLINE void avx2_int_block_end(const int fmt, const int mr, const int b32, const Job *job, int64_t p, int h,
+                               int64_t t0, int64_t b, const __m256i *dot, __m256 *acc)
 {
-    const int64_t nb = job->w.k / job->blk;
+    const int64_t nb = job->w.k / (b32 ? 32 : job->blk);
     const float *step = job->ws.xscale + t0 * nb, *xsum = job->ws.xsum + t0 * nb;
     __m256 s, z = _mm256_setzero_ps();
-    avx2_int_params(fmt, &job->w, p, h, b * job->blk / job->w.group, &s, &z);
+    if (b32)
+        avx2_int_params(fmt, &job->w, p, h, b, nb, &s, &z);
+    else
+        avx2_int_params(fmt, &job->w, p, h, b * job->blk / job->w.group, job->w.k / job->w.group, &s, &z);
     #pragma GCC unroll 4
     for (int t = 0; t < mr; t++) {
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(s, _mm256_set1_ps(step[t * nb + b])), acc[t]);
@@ -403,10 +408,10 @@ INLINE void avx2_int_store(const int mr, const Job *job, int64_t p, int h, int64
 /* y[t0 .. t0+mr, rows 8h..8h+7 of panel p]: per activation block b, dot = corr + sum(u8 code * s16
  * x) in int32 (pairs of k per vpmaddwd), then acc += f32(dot) * (s * step) (+ z * xsum for q4),
  * the portable path's numbers bit for bit. */
-INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t p, int h, int64_t t0)
+INLINE void avx2_micro_i16(const int fmt, const int mr, const int b32, const Job *job, int64_t p, int h, int64_t t0)
 {
     const Weight *w = &job->w;
-    const int64_t K = w->k, B = job->blk, nb = K / B, bpk = panel_bytes_per_k(fmt);
+    const int64_t K = w->k, B = b32 ? 32 : job->blk, nb = K / B, bpk = panel_bytes_per_k(fmt);
     const int32_t *xw = (const int32_t *)job->ws.xq16 + (t0 / MRQ) * (K / 2) * MRQ + t0 % MRQ;
     const int32_t *corr = job->ws.xcorr + t0 * nb;
     const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
@@ -444,7 +449,7 @@ INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t 
                 dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(s01, s23));
             }
         }
-        avx2_int_block_end(fmt, mr, job, p, h, t0, b, dot, acc);
+        avx2_int_block_end(fmt, mr, b32, job, p, h, t0, b, dot, acc);
     }
     avx2_int_store(mr, job, p, h, t0, acc);
 }
@@ -458,10 +463,10 @@ INLINE void avx2_micro_i16(const int fmt, const int mr, const Job *job, int64_t 
 // without its offset and correction, which cancel), so the numbers are the same bit for bit.
 
 /* y[t0 .. t0+mr, rows 8h..8h+7 of panel p] with int8 activations (see above). */
-INLINE void avx2_micro_i8(const int fmt, const int mr, const Job *job, int64_t p, int h, int64_t t0)
+INLINE void avx2_micro_i8(const int fmt, const int mr, const int b32, const Job *job, int64_t p, int h, int64_t t0)
 {
     const Weight *w = &job->w;
-    const int64_t K = w->k, B = job->blk, nb = K / B, bpk = panel_bytes_per_k(fmt);
+    const int64_t K = w->k, B = b32 ? 32 : job->blk, nb = K / B, bpk = panel_bytes_per_k(fmt);
     const int32_t *xw = (const int32_t *)job->ws.xq + (t0 / MRQ) * (K / 4) * MRQ + t0 % MRQ;
     const int32_t *corr = job->ws.xcorr + t0 * nb;
     const uint8_t *codes = w->codes + p * K * bpk + 32 * h;
@@ -511,22 +516,28 @@ INLINE void avx2_micro_i8(const int fmt, const int mr, const Job *job, int64_t p
                 }
             }
         }
-        avx2_int_block_end(fmt, mr, job, p, h, t0, b, dot, acc);
+        avx2_int_block_end(fmt, mr, b32, job, p, h, t0, b, dot, acc);
     }
     avx2_int_store(mr, job, p, h, t0, acc);
 }
 
 /* avx2_<kind>_<fmt>(job, p, h, t0, mr): the integer micro-kernel of one kind and format, its
- * token count a compile-time constant. */
+ * token count a compile-time constant, and so is the block for blocks of 32 k over weight groups of 32
+ * (GGUF's Q4_0, Q4_1 and Q8_0): no division a block for its group. */
+#define INT_MR_CASES(kind, fmt, b32)                                                               \
+    switch (mr) {                                                                                  \
+    case 1: avx2_micro_##kind(fmt, 1, b32, job, p, h, t0); break;                                  \
+    case 2: avx2_micro_##kind(fmt, 2, b32, job, p, h, t0); break;                                  \
+    case 3: avx2_micro_##kind(fmt, 3, b32, job, p, h, t0); break;                                  \
+    default: avx2_micro_##kind(fmt, 4, b32, job, p, h, t0); break;                                 \
+    }
 #define INT_CASES(kind, fmt)                                                                       \
     static void avx2_##kind##_##fmt(const Job *job, int64_t p, int h, int64_t t0, int mr)          \
     {                                                                                              \
-        switch (mr) {                                                                              \
-        case 1: avx2_micro_##kind(fmt, 1, job, p, h, t0); break;                                   \
-        case 2: avx2_micro_##kind(fmt, 2, job, p, h, t0); break;                                   \
-        case 3: avx2_micro_##kind(fmt, 3, job, p, h, t0); break;                                   \
-        default: avx2_micro_##kind(fmt, 4, job, p, h, t0); break;                                  \
-        }                                                                                          \
+        if (job->blk == 32 && job->w.group == 32)                                                  \
+            INT_MR_CASES(kind, fmt, 1)                                                             \
+        else                                                                                       \
+            INT_MR_CASES(kind, fmt, 0)                                                             \
     }
 INT_CASES(i16, FMT_Q4)
 INT_CASES(i16, FMT_Q8)
