@@ -656,21 +656,32 @@ AVX512_TARGET ALWAYS_INLINE void score_eight_keys_512(const int nr, const int dt
     }
 }
 
-#define SCORES_512(nr)                                                                           \
+#define SCORES_512(nr, hdc)                                                                      \
     for (int i = 0; i < n8; i += 8) {                                                            \
-        score_eight_keys_512(nr, dtype, q2, k_src, i, hd, elem, kv_scale, scale, scores);        \
+        score_eight_keys_512(nr, dtype, q2, k_src, i, hdc, elem, kv_scale, scale, scores);       \
         ask_rows(ahead, i, i + 8);                                                               \
     }
 
+/* Head dim 64 (SmolLM2's, Llama 3.2 1B's) a compile-time constant: its 8 steps unrolled, each key row read at
+ * fixed offsets from one pointer. */
 AVX512_TARGET static void score_keys_512_as(const int dtype, int nr, const float *const *q2, const uint8_t *const *k_src,
                                             int n8, int hd, size_t elem, __m256 kv_scale, float scale,
                                             float *const *scores, const Ahead *ahead) {
-    if (nr == 3) {
-        SCORES_512(3);
+    elem = (size_t)cache_elem_size[dtype];  /* a constant: dtype is one in each copy */
+    if (hd == 64) {
+        if (nr == 3) {
+            SCORES_512(3, 64);
+        } else if (nr == 2) {
+            SCORES_512(2, 64);
+        } else {
+            SCORES_512(1, 64);
+        }
+    } else if (nr == 3) {
+        SCORES_512(3, hd);
     } else if (nr == 2) {
-        SCORES_512(2);
+        SCORES_512(2, hd);
     } else {
-        SCORES_512(1);
+        SCORES_512(1, hd);
     }
     ask_rows(ahead, n8, KEY_CHUNK);
 }
