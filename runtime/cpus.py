@@ -113,10 +113,15 @@ class ThreadGovernor:
     HEADROOM), the cap is lifted. When they fall short, another process holds CPUs: the cap drops at
     once to what is left, rounded up from 0.7. Which count is then fastest depends on the contention:
     beside one busy core of two, one thread decoded 4-8x faster than two; with both cores busy, two
-    threads (a larger share of the contended cores) beat one by a third (measured). So while contended,
-    the governor tries the other count now and then on steps of one shape (`observe_step`: replayed
-    decode steps) and keeps the faster, waiting twice as long after each try that loses. The cap is
-    lifted again after RISE_AFTER readings in a row see the CPUs free.
+    threads (a larger share of the contended cores) beat one by a third; beside a process busy 4 ms in
+    10, two threads served 1.1-1.25x faster than one (measured). The readings cannot tell these apart
+    (this process's own time counts as free), so while contended the governor tries the other count now
+    and then and keeps the faster, waiting twice as long after each try that loses. A try times replayed
+    steps (`observe_step`) against the recent steps of the same shape at the count before it: each
+    step's time over that shape's median, the try's median ratio deciding. Shapes may change from step
+    to step (a server's steps mix decodes and prefill chunks); a step of a shape not timed before the
+    try is not compared, and a try that finds nothing to compare in TRIAL_LIMIT steps ends lost. The
+    cap is lifted again after RISE_AFTER readings in a row see the CPUs free.
 
     The cap lives in the C modules and each kernel reads it when it runs, so recorded step tapes follow
     it; torch's own thread count is left alone. One governor serves a process (`process_governor`).
@@ -137,7 +142,9 @@ class ThreadGovernor:
 
     HEADROOM = 0.3
     RISE_AFTER = 2
-    PROBE_STEPS = 6      # steps of one shape timed for each count compared
+    PROBE_STEPS = 6      # step times kept at the live count before a try, and steps a try compares
+    TRIAL_LIMIT = 24     # steps a try may take to find PROBE_STEPS it can compare
+    MAX_SHAPES = 64      # shapes timed at once (the least recent dropped)
     FIRST_HOLD = 1.0     # seconds before the first try of the other count; doubled after a losing try
     LONGEST_HOLD = 32.0
     WIN_MARGIN = 0.9     # the other count wins when its median step takes under 90% of the current one's
@@ -150,9 +157,10 @@ class ThreadGovernor:
         self._rising = 0
         self.lower: int | None = None          # while contended: the count the CPUs left suggest
         self._hold, self._try_at = self.FIRST_HOLD, 0.0
-        self._shape: object = None
-        self._timed: list[float] = []          # recent step times at the live count, this shape
-        self._trial: list[float] | None = None  # step times of a try of the other count
+        self._timed: dict[object, list[float]] = {}   # shape -> its recent step times at the live count
+        self._trial: list[float] | None = None        # a try's steps: time over the shape's median before it
+        self._trial_timed: dict[object, list[float]] = {}  # the try's own step times, per shape
+        self._trial_steps = 0
         enabled = (self.threads > 1 and len(self.cpus) > 0
                    and os.environ.get("KILN_ADAPTIVE_THREADS", "1") != "0")
         self._last = read_cpu_times(self.cpus, proc) if enabled else None  # None: it never acts
@@ -221,44 +229,48 @@ class ThreadGovernor:
         if target >= self.threads:
             self._rising += 1
             if self.lower is not None and self._rising >= self.RISE_AFTER:
-                self._rising, self.lower, self._trial, self._timed = 0, None, None, []
+                self._rising, self.lower = 0, None
+                self._forget()
                 self._set(self.threads)
             return
         self._rising = 0
         if self.lower is None:  # contention starts: the CPUs left, at once; try the full count later
-            self.lower, self._timed = target, []
+            self.lower = target
+            self._forget()
             self._hold = self.FIRST_HOLD
             self._try_at = self.clock() + self._hold
             self._set(target)
+
+    def _forget(self) -> None:
+        self._timed, self._trial, self._trial_timed = {}, None, {}
 
     def observe_step(self, shape: object, seconds: float) -> None:
         """One step of `shape` took `seconds` at the live count: material for comparing the counts."""
         if self.lower is None:  # not contended: nothing to compare
             return
-        if shape != self._shape:
-            self._shape, self._timed = shape, []
-            if self._trial is not None:  # a try over steps of different shapes compares nothing
+        if self._trial is not None:
+            self._trial_steps += 1
+            before = self._timed.get(shape)
+            if before:
+                self._trial.append(seconds / median(before))
+            _remember(self._trial_timed, shape, seconds, self.PROBE_STEPS, self.MAX_SHAPES)
+            if len(self._trial) >= self.PROBE_STEPS:
+                self._end_trial(median(self._trial) < self.WIN_MARGIN)
+            elif self._trial_steps >= self.TRIAL_LIMIT:
                 self._end_trial(won=False)
             return
-        if self._trial is not None:
-            self._trial.append(seconds)
-            if len(self._trial) >= self.PROBE_STEPS:
-                won = median(self._trial) < self.WIN_MARGIN * median(self._timed)
-                self._end_trial(won)
-            return
-        self._timed = (self._timed + [seconds])[-self.PROBE_STEPS:]
-        if (self.lower is not None and len(self._timed) == self.PROBE_STEPS
-                and self.clock() >= self._try_at):
-            self._trial = []
+        _remember(self._timed, shape, seconds, self.PROBE_STEPS, self.MAX_SHAPES)
+        if self.clock() >= self._try_at and sum(map(len, self._timed.values())) >= self.PROBE_STEPS:
+            self._trial, self._trial_timed, self._trial_steps = [], {}, 0
             self._set(self.threads if self.live < self.threads else self.lower)
 
     def _end_trial(self, won: bool) -> None:
-        trial, self._trial = self._trial, None
-        if won:
-            self._timed, self._hold = trial[-self.PROBE_STEPS:], self.FIRST_HOLD
+        if won:  # the try's times are the live count's now
+            self._timed, self._hold = self._trial_timed, self.FIRST_HOLD
         else:
             self._set(self.lower if self.live == self.threads else self.threads)
             self._hold = min(2 * self._hold, self.LONGEST_HOLD)
+        self._trial, self._trial_timed = None, {}
         self._try_at = self.clock() + self._hold
 
     def _set(self, count: int) -> None:
@@ -274,13 +286,23 @@ class ThreadGovernor:
         """Lift the cap, give the pinned workers their whole mask back, and stop acting."""
         if self._last is not None:
             self._set(self.threads)
-            self._last = self.lower = self._trial = None
+            self._last = self.lower = None
+            self._forget()
         for team in self.teams.values():
             for tid in team[1:]:
                 with contextlib.suppress(OSError):  # a worker that has exited
                     os.sched_setaffinity(tid, self.cpus)
         self.teams.clear()
         self.pins = False
+
+
+def _remember(times: dict[object, list[float]], shape: object, seconds: float, keep: int, shapes: int) -> None:
+    """Adds a step's time to its shape's recent times (`keep` of them; `shapes` shapes, the least recent dropped)."""
+    recent = times.pop(shape, [])
+    recent.append(seconds)
+    times[shape] = recent[-keep:]
+    if len(times) > shapes:
+        del times[next(iter(times))]
 
 
 _governor: ThreadGovernor | None = None

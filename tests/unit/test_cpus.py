@@ -143,12 +143,48 @@ def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster():
         steps(governor, 0.020)  # two threads win and stay, while readings still show contention
         governor.observe(1.0)
         assert governor.live == 2 and _ops.thread_cap() == 0
-        # a try over steps of another shape compares nothing: it ends, and the count before it stays
+        # a try over steps of shapes not timed before it compares nothing: it ends, and the count before it stays
         clock.now += ThreadGovernor.FIRST_HOLD
         steps(governor, 0.020, 1)
         assert governor.live == 1
-        governor.observe_step((8, 8, 8), 0.050)
+        steps(governor, 0.050, ThreadGovernor.TRIAL_LIMIT - 1, shape=(8, 8, 8))
+        assert governor.live == 1
+        steps(governor, 0.050, 1, shape=(8, 8, 8))
         assert governor.live == 2
+    finally:
+        governor.close()
+
+
+def test_a_try_compares_each_step_with_steps_of_its_own_shape():
+    """A server's steps change shape from one to the next (decodes, prefill chunks): the counts are still
+    compared, each step against the recent steps of its shape, whatever their mix."""
+    clock = Clock()
+    governor = contended_governor(clock)
+    short, long = (32, 32, 32), (96, 33, 32)
+
+    def mixed(seconds_short: float, seconds_long: float, count: int) -> None:
+        for i in range(count):
+            governor.observe_step(long if i % 3 else short, seconds_long if i % 3 else seconds_short)
+
+    try:
+        governor.observe(1.6)  # a client busy 40% of a core: the readings cannot tell it from a busy core
+        assert governor.live == 1
+        mixed(0.020, 0.060, 9)
+        clock.now += ThreadGovernor.FIRST_HOLD
+        mixed(0.020, 0.060, 1)
+        assert governor.live == 2  # the try starts though no two steps in a row had one shape
+        mixed(0.016, 0.048, 6)  # both shapes 0.8x: two threads win, though a long step is slower than a short one
+        assert governor.live == 2
+        clock.now += ThreadGovernor.FIRST_HOLD
+        mixed(0.016, 0.048, 1)
+        assert governor.live == 1  # the next try, of one thread
+        mixed(0.020, 0.060, 6)  # 1.25x: it loses
+        assert governor.live == 2
+        clock.now += 2 * ThreadGovernor.FIRST_HOLD
+        mixed(0.016, 0.048, 1)
+        assert governor.live == 1
+        mixed(0.008, 0.024, 6)  # now one thread is twice as fast (the other core got busy): it wins
+        assert governor.live == 1
     finally:
         governor.close()
 
