@@ -110,18 +110,20 @@ class ThreadGovernor:
     `tick()` is called once a step; every `interval` seconds it reads /proc (after a gap of more than
     `interval` between steps it only reads afresh: while this process was idle, other processes' work is
     not contention). While the CPUs that were idle or this process's own add up to all of them (within
-    HEADROOM), the cap is lifted. When they fall short, another process holds CPUs: the cap drops at
-    once to what is left, rounded up from 0.7. Which count is then fastest depends on the contention:
-    beside one busy core of two, one thread decoded 4-8x faster than two; with both cores busy, two
-    threads (a larger share of the contended cores) beat one by a third; beside a process busy 4 ms in
-    10, two threads served 1.1-1.25x faster than one (measured). The readings cannot tell these apart
-    (this process's own time counts as free), so while contended the governor tries the other count now
-    and then and keeps the faster, waiting twice as long after each try that loses. A try times replayed
-    steps (`observe_step`) against the recent steps of the same shape at the count before it: each
-    step's time over that shape's median, the try's median ratio deciding. Shapes may change from step
-    to step (a server's steps mix decodes and prefill chunks); a step of a shape not timed before the
-    try is not compared, and a try that finds nothing to compare in TRIAL_LIMIT steps ends lost. The
-    cap is lifted again after RISE_AFTER readings in a row see the CPUs free.
+    HEADROOM), the cap is lifted. When they fall short in DROP_AFTER readings in a row, another process
+    holds CPUs: the cap drops to what is left, rounded up from 0.7, or, once a try has decided, to the
+    count that try kept (a client busy now and then starts contention again and again; one short reading,
+    a client's burst of a quarter second, drops nothing). Which count is then fastest depends on the
+    contention: beside one busy core of two, one thread decoded 4-8x faster than two; with both cores
+    busy, two threads (a larger share of the contended cores) beat one by a third; beside a process busy
+    4 ms in 10, two threads served 1.1-1.25x faster than one (measured). The readings cannot tell these
+    apart (this process's own time counts as free), so while contended the governor tries the other
+    count now and then and keeps the faster, waiting twice as long after each try that loses. A try
+    times replayed steps (`observe_step`) against the recent steps of the same shape at the count before
+    it: each step's time over that shape's median, the try's median ratio deciding. Shapes may change
+    from step to step (a server's steps mix decodes and prefill chunks); a step of a shape not timed
+    before the try is not compared, and a try that finds nothing to compare in TRIAL_LIMIT steps ends
+    lost. The cap is lifted again after RISE_AFTER readings in a row see the CPUs free.
 
     The cap lives in the C modules and each kernel reads it when it runs, so recorded step tapes follow
     it; torch's own thread count is left alone. One governor serves a process (`process_governor`).
@@ -142,11 +144,13 @@ class ThreadGovernor:
 
     HEADROOM = 0.3
     RISE_AFTER = 2
+    DROP_AFTER = 2
     PROBE_STEPS = 6      # step times kept at the live count before a try, and steps a try compares
     TRIAL_LIMIT = 24     # steps a try may take to find PROBE_STEPS it can compare
     MAX_SHAPES = 64      # shapes timed at once (the least recent dropped)
     FIRST_HOLD = 1.0     # seconds before the first try of the other count; doubled after a losing try
     LONGEST_HOLD = 32.0
+    KEPT_HOLD = 4.0      # at most this long before a contention that starts at the kept count tries the other
     WIN_MARGIN = 0.9     # the other count wins when its median step takes under 90% of the current one's
 
     def __init__(self, threads: int, interval: float = 0.25, proc: Path = PROC, clock=time.monotonic):
@@ -154,8 +158,9 @@ class ThreadGovernor:
         self.interval, self.proc, self.clock = interval, proc, clock
         self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.changes = 0
-        self._rising = 0
+        self._rising = self._falling = 0
         self.lower: int | None = None          # while contended: the count the CPUs left suggest
+        self.kept: int | None = None           # the count the last try kept: where the next contention starts
         self._hold, self._try_at = self.FIRST_HOLD, 0.0
         self._timed: dict[object, list[float]] = {}   # shape -> its recent step times at the live count
         self._trial: list[float] | None = None        # a try's steps: time over the shape's median before it
@@ -227,19 +232,19 @@ class ThreadGovernor:
         """Act on one reading: `free` CPUs were idle or this process's own."""
         target = max(1, min(self.threads, math.floor(free + self.HEADROOM)))
         if target >= self.threads:
-            self._rising += 1
+            self._rising, self._falling = self._rising + 1, 0
             if self.lower is not None and self._rising >= self.RISE_AFTER:
                 self._rising, self.lower = 0, None
                 self._forget()
                 self._set(self.threads)
             return
-        self._rising = 0
-        if self.lower is None:  # contention starts: the CPUs left, at once; try the full count later
-            self.lower = target
+        self._rising, self._falling = 0, self._falling + 1
+        if self.lower is None and self._falling >= self.DROP_AFTER:  # contention starts: the CPUs left (or the
+            self.lower = target  # count the last try kept); try the other count later
             self._forget()
-            self._hold = self.FIRST_HOLD
+            self._hold = self.FIRST_HOLD if self.kept is None else min(self._hold, self.KEPT_HOLD)
             self._try_at = self.clock() + self._hold
-            self._set(target)
+            self._set(self.kept or target)
 
     def _forget(self) -> None:
         self._timed, self._trial, self._trial_timed = {}, None, {}
@@ -271,6 +276,7 @@ class ThreadGovernor:
             self._set(self.lower if self.live == self.threads else self.threads)
             self._hold = min(2 * self._hold, self.LONGEST_HOLD)
         self._trial, self._trial_timed = None, {}
+        self.kept = self.live
         self._try_at = self.clock() + self._hold
 
     def _set(self, count: int) -> None:

@@ -95,13 +95,15 @@ def steps(governor: ThreadGovernor, seconds: float, count: int = ThreadGovernor.
         governor.observe_step(shape, seconds)
 
 
-def test_the_governor_drops_at_once_and_lifts_after_two_free_readings():
+def test_the_governor_drops_after_two_short_readings_and_lifts_after_two_free_ones():
     governor = contended_governor(Clock())
     threads = torch.get_num_threads()
     try:
         governor.observe(1.95)
         assert governor.live == 2 and governor.lower is None
-        governor.observe(1.33)  # another process holds one of the two CPUs
+        governor.observe(1.33)  # another process holds one of the two CPUs, or a client had a burst
+        assert governor.live == 2 and governor.lower is None  # one reading is not enough
+        governor.observe(1.33)
         assert governor.live == 1 and governor.lower == 1 and _ops.thread_cap() == 1
         assert _ops.live_threads(2) == 1 and _ops.live_threads(1) == 1
         assert torch.get_num_threads() == threads  # torch's own count is not the governor's to change
@@ -113,6 +115,10 @@ def test_the_governor_drops_at_once_and_lifts_after_two_free_readings():
         governor.observe(2.0)
         assert governor.live == 2 and governor.lower is None and _ops.thread_cap() == 0
         governor.observe(0.1)
+        governor.observe(1.95)
+        governor.observe(0.1)
+        assert governor.live == 2  # short readings apart drop nothing
+        governor.observe(0.1)
         assert governor.live == 1  # never below one thread
         assert governor.changes == 3
     finally:
@@ -120,11 +126,17 @@ def test_the_governor_drops_at_once_and_lifts_after_two_free_readings():
     assert _ops.thread_cap() == 0 and _ops.live_threads(2) == 2
 
 
+def contend(governor: ThreadGovernor, free: float) -> None:
+    """Readings enough in a row to start contention."""
+    for _ in range(ThreadGovernor.DROP_AFTER):
+        governor.observe(free)
+
+
 def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster():
     clock = Clock()
     governor = contended_governor(clock)
     try:
-        governor.observe(1.0)
+        contend(governor, 1.0)
         assert governor.live == 1
         steps(governor, 0.020, 1)  # a new shape: its first step only sets the shape
         steps(governor, 0.020)
@@ -167,7 +179,7 @@ def test_a_try_compares_each_step_with_steps_of_its_own_shape():
             governor.observe_step(long if i % 3 else short, seconds_long if i % 3 else seconds_short)
 
     try:
-        governor.observe(1.6)  # a client busy 40% of a core: the readings cannot tell it from a busy core
+        contend(governor, 1.6)  # a client busy 40% of a core: the readings cannot tell it from a busy core
         assert governor.live == 1
         mixed(0.020, 0.060, 9)
         clock.now += ThreadGovernor.FIRST_HOLD
@@ -185,6 +197,35 @@ def test_a_try_compares_each_step_with_steps_of_its_own_shape():
         assert governor.live == 1
         mixed(0.008, 0.024, 6)  # now one thread is twice as fast (the other core got busy): it wins
         assert governor.live == 1
+    finally:
+        governor.close()
+
+
+def test_contention_that_comes_back_starts_at_the_count_the_last_try_kept():
+    """A client busy now and then starts contention again and again: once a try has kept two threads, the
+    next contention keeps them and tries one later, instead of dropping to one at once."""
+    clock = Clock()
+    governor = contended_governor(clock)
+    try:
+        contend(governor, 1.6)
+        assert governor.live == 1 and governor.kept is None  # the first contention: what the CPUs left
+        steps(governor, 0.030)
+        clock.now += ThreadGovernor.FIRST_HOLD
+        steps(governor, 0.030, 1)
+        steps(governor, 0.020)  # two threads win
+        assert governor.live == 2 and governor.kept == 2
+        governor.observe(2.0)
+        governor.observe(2.0)  # the CPUs are free again: contention over
+        assert governor.lower is None and governor.live == 2
+        contend(governor, 1.6)  # it comes back: two threads stay
+        assert governor.lower == 1 and governor.live == 2
+        steps(governor, 0.020)
+        assert governor.live == 2
+        clock.now += ThreadGovernor.FIRST_HOLD
+        steps(governor, 0.020, 1)
+        assert governor.live == 1  # then one is tried
+        steps(governor, 0.010)  # and kept: the other core is busy now
+        assert governor.live == 1 and governor.kept == 1
     finally:
         governor.close()
 
