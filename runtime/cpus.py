@@ -111,14 +111,16 @@ class ThreadGovernor:
     `interval` between steps it only reads afresh: while this process was idle, other processes' work is
     not contention). While the CPUs that were idle or this process's own add up to all of them (within
     HEADROOM), the cap is lifted. When they fall short in DROP_AFTER readings in a row, another process
-    holds CPUs: the cap drops to what is left, rounded up from 0.7, or, once a try has decided, to the
-    count that try kept (a client busy now and then starts contention again and again; one short reading,
-    a client's burst of a quarter second, drops nothing). Which count is then fastest depends on the
-    contention: beside one busy core of two, one thread decoded 4-8x faster than two; with both cores
-    busy, two threads (a larger share of the contended cores) beat one by a third; beside a process busy
-    4 ms in 10, two threads served 1.1-1.25x faster than one (measured). The readings cannot tell these
-    apart (this process's own time counts as free), so while contended the governor tries the other
-    count now and then and keeps the faster, waiting twice as long after each try that loses. A try
+    holds CPUs: contention starts, at the count the last try kept if one has decided (a client busy now
+    and then starts contention again and again), else at the CPUs those readings left on average,
+    rounded up from 0.5 (one short reading, a client's burst of a quarter second, starts nothing). Which
+    count is then fastest depends on the contention: beside one busy core of two, one thread decoded 4-8x
+    faster than two; with both cores busy, two threads (a larger share of the contended cores) beat one
+    by a third; beside a process busy 4 ms in 10, two threads served 1.1-1.25x faster than one (measured).
+    The readings barely tell these apart (this process's own time counts as free: on 2 cores a busy loop
+    left 1.2-1.55, that process 1.65-1.76, guidellm's client at 32 streams 1.6-1.8), so while contended
+    the governor tries the other count (the full one, or what is left rounded up from 0.7) now and then
+    and keeps the faster, waiting twice as long after each try that loses. A try
     times replayed steps (`observe_step`) against the recent steps of the same shape at the count before
     it: each step's time over that shape's median, the try's median ratio deciding. Shapes may change
     from step to step (a server's steps mix decodes and prefill chunks); a step of a shape not timed
@@ -142,7 +144,8 @@ class ThreadGovernor:
     capped step (its one thread runs wherever the scheduler finds room), KILN_PIN_THREADS=0.
     """
 
-    HEADROOM = 0.3
+    HEADROOM = 0.3       # contended while the CPUs left, plus this, fall short of all of them
+    START_HEADROOM = 0.5  # contention starts at the CPUs left (the readings' mean) plus this, rounded down
     RISE_AFTER = 2
     DROP_AFTER = 2
     PROBE_STEPS = 6      # step times kept at the live count before a try, and steps a try compares
@@ -158,7 +161,8 @@ class ThreadGovernor:
         self.interval, self.proc, self.clock = interval, proc, clock
         self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.changes = 0
-        self._rising = self._falling = 0
+        self._rising = 0
+        self._short: list[float] = []          # the readings in a row that fell short
         self.lower: int | None = None          # while contended: the count the CPUs left suggest
         self.kept: int | None = None           # the count the last try kept: where the next contention starts
         self._hold, self._try_at = self.FIRST_HOLD, 0.0
@@ -232,19 +236,20 @@ class ThreadGovernor:
         """Act on one reading: `free` CPUs were idle or this process's own."""
         target = max(1, min(self.threads, math.floor(free + self.HEADROOM)))
         if target >= self.threads:
-            self._rising, self._falling = self._rising + 1, 0
+            self._rising, self._short = self._rising + 1, []
             if self.lower is not None and self._rising >= self.RISE_AFTER:
                 self._rising, self.lower = 0, None
                 self._forget()
                 self._set(self.threads)
             return
-        self._rising, self._falling = 0, self._falling + 1
-        if self.lower is None and self._falling >= self.DROP_AFTER:  # contention starts: the CPUs left (or the
-            self.lower = target  # count the last try kept); try the other count later
+        self._rising, self._short = 0, (self._short + [free])[-self.DROP_AFTER:]
+        if self.lower is None and len(self._short) >= self.DROP_AFTER:  # contention starts (see the class)
+            self.lower = target
             self._forget()
             self._hold = self.FIRST_HOLD if self.kept is None else min(self._hold, self.KEPT_HOLD)
             self._try_at = self.clock() + self._hold
-            self._set(self.kept or target)
+            left = sum(self._short) / len(self._short)
+            self._set(self.kept or max(1, min(self.threads, math.floor(left + self.START_HEADROOM))))
 
     def _forget(self) -> None:
         self._timed, self._trial, self._trial_timed = {}, None, {}
