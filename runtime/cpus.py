@@ -169,7 +169,7 @@ class ThreadGovernor:
         self._timed: dict[object, list[float]] = {}   # shape -> its recent step times at the live count
         self._trial: list[float] | None = None        # a try's steps: time over the shape's median before it
         self._trial_timed: dict[object, list[float]] = {}  # the try's own step times, per shape
-        self._trial_steps = 0
+        self._trial_steps = self._before_trial = 0
         enabled = (self.threads > 1 and len(self.cpus) > 0
                    and os.environ.get("KILN_ADAPTIVE_THREADS", "1") != "0")
         self._last = read_cpu_times(self.cpus, proc) if enabled else None  # None: it never acts
@@ -271,14 +271,14 @@ class ThreadGovernor:
             return
         _remember(self._timed, shape, seconds, self.PROBE_STEPS, self.MAX_SHAPES)
         if self.clock() >= self._try_at and sum(map(len, self._timed.values())) >= self.PROBE_STEPS:
-            self._trial, self._trial_timed, self._trial_steps = [], {}, 0
+            self._trial, self._trial_timed, self._trial_steps, self._before_trial = [], {}, 0, self.live
             self._set(self.threads if self.live < self.threads else self.lower)
 
     def _end_trial(self, won: bool) -> None:
         if won:  # the try's times are the live count's now
             self._timed, self._hold = self._trial_timed, self.FIRST_HOLD
         else:
-            self._set(self.lower if self.live == self.threads else self.threads)
+            self._set(self._before_trial)
             self._hold = min(2 * self._hold, self.LONGEST_HOLD)
         self._trial, self._trial_timed = None, {}
         self.kept = self.live
