@@ -667,22 +667,21 @@ AVX512_TARGET ALWAYS_INLINE void score_eight_keys_512(const int nr, const int dt
 AVX512_TARGET static void score_keys_512_as(const int dtype, int nr, const float *const *q2, const uint8_t *const *k_src,
                                             int n8, int hd, size_t elem, __m256 kv_scale, float scale,
                                             float *const *scores, const Ahead *ahead) {
+#define SCORES_512_HEADS(hdc)  \
+    if (nr == 3) {             \
+        SCORES_512(3, hdc);    \
+    } else if (nr == 2) {      \
+        SCORES_512(2, hdc);    \
+    } else {                   \
+        SCORES_512(1, hdc);    \
+    }
     elem = (size_t)cache_elem_size[dtype];  /* a constant: dtype is one in each copy */
     if (hd == 64) {
-        if (nr == 3) {
-            SCORES_512(3, 64);
-        } else if (nr == 2) {
-            SCORES_512(2, 64);
-        } else {
-            SCORES_512(1, 64);
-        }
-    } else if (nr == 3) {
-        SCORES_512(3, hd);
-    } else if (nr == 2) {
-        SCORES_512(2, hd);
+        SCORES_512_HEADS(64)
     } else {
-        SCORES_512(1, hd);
+        SCORES_512_HEADS(hd)
     }
+#undef SCORES_512_HEADS
     ask_rows(ahead, n8, KEY_CHUNK);
 }
 

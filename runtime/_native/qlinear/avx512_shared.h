@@ -21,8 +21,9 @@ INLINE __m512 load16(const void *base, int64_t idx, int f16)
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
-/* Scale s and offset z of panel p, weight group g, for 16 rows (group_params_at: at index (p * groups + g) * PANEL): q4 the zero point, q5 the min (the
- * value of code 0). f8 scales carry the 2^8 that decode_step leaves out. */
+/* Scale s and offset z of panel p, weight group g, for 16 rows (group_params_at: at index
+ * (p * groups + g) * PANEL): q4 the zero point, q5 the min (the value of code 0). f8 scales carry the
+ * 2^8 that decode_step leaves out. */
 INLINE void group_params_at(const int fmt, const Weight *w, int64_t idx, __m512 *s, __m512 *z)
 {
     if (fmt == FMT_BF16) {
