@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from runtime.bench import run_level, synthetic_prompts, table, weight_bytes
-from runtime.engine import EngineOptions, LLMEngine
+from runtime.engine import EngineOptions
+from runtime.launcher import open_llm_engine
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int) -> dict:
@@ -46,19 +47,20 @@ def main() -> None:
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
-    llm = LLMEngine.from_dir(args.engine, EngineOptions(kv_cache_gib=1.0, max_num_tokens=args.max_num_tokens))
-    weights = weight_bytes(args.engine)
-    run_level(llm, 1, 1, 8, 4, weights, seed=99)  # warm up caches and threads
-    kiln = [run_level(llm, n, n, args.prompt_len, args.output_len, weights, seed=n) for n in (1, args.requests)]
-    print(f"engine {args.engine}  threads {torch.get_num_threads()}  prompt {args.prompt_len}  "
-          f"output {args.output_len}  max_num_tokens {llm.limits.max_num_tokens}")
-    print(table(kiln))
+    # opened as engine-run opens it (runtime.launcher: what lives as long as the engine leaves the cyclic collector)
+    with open_llm_engine(args.engine, EngineOptions(kv_cache_gib=1.0, max_num_tokens=args.max_num_tokens)) as llm:
+        weights = weight_bytes(args.engine)
+        run_level(llm, 1, 1, 8, 4, weights, seed=99)  # warm up caches and threads
+        kiln = [run_level(llm, n, n, args.prompt_len, args.output_len, weights, seed=n) for n in (1, args.requests)]
+        print(f"engine {args.engine}  threads {torch.get_num_threads()}  prompt {args.prompt_len}  "
+              f"output {args.output_len}  max_num_tokens {llm.limits.max_num_tokens}")
+        print(table(kiln))
+        source, vocab = llm.engine.manifest.model_source, llm.engine.manifest.vocab_size
     if not args.transformers:
         return
     from builder.verify import load_transformers_model
 
-    model = load_transformers_model(llm.engine.manifest.model_source)
-    vocab = llm.engine.manifest.vocab_size
+    model = load_transformers_model(source)
     for ours in kiln:
         theirs = run_transformers(model, synthetic_prompts(ours.requests, args.prompt_len, vocab, seed=ours.requests),
                                   args.output_len)

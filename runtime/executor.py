@@ -45,6 +45,7 @@ _STEP_FIELDS = ("token_ids", "positions", "slot_mapping", "context_lens", "query
 
 
 _TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")  # [T] each: a tape's own buffers hold REPLAY_MAX_TOKENS
+_SEQ_FIELDS = ("context_lens", "query_start_loc")  # [S], [S + 1]: a shape-following tape's hold REPLAY_MAX_TOKENS
 
 
 def _step_arrays(meta: StepMetadata) -> list[np.ndarray]:
@@ -57,16 +58,16 @@ def _step_arrays(meta: StepMetadata) -> list[np.ndarray]:
 
 
 def _copy_step(dst: list[np.ndarray], src: StepMetadata) -> None:
-    """Write src's step inputs into the first entries of dst's buffers (_step_arrays of a step of the same
-    sizes but the token fields, which may be longer, and block tables, which may be wider)."""
+    """Write src's step inputs into the first entries of dst's buffers (_step_arrays of a step whose buffers
+    hold at least src's entries: rows of each field, and block tables at least as wide)."""
     arrays = src.host_arrays if src.host_arrays is not None else _step_arrays(src)
     groups = len(src.groups)
     for mine, theirs in zip(dst[:-groups], arrays[:-groups]):
         mine[:theirs.shape[0]] = theirs
     for mine, theirs in zip(dst[-groups:], arrays[-groups:]):
-        width = theirs.shape[1]
-        mine[:, :width] = theirs
-        mine[:, width:] = -1
+        rows, width = theirs.shape
+        mine[:rows, :width] = theirs
+        mine[:rows, width:] = -1
 
 
 class KVCacheStorage:
@@ -95,7 +96,7 @@ class KVCacheStorage:
 class RecordedStep:
     """A step's C calls on tape, with everything they read and write (kept alive, never moved)."""
 
-    shape: tuple[int, int, int]          # (tokens, sequences, logits rows) recorded; tokens 0: any count
+    shape: tuple[int, int, int]          # (tokens, sequences, logits rows) recorded; all 0: any shape
     tape: object
     meta: StepMetadata                   # the step inputs the tape reads: a new step is copied in
     arrays: list[np.ndarray]             # their numpy views (_step_arrays)
@@ -103,13 +104,24 @@ class RecordedStep:
     output: torch.Tensor
     rope: list[torch.Tensor]             # the rope tables the tape reads (a grown table needs a new tape)
     room: int                            # the most tokens its buffers hold (_token_room)
+    seq_room: int = 0                    # ... sequences (the recorded count on a fixed-shape tape)
+    logits_room: int = 0                 # ... logits rows
+    output_rows: str = "fixed"           # what the output's rows follow on another shape: "tokens", "logits"
 
     def fits(self, meta: StepMetadata, rope: list[torch.Tensor]) -> bool:
-        """The step's tokens fit the tape's buffers, its block tables the tape's, and it reads the same rope
-        tables."""
-        return (meta.token_ids.numel() <= self.room
+        """The step's tokens, sequences and logits rows fit the tape's buffers, its block tables the tape's, and it
+        reads the same rope tables."""
+        return (meta.token_ids.numel() <= self.room and meta.context_lens.numel() <= self.seq_room
+                and meta.logits_indices.numel() <= self.logits_room
                 and all(new.shape[1] <= old.shape[1] for (_, new), (_, old) in zip(meta.groups, self.meta.groups))
                 and all(a is b for a, b in zip(self.rope, rope)))
+
+    def output_of(self, tokens: int, logits: int) -> torch.Tensor:
+        """The step's output: the first rows of the recorded output's buffer that its shape has."""
+        rows = {"tokens": tokens, "logits": logits}.get(self.output_rows, self.output.shape[0])
+        if rows == self.output.shape[0]:
+            return self.output
+        return self.output.as_strided((rows,) + tuple(self.output.shape[1:]), self.output.stride())
 
 
 def _token_room(env: dict[str, torch.Tensor], tokens: int) -> int:
@@ -121,9 +133,23 @@ def _token_room(env: dict[str, torch.Tensor], tokens: int) -> int:
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] < tokens \
                 or value.shape[0] % tokens or value.stride(0) == 0:
             continue
-        rows = (value.untyped_storage().nbytes() // value.element_size() - value.storage_offset()) // value.stride(0)
-        room = min(room, rows // (value.shape[0] // tokens))
+        room = min(room, _storage_rows(value) // (value.shape[0] // tokens))
     return room
+
+
+def _logits_room(env: dict[str, torch.Tensor], logits: int) -> int:
+    """The most logits rows a tape recorded on a step of `logits` of them may replay: each value of that many rows
+    (the gathered rows and what follows them; every value that follows the tokens has more rows) must have room
+    for them."""
+    room = tape.REUSE_ROWS
+    for value in env.values():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == logits and value.stride(0):
+            room = min(room, _storage_rows(value))
+    return room
+
+
+def _storage_rows(value: torch.Tensor) -> int:
+    return (value.untyped_storage().nbytes() // value.element_size() - value.storage_offset()) // value.stride(0)
 
 
 class CpuExecutor(Executor):
@@ -135,15 +161,15 @@ class CpuExecutor(Executor):
     logits are then the recorded step's buffer: valid until the next step (callers sample before
     they step again). Two kinds of tape:
     - a step with more tokens than sequences and logits rows (a prefill, or a chunk of one beside
-      decodes) records at once a tape of its (sequences, logits rows) that replays any token count
-      up to REPLAY_MAX_TOKENS: the calls' token rows are rewritten at replay (tape.replay), so a
-      prompt length seen for the first time does not run op by op;
-    - other steps (decode: one token and one logits row a sequence; speculative verify steps) are
-      recorded when their shape (tokens, sequences, logits rows) repeats, and replay that shape.
-    The last MAX_TAPES shapes keep their tapes: decode steps of a steady batch repeat one shape, and
-    speculative decoding's verify steps cycle through a few (k + 1 tokens and logits per speculating
-    sequence, k varying). All tapes write the same buffers (tape.Outputs), so a tape costs its calls'
-    arguments only. KILN_STEP_REPLAY=0 turns replay off.
+      decodes) records at once a tape that replays any step of up to REPLAY_MAX_TOKENS tokens (and as
+      many sequences and logits rows): the calls' counts are rewritten at replay (tape.replay), so a
+      batch whose mix of prompts and decodes was never seen before does not run op by op. Steps
+      with logits rows and steps without (a prompt chunk that ends no prompt) keep one each;
+    - before one exists, other steps (decode: one token and one logits row a sequence; speculative
+      verify steps) are recorded when their shape (tokens, sequences, logits rows) repeats, and replay
+      that shape.
+    The last MAX_TAPES tapes are kept. All tapes write the same buffers (tape.Outputs), so a tape costs
+    its calls' arguments only. KILN_STEP_REPLAY=0 turns replay off.
     """
 
     REPLAY_MAX_TOKENS = tape.REUSE_ROWS
@@ -159,6 +185,7 @@ class CpuExecutor(Executor):
             recycle_large_allocations()
         self.meta: StepMetadata | None = None
         self.arrays: list[attention.StepArrays] = []  # per KV group, during a step
+        self.gathered: tape.Outputs | None = None  # the logits rows' buffer (_gather_last)
         doc = json.loads(rank_file.program)
         groups = pools if isinstance(pools, KVGroups) else KVGroups((0,), (pools,))
         self.cache = cache or KVCacheStorage(attention_layers(doc), groups, block_size, kv_dtype)  # binding reads it
@@ -166,7 +193,8 @@ class CpuExecutor(Executor):
         hooks = Hooks(attention=self._attention, gather_last=tape.recordable(lambda x: self._gather_last(x)),
                       qkv_attention=self._qkv_attention,
                       **(collectives or {}))
-        self.program = Program(doc, rank_file.tensors, hooks, reuse_outputs=True)
+        # a serving engine samples the logits before its next step: they may keep their buffer too
+        self.program = Program(doc, rank_file.tensors, hooks, reuse_outputs=True, reuse_final=serving)
         self.replay = (self.program.recordable and bool(self.program.outputs)
                        and os.environ.get("KILN_STEP_REPLAY", "1") != "0")
         self.tapes: OrderedDict[tuple[int, int, int], RecordedStep] = OrderedDict()  # shape -> tape, oldest first
@@ -190,23 +218,33 @@ class CpuExecutor(Executor):
         if not self.replay or inputs or tokens > self.REPLAY_MAX_TOKENS:
             return self._run(meta, {}, inputs)
         shape = (tokens, meta.context_lens.numel(), meta.logits_indices.numel())
-        any_count = tokens > max(shape[1:])  # a tape of (sequences, logits rows) for every token count
-        key = (0,) + shape[1:] if any_count else shape
-        recorded = self.tapes.get(key)
-        if recorded is not None and recorded.fits(meta, self._rope_buffers()):
-            self.tapes.move_to_end(key)
-            _copy_step(recorded.arrays, meta)
-            started = time.perf_counter()
-            tape.replay(recorded.tape, tokens)
-            self.governor.observe_step(shape, time.perf_counter() - started)
-            self.replayed_steps += 1
-            return recorded.output
-        if recorded is None and not any_count and shape not in self.seen_shapes:
+        any_shape = (0, 0, int(shape[2] > 0))  # the key of the tape that follows every shape
+        rope = self._rope_buffers()
+        for key in (any_shape, shape):
+            recorded = self.tapes.get(key)
+            if recorded is not None and recorded.fits(meta, rope):
+                return self._replay(key, recorded, meta, shape)
+        if tokens > max(shape[1:]):  # its counts tell tokens, sequences and logits rows apart: any shape records
+            return self._record(meta, any_shape)
+        if shape not in self.tapes and shape not in self.seen_shapes:
             self.seen_shapes[shape] = None  # record a fixed shape once it repeats
             if len(self.seen_shapes) > 4 * self.MAX_TAPES:
                 self.seen_shapes.popitem(last=False)
             return self._run(meta, {}, None)
-        return self._record(meta, key)
+        return self._record(meta, shape)
+
+    def _replay(self, key: tuple[int, int, int], recorded: RecordedStep, meta: StepMetadata,
+                shape: tuple[int, int, int]) -> torch.Tensor:
+        self.tapes.move_to_end(key)
+        _copy_step(recorded.arrays, meta)
+        started = time.perf_counter()
+        if key[0]:
+            tape.replay(recorded.tape)
+        else:
+            tape.replay(recorded.tape, *shape)
+        self.governor.observe_step(shape, time.perf_counter() - started)
+        self.replayed_steps += 1
+        return recorded.output_of(shape[0], shape[2])
 
     @torch.inference_mode()
     def _run(self, meta: StepMetadata, env: dict, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
@@ -222,36 +260,59 @@ class CpuExecutor(Executor):
 
     @torch.inference_mode()
     def _record(self, meta: StepMetadata, key: tuple[int, int, int]) -> torch.Tensor:
-        """Run the step on inputs of its own (room for twice the block table columns, and for REPLAY_MAX_TOKENS
-        tokens) and keep its tape under key (tokens 0: a tape for any token count)."""
+        """Run the step on inputs of its own and keep its tape under key: a tape of its shape, or (key (0, 0, x)) one
+        that follows any shape, whose inputs have room for REPLAY_MAX_TOKENS tokens, sequences and logits rows.
+        Block tables have room for twice the step's columns."""
         self.tapes.pop(key, None)
-        tokens = meta.token_ids.numel()
-        tables = [torch.full((t.shape[0], max(16, 2 * t.shape[1])), -1, dtype=torch.int32) for _, t in meta.groups]
+        tokens, seqs, logits = meta.token_ids.numel(), meta.context_lens.numel(), meta.logits_indices.numel()
+        any_shape, room = not key[0], self.REPLAY_MAX_TOKENS
+        tables = [torch.full((room if any_shape else seqs, max(16, 2 * t.shape[1])), -1, dtype=torch.int32)
+                  for _, t in meta.groups]
         window = ("window_slot_mapping",) if len(tables) == 2 else ()
         token_fields = _TOKEN_FIELDS + window
-        full = StepMetadata(**{name: torch.empty(self.REPLAY_MAX_TOKENS, dtype=getattr(meta, name).dtype)
-                               if name in token_fields else getattr(meta, name).clone()
-                               for name in _STEP_FIELDS + window},
+        counted = dict.fromkeys(token_fields, room)
+        if any_shape:
+            counted.update(context_lens=room, query_start_loc=room + 1, logits_indices=room)
+        full = StepMetadata(**{name: torch.empty(counted[name], dtype=getattr(meta, name).dtype) if name in counted
+                               else getattr(meta, name).clone() for name in _STEP_FIELDS + window},
                             block_tables=tables[0], **({"window_block_tables": tables[1]} if window else {}))
         arrays = _step_arrays(full)
         _copy_step(arrays, meta)
-        step = dataclasses.replace(full, **{name: getattr(full, name)[:tokens] for name in token_fields})
+        sizes = {**dict.fromkeys(token_fields, tokens), "context_lens": seqs, "query_start_loc": seqs + 1,
+                 "logits_indices": logits, "block_tables": seqs, "window_block_tables": seqs}
+        step = dataclasses.replace(full, **{name: getattr(full, name)[:sizes[name]] for name in
+                                            token_fields + _SEQ_FIELDS + ("logits_indices", "block_tables")
+                                            + (("window_block_tables",) if window else ())})
         env: dict[str, torch.Tensor] = {}
-        with tape.Recording(tokens) as recording:
+        with tape.Recording(*((tokens, seqs, logits) if any_shape else (tokens,))) as recording:
             output = self._run(step, env, None)
-        if recording.tape is not None and (key[0] or tape.tape_tokens(recording.tape) > 0):
-            self.recorded_steps += 1
-            room = key[0] or min(self.REPLAY_MAX_TOKENS, _token_room(env, tokens))
-            self.tapes[key] = RecordedStep(key, recording.tape, full, arrays, env, output, self._rope_buffers(), room)
-            if len(self.tapes) > self.MAX_TAPES:
-                self.tapes.popitem(last=False)
+        if recording.tape is None or (any_shape and tape.tape_tokens(recording.tape) <= 0):
+            return output
+        if any_shape:
+            follows = "logits" if output.shape[0] == logits else "tokens" if output.shape[0] == tokens else None
+            if follows is None:  # an output of neither count: the tape cannot say how many rows another step has
+                return output
+            recorded = RecordedStep(key, recording.tape, full, arrays, env, output, self._rope_buffers(),
+                                    min(room, _token_room(env, tokens)), room,
+                                    min(room, _logits_room(env, logits)) if logits else 0, follows)
+        else:
+            recorded = RecordedStep(key, recording.tape, full, arrays, env, output, self._rope_buffers(), tokens,
+                                    seqs, logits)
+        self.recorded_steps += 1
+        self.tapes[key] = recorded
+        if len(self.tapes) > self.MAX_TAPES:
+            self.tapes.popitem(last=False)
         return output
 
     def _rope_buffers(self) -> list[torch.Tensor]:
         return [table.packed for table in self.rope_tables.values()]
 
     def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return rowops.gather_rows(x, self.meta.logits_indices)
+        """The logits rows of x, in a kept buffer (a tape replays other counts of them on it)."""
+        if self.gathered is None or self.gathered.widths != (x.shape[1],):
+            self.gathered = tape.Outputs((x.shape[1],), reuse=True)
+        out = self.gathered.for_rows(self.meta.logits_indices.numel())
+        return rowops.gather_rows(x, self.meta.logits_indices, out=out, logits=True)
 
     def _kv_scale(self, attrs: dict) -> float:
         # int8/fp8 caches store k / kv_scale (calibrated per layer at build time); wider ones store k.

@@ -76,14 +76,15 @@ Observer = Callable[[int, Call, dict], bool]
 
 class Program:
     def __init__(self, program: dict, tensors: dict[str, torch.Tensor], hooks: Hooks, reuse_outputs: bool = False,
-                 binders: dict | None = None):
+                 binders: dict | None = None, reuse_final: bool = False):
         """binders: op -> binder, for a runner with kernels of its own (the cuda backend); default BINDERS.
 
         reuse_outputs: nodes keep their output buffers from step to step (runtime.ops.tape.Outputs), so a
         value is valid until its node runs again; for runners that consume each step's values within
-        the step (the executor), never for callers that keep them (calibration)."""
+        the step (the executor), never for callers that keep them (calibration). reuse_final: the
+        program's outputs too (a runner whose callers are done with them before its next step)."""
         self.doc = program
-        self.reuse_outputs = reuse_outputs
+        self.reuse_outputs, self.reuse_final = reuse_outputs, reuse_outputs and reuse_final
         self.binders = binders or BINDERS
         self.weight_names = {w["name"] for w in program["weights"]}
         self.outputs = program["outputs"]
@@ -289,7 +290,7 @@ class Program:
             raise ValueError(f"program: op {node['op']!r} of node {node['name']!r} has no kernel")
         inputs = node["inputs"]
         site = Site(node, node["attrs"], [tensors[i] for i in inputs if i in self.weight_names], tensors, hooks,
-                    self.reuse_outputs and not set(node["outputs"]) & set(self.outputs))
+                    self.reuse_outputs and (self.reuse_final or not set(node["outputs"]) & set(self.outputs)))
         fn = self.binders[node["op"]](site)
         if fn is None:
             raise ValueError(f"program: node {node['name']!r} ({node['op']}) needs a multi-rank runner")

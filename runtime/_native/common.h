@@ -68,30 +68,49 @@ static inline int add_required_cpu_flags(PyObject *module) {
 
 typedef int (*TapeCheck)(const void *args);  /* GIL held: 0, or -1 with a Python exception set */
 typedef int (*TapeRun)(const void *args);    /* GIL released: 0, or -1 when memory runs out */
-/* Rewrites the call's row counts for a step of `to` tokens instead of `from` (tape_rows below). */
-typedef void (*TapeResize)(void *args, Py_ssize_t from, Py_ssize_t to);
+
+/* The sizes of a step that a tape's calls follow: packed tokens, sequences, logits rows (0: not given). */
+typedef struct {
+    Py_ssize_t tokens, seqs, logits;
+} TapeShape;
+
+/* Rewrites a call's counts, as recorded in args, for a step of shape `to` instead of `from`: its token rows by
+ * the tokens, or, on a call after the logits rows' gather (logits_rows), by the logits rows (tape_rows below);
+ * a sequence count by the sequences. */
+typedef void (*TapeResize)(void *args, const TapeShape *from, const TapeShape *to, int logits_rows);
 
 typedef struct {
     TapeCheck check;    /* may be NULL */
     TapeRun run;
-    TapeResize resize;  /* NULL: the call cannot follow another token count */
-    void *args;         /* malloc'd copy */
+    TapeResize resize;  /* NULL: the call cannot follow another shape */
+    void *args;         /* malloc'd copy, as the calls run now */
+    void *recorded;     /* the arguments as recorded (args is rewritten from them for another shape); size bytes */
+    size_t size;
+    int logits_rows;    /* recorded after the gather of the logits rows: its rows follow those */
 } TapeEntry;
 
 typedef struct {
     TapeEntry *entries;
     Py_ssize_t count, capacity;
     int failed;         /* an entry could not be stored: the tape must not be replayed */
-    int fixed;          /* an entry has no resize: the tape replays its recorded token count only */
-    Py_ssize_t tokens;  /* the token count its entries hold now (0: not given when recording) */
+    int fixed;          /* an entry has no resize: the tape replays its recorded shape only */
+    int logits_phase;   /* while recording: the logits rows have been gathered (tape_logits_gathered) */
+    TapeShape recorded; /* the shape its calls were recorded with (tokens 0: not given) */
+    TapeShape shape;    /* the shape its entries hold now */
 } Tape;
 
-/* A row count of a call on a tape that follows the step's token count (tokens x rows per token, as
- * rms_norm over heads has), rewritten for a step of `to` tokens instead of `from`. Counts below
- * `from` (sequences, logits rows) stay: a tape follows the token count only while it exceeds both
- * (runtime/executor.py), so a count at or above it that it divides is token-proportional. */
+/* A row count of a recorded call that follows a step's size (tokens, or logits rows after their gather; tokens x
+ * rows per token, as rms_norm over heads has), rewritten for a size of `to` instead of the recorded `from`.
+ * A tape that follows the tokens is recorded on a step with more tokens than sequences and logits rows
+ * (runtime/executor.py), so a count at or above `from` that it divides is size-proportional; smaller counts stay. */
 static inline Py_ssize_t tape_rows(Py_ssize_t count, Py_ssize_t from, Py_ssize_t to) {
     return count >= from && from > 0 && count % from == 0 ? count / from * to : count;
+}
+
+/* tape_rows for a call's row count: by the tokens, or by the logits rows on a call after their gather. */
+static inline Py_ssize_t tape_step_rows(Py_ssize_t count, const TapeShape *from, const TapeShape *to,
+                                        int logits_rows) {
+    return logits_rows ? tape_rows(count, from->logits, to->logits) : tape_rows(count, from->tokens, to->tokens);
 }
 
 typedef struct {
@@ -117,7 +136,7 @@ static inline int live_threads(int requested) {
     return cap > 0 && cap < requested ? cap : requested;
 }
 
-/* Appends a call to the tape this thread records, if any; resize NULL: it holds its token count. */
+/* Appends a call to the tape this thread records, if any; resize NULL: it holds its recorded shape. */
 static inline void tape_record_resizable(TapeCheck check, TapeRun run, TapeResize resize, const void *args,
                                          size_t size) {
     Tape *tape = tape_state ? tape_state->recording : NULL;
@@ -133,19 +152,28 @@ static inline void tape_record_resizable(TapeCheck check, TapeRun run, TapeResiz
         tape->entries = grown;
         tape->capacity = capacity;
     }
-    void *copy = malloc(size);
+    void *copy = malloc(2 * size);  /* args, then the recorded arguments */
     if (!copy) {
         tape->failed = 1;
         return;
     }
     memcpy(copy, args, size);
-    tape->entries[tape->count++] = (TapeEntry){check, run, resize, copy};
+    memcpy((char *)copy + size, args, size);
+    tape->entries[tape->count++] = (TapeEntry){check, run, resize, copy, (char *)copy + size, size,
+                                               tape->logits_phase};
     if (!resize)
         tape->fixed = 1;
 }
 
 static inline void tape_record(TapeCheck check, TapeRun run, const void *args, size_t size) {
     tape_record_resizable(check, run, NULL, args, size);
+}
+
+/* Called by the gather of the logits rows after it records: the calls recorded from now on run on those rows. */
+static inline void tape_logits_gathered(void) {
+    Tape *tape = tape_state ? tape_state->recording : NULL;
+    if (tape && tape_state->thread == PyThread_get_thread_ident())
+        tape->logits_phase = 1;
 }
 
 #endif

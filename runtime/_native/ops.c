@@ -102,6 +102,7 @@ typedef struct {
     const float *x, *residual, *weight;      /* residual: add_rms_norm's and add's second input */
     const int64_t *indices;                  /* gather_rows: source row of each out row */
     Py_ssize_t rows, n, source_rows;         /* source_rows: rows of x (gather_rows) */
+    int gathers_logits;                      /* gather_rows of the logits rows: rows follow those, x the tokens */
     float eps;
     float factor;                            /* scale: the multiplier */
     int threads;
@@ -172,10 +173,10 @@ static int run_gather_rows(const void *p) {
     return 0;
 }
 
-static void resize_rows(void *p, Py_ssize_t from, Py_ssize_t to) {
+static void resize_rows(void *p, const TapeShape *from, const TapeShape *to, int logits_rows) {
     RowArgs *a = p;
-    a->rows = tape_rows(a->rows, from, to);
-    a->source_rows = tape_rows(a->source_rows, from, to);
+    a->rows = tape_step_rows(a->rows, from, to, logits_rows || a->gathers_logits);
+    a->source_rows = tape_step_rows(a->source_rows, from, to, logits_rows);
 }
 
 /* Checks (run again at every replay), records when a tape records, and runs the call. */
@@ -286,7 +287,7 @@ static PyObject *py_add(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer b[3];  /* out [R, n], x [rows, n], indices [R] int64 */
     RowArgs a = {0};
-    if (!PyArg_ParseTuple(args, "w*y*y*n:gather_rows", &b[0], &b[1], &b[2], &a.n))
+    if (!PyArg_ParseTuple(args, "w*y*y*n|p:gather_rows", &b[0], &b[1], &b[2], &a.n, &a.gathers_logits))
         return NULL;
     int status = check_width("gather_rows", a.n);
     if (status == 0) {
@@ -300,7 +301,10 @@ static PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args) {
         }
     }
     a.out = b[0].buf, a.x = b[1].buf, a.indices = b[2].buf;
-    return record_and_run(check_gather_rows, run_gather_rows, &a, b, 3, status);
+    PyObject *result = record_and_run(check_gather_rows, run_gather_rows, &a, b, 3, status);
+    if (result && a.gathers_logits)
+        tape_logits_gathered();
+    return result;
 }
 
 /* ----------------------------------------------------------------------------------------
@@ -580,17 +584,18 @@ static void tape_capsule_free(PyObject *capsule) {
 }
 
 static PyObject *py_tape_begin(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_ssize_t tokens = 0;
-    if (!PyArg_ParseTuple(args, "|n:tape_begin", &tokens))
+    TapeShape shape = {0, 0, 0};
+    if (!PyArg_ParseTuple(args, "|nnn:tape_begin", &shape.tokens, &shape.seqs, &shape.logits))
         return NULL;
-    if (tokens < 0)
-        return PyErr_Format(PyExc_ValueError, "tape_begin: tokens must be 0 (not given) or more, got %zd", tokens);
+    if (shape.tokens < 0 || shape.seqs < 0 || shape.logits < 0)
+        return PyErr_Format(PyExc_ValueError, "tape_begin: tokens, seqs and logits must be 0 (not given) or more, "
+                            "got %zd, %zd, %zd", shape.tokens, shape.seqs, shape.logits);
     if (state.recording)  /* another thread records (one tape at a time per process) */
         Py_RETURN_FALSE;
     state.recording = calloc(1, sizeof(Tape));
     if (!state.recording)
         return PyErr_NoMemory();
-    state.recording->tokens = tokens;
+    state.recording->recorded = state.recording->shape = shape;
     state.thread = PyThread_get_thread_ident();
     Py_RETURN_TRUE;
 }
@@ -619,24 +624,35 @@ static PyObject *py_tape_tokens(PyObject *Py_UNUSED(self), PyObject *capsule) {
     Tape *tape = PyCapsule_GetPointer(capsule, "kiln.Tape");
     if (!tape)
         return NULL;
-    return PyLong_FromSsize_t(tape->fixed ? -tape->tokens : tape->tokens);
+    return PyLong_FromSsize_t(tape->fixed ? -tape->shape.tokens : tape->shape.tokens);
 }
 
 static PyObject *py_replay(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *capsule;
-    Py_ssize_t tokens = -1;
-    if (!PyArg_ParseTuple(args, "O|n:replay", &capsule, &tokens))
+    Py_ssize_t tokens = -1, seqs = -1, logits = -1;
+    if (!PyArg_ParseTuple(args, "O|nnn:replay", &capsule, &tokens, &seqs, &logits))
         return NULL;
     Tape *tape = PyCapsule_GetPointer(capsule, "kiln.Tape");
     if (!tape)
         return NULL;
-    if (tokens >= 0 && tokens != tape->tokens) {
-        if (tape->fixed || tape->tokens <= 0 || tokens == 0)
-            return PyErr_Format(PyExc_ValueError, "replay: this tape runs %zd tokens only, not %zd", tape->tokens,
-                                tokens);
-        for (Py_ssize_t i = 0; i < tape->count; i++)
-            tape->entries[i].resize(tape->entries[i].args, tape->tokens, tokens);
-        tape->tokens = tokens;
+    const TapeShape *from = &tape->recorded;
+    const TapeShape to = {tokens >= 0 ? tokens : tape->shape.tokens, seqs >= 0 ? seqs : tape->shape.seqs,
+                          logits >= 0 ? logits : tape->shape.logits};
+    if (to.tokens != tape->shape.tokens || to.seqs != tape->shape.seqs || to.logits != tape->shape.logits) {
+        if (tape->fixed || from->tokens <= 0 || to.tokens == 0)
+            return PyErr_Format(PyExc_ValueError, "replay: this tape runs %zd tokens, %zd sequences and %zd logits "
+                                "rows only, not %zd, %zd and %zd", tape->shape.tokens, tape->shape.seqs,
+                                tape->shape.logits, to.tokens, to.seqs, to.logits);
+        const int seqs_untold = to.seqs != from->seqs && from->seqs <= 0;
+        if (seqs_untold || (to.logits != from->logits && from->logits <= 0))
+            return PyErr_Format(PyExc_ValueError, "replay: this tape was recorded without its %s count: it runs "
+                                "the recorded one only", seqs_untold ? "sequences" : "logits rows");
+        for (Py_ssize_t i = 0; i < tape->count; i++) {  /* from the recorded arguments: no rounding builds up */
+            TapeEntry *e = &tape->entries[i];
+            memcpy(e->args, e->recorded, e->size);
+            e->resize(e->args, from, &to, e->logits_rows);
+        }
+        tape->shape = to;
     }
     for (Py_ssize_t i = 0; i < tape->count; i++)
         if (tape->entries[i].check && tape->entries[i].check(tape->entries[i].args) < 0)
@@ -750,7 +766,8 @@ static PyMethodDef methods[] = {
      "add(out, x, y, width=0): out = x + y, float32 of one size, rows of `width` if given (a tape then follows the "
      "rows' count)."},
     {"gather_rows", py_gather_rows, METH_VARARGS,
-     "gather_rows(out, x, indices, n): out[r] = x[indices[r]], rows of n float32; indices int64 checked."},
+     "gather_rows(out, x, indices, n, logits=False): out[r] = x[indices[r]], rows of n float32; indices int64 "
+     "checked. logits: the gather of a step's logits rows (a tape records the calls after it as following those)."},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,
      "argmax_rows(out, x, n, num_threads): out[r] = the first index of row r's largest value (a NaN counts as "
      "largest), rows of n float32, each row split among the threads."},
@@ -761,18 +778,18 @@ static PyMethodDef methods[] = {
     {"race_noise", py_race_noise, METH_VARARGS,
      "race_noise(out, key): out[v] = the Exp(1) noise of token v in the stream `key` (what race_rows divides by)."},
     {"tape_begin", py_tape_begin, METH_VARARGS,
-     "tape_begin(tokens=0) -> bool: this thread's kernel calls (of every Kiln C module) are recorded from now on, "
-     "for a step of `tokens` tokens (0: not given, the tape replays as recorded); False if another thread is "
-     "recording."},
+     "tape_begin(tokens=0, seqs=0, logits=0) -> bool: this thread's kernel calls (of every Kiln C module) are "
+     "recorded from now on, for a step of that many tokens, sequences and logits rows (0: not given; without "
+     "tokens the tape replays as recorded); False if another thread is recording."},
     {"tape_end", py_tape_end, METH_NOARGS,
      "tape_end() -> tape, or None if a call could not be recorded: stops recording."},
     {"tape_size", py_tape_size, METH_O, "tape_size(tape) -> the number of recorded calls."},
     {"tape_tokens", py_tape_tokens, METH_O,
      "tape_tokens(tape) -> the token count its calls run now; minus it (or 0) if a call cannot run another."},
     {"replay", py_replay, METH_VARARGS,
-     "replay(tape, tokens=-1): runs the recorded calls again on the same buffers (their index checks first); "
-     "tokens >= 0: for a step of that many tokens, every call's token rows rewritten first (the buffers must "
-     "hold them)."},
+     "replay(tape, tokens=-1, seqs=-1, logits=-1): runs the recorded calls again on the same buffers (their index "
+     "checks first); a count >= 0: for a step of that many tokens, sequences or logits rows, every call's counts "
+     "rewritten first from the recorded ones (the buffers must hold the rows; a tape recorded with its counts)."},
     {"set_thread_cap", py_set_thread_cap, METH_O,
      "set_thread_cap(n): every Kiln kernel (of every Kiln C module, replayed tapes too) runs on at most n "
      "threads from now on; 0 lifts the cap."},

@@ -130,15 +130,19 @@ def bind_add(reuse: bool = False):
     return recordable(run)
 
 
-def gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """x[indices] for float32 x [rows, n] and int64 indices [R] (checked: a ValueError if one is outside x)."""
+def gather_rows(x: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None,
+                logits: bool = False) -> torch.Tensor:
+    """x[indices] for float32 x [rows, n] and int64 indices [R] (checked: a ValueError if one is outside x), into
+    out (f32 [R, n], contiguous) if given. logits: the gather of a step's logits rows, which a tape's later calls
+    run on (runtime/ops/tape.py)."""
     x = _f32("gather_rows", "x", x)
     if indices.dtype != torch.int64 or indices.dim() != 1 or not indices.is_contiguous() or x.dim() != 2:
         raise ValueError(f"gather_rows: needs x [rows, n] and contiguous int64 indices [R], got x {tuple(x.shape)}, "
                          f"indices {indices.dtype} {tuple(indices.shape)}")
-    out = x.new_empty((indices.shape[0], x.shape[1]))
+    if out is None:
+        out = x.new_empty((indices.shape[0], x.shape[1]))
     if out.numel():
-        _C.gather_rows(out.numpy(), x.numpy(), indices.numpy(), x.shape[1])
+        _C.gather_rows(out.numpy(), x.numpy(), indices.numpy(), x.shape[1], logits)
     return out
 
 

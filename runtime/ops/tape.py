@@ -4,10 +4,12 @@ A bound op marked `recordable` does all its work in C calls a tape records; one 
 path calls `unrecorded()`. `Outputs` keeps a node's small outputs from step to step, so a replayed
 tape finds its buffers where the recording left them.
 
-A tape recorded with its step's token count can replay a step of another count: every call's row counts
-that follow the tokens are rewritten first (C's tape_rows). The buffers must hold the rows, so kept
-outputs are allocated for REUSE_ROWS rows whatever the step's count: every tape of an executor shares
-them, and a step of up to REUSE_ROWS tokens finds its rows where any tape points. Nodes whose values
+A tape recorded with its step's shape (tokens, sequences, logits rows) can replay a step of another shape:
+every call's counts are rewritten first from the recorded ones (C's tape_rows): row counts follow the
+tokens, or the logits rows on the calls after their gather, and attention's sequence count the sequences.
+The buffers must hold the rows, so kept outputs are allocated for REUSE_ROWS rows whatever the step's
+count: every tape of an executor shares them, and a step of up to REUSE_ROWS tokens finds its rows where
+any tape points. Nodes whose values
 never live at the same time share one buffer (`Slot`, assigned by runtime.program.Program from the
 order of its calls), so that the buffers cost a few values' rows rather than every node's.
 """
@@ -42,13 +44,14 @@ class Recording:
 
     active: Recording | None = None
 
-    def __init__(self, tokens: int = 0):
-        """tokens: the step's token count, so that the tape can replay other counts (0: it replays this step's)."""
-        self.tokens = tokens
+    def __init__(self, tokens: int = 0, seqs: int = 0, logits: int = 0):
+        """The step's token, sequence and logits row counts, so that the tape can replay other counts (0: not
+        given; without tokens it replays this step's shape only)."""
+        self.shape = (tokens, seqs, logits)
 
     def __enter__(self) -> Recording:
         self.tape = None
-        self.recording = self.complete = _C.tape_begin(self.tokens)  # False: another thread records; unrecorded
+        self.recording = self.complete = _C.tape_begin(*self.shape)  # False: another thread records; unrecorded
         if self.recording:
             Recording.active = self
         return self
@@ -66,10 +69,11 @@ def unrecorded() -> None:
         Recording.active.complete = False
 
 
-def replay(tape, tokens: int = -1) -> None:
-    """Run a recorded tape again (the index checks of its calls first; a ValueError if one fails); tokens >= 0:
-    for a step of that many tokens (a tape recorded with its count; the buffers must hold the rows)."""
-    _C.replay(tape, tokens)
+def replay(tape, tokens: int = -1, seqs: int = -1, logits: int = -1) -> None:
+    """Run a recorded tape again (the index checks of its calls first; a ValueError if one fails); a count >= 0:
+    for a step of that many tokens, sequences or logits rows (a tape recorded with its counts; the buffers must
+    hold the rows)."""
+    _C.replay(tape, tokens, seqs, logits)
 
 
 def tape_size(tape) -> int:

@@ -62,8 +62,42 @@ def test_a_tape_recorded_with_its_token_count_replays_another():
     with tape.Recording() as untold:  # no count given: it replays its own only
         kept = step(3)  # noqa: F841 (a tape writes its buffers: they must live)
     tape.replay(untold.tape)
-    with pytest.raises(ValueError, match="this tape runs 0 tokens only, not 4"):
+    with pytest.raises(ValueError, match="this tape runs 0 tokens, 0 sequences and 0 logits rows only, not 4"):
         tape.replay(untold.tape, 4)
+
+
+def test_calls_after_the_logits_gather_follow_the_logits_rows():
+    """A tape recorded with its tokens, sequences and logits rows replays any mix of them: the calls before the
+    gather of the logits rows run on the step's tokens, the calls after it on its logits rows."""
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
+    packed = int8.pack(codes, torch.rand(32, generator=g) * 1e-2, None)
+    weight = torch.randn(64, generator=g)
+    norm, final = rowops.bind_rms_norm(weight, 1e-5, reuse=True), rowops.bind_rms_norm(weight, 1e-5, reuse=True)
+    head = ql.bind_linear({"quant": "int8", "layout": int8.LAYOUT, "out_features": 32, "in_features": 64},
+                          packed, reuse=True)
+    gathered = tape.Outputs((64,), reuse=True)
+    x, rows = torch.empty(tape.REUSE_ROWS, 64), torch.zeros(tape.REUSE_ROWS, dtype=torch.int64)
+
+    def step(tokens: int, logits: int) -> torch.Tensor:
+        picked = rowops.gather_rows(norm(x[:tokens]), rows[:logits], out=gathered.for_rows(logits), logits=True)
+        return head(final(picked))
+
+    x.normal_(generator=g)
+    rows[:3] = torch.tensor([1, 4, 8])
+    with tape.Recording(tokens=9, seqs=3, logits=3) as recording:
+        logits = step(9, 3)
+    for tokens, count in ((5, 1), (16, 7), (2, 2), (40, 40), (9, 3)):
+        x.normal_(generator=g)
+        rows[:count] = torch.randperm(tokens, generator=g)[:count]
+        tape.replay(recording.tape, tokens, 3, count)
+        replayed = logits.as_strided((count, 32), logits.stride()).clone()
+        assert torch.equal(replayed, step(tokens, count)), (tokens, count)
+    with tape.Recording(tokens=9) as untold:  # its sequences and logits rows not given: it keeps them
+        step(9, 3)
+    tape.replay(untold.tape, 12)
+    with pytest.raises(ValueError, match="recorded without its logits rows count"):
+        tape.replay(untold.tape, 12, -1, 4)
 
 
 def test_a_replay_checks_indices_again_before_computing():
@@ -124,8 +158,16 @@ def replay_engine_dir(request, tiny_llama_dir, build_tiny_engine):
 
 def run_mixed(path) -> tuple[list[list[int]], LLMEngine]:
     """Staggered greedy and seeded requests of different lengths, one of them past 300 positions
-    (the rope table grows at 256 and the block tables widen), and a 9-token batch of 9 sequences."""
+    (the rope table grows at 256 and the block tables widen), and a 9-token batch of 9 sequences.
+    llm.steps_taken: the steps it ran."""
     llm = LLMEngine.from_dir(path, EngineOptions(kv_cache_gib=0.02))
+    step, llm.steps_taken = llm.step, 0
+
+    def counted():
+        llm.steps_taken += 1
+        return step()
+
+    llm.step = counted
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (9,), generator=g)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=20 + 7 * i, ignore_eos=True)
@@ -142,9 +184,12 @@ def run_mixed(path) -> tuple[list[list[int]], LLMEngine]:
 
 
 def test_replayed_steps_give_the_tokens_of_steps_run_op_by_op(replay_engine_dir, monkeypatch):
+    """The batches' mixes of prompt chunks and decodes change from step to step (sequences and logits rows): one
+    tape follows them all, recorded again only when the rope table grows and the block tables widen."""
     replayed, llm = run_mixed(replay_engine_dir)
     executor = llm.executor
-    assert executor.replay and executor.replayed_steps > 250 and executor.recorded_steps >= 5
+    assert executor.replay and executor.recorded_steps <= 3
+    assert executor.replayed_steps >= llm.steps_taken - 4  # the last step finds nothing to run
     monkeypatch.setenv("KILN_STEP_REPLAY", "0")
     expected, llm = run_mixed(replay_engine_dir)
     assert not llm.executor.replay and llm.executor.replayed_steps == 0
@@ -152,8 +197,8 @@ def test_replayed_steps_give_the_tokens_of_steps_run_op_by_op(replay_engine_dir,
 
 
 def test_a_prompt_length_seen_for_the_first_time_replays(replay_engine_dir, monkeypatch):
-    """One tape of (1 sequence, 1 logits row) serves every prefill length up to REPLAY_MAX_TOKENS: after the
-    first prompt, the others replay, and answer as steps run op by op do."""
+    """One tape serves every prefill length up to REPLAY_MAX_TOKENS, and the decodes: after the first prompt's
+    prefill, every step replays, and answers as steps run op by op do."""
     def answers(llm):
         g = torch.Generator().manual_seed(9)
         out = []
@@ -165,8 +210,8 @@ def test_a_prompt_length_seen_for_the_first_time_replays(replay_engine_dir, monk
     llm = LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.02, enable_prefix_caching=False))
     replayed = answers(llm)
     tapes = llm.executor.tapes
-    assert (0, 1, 1) in tapes and sum(key[0] == 0 for key in tapes) == 1
-    assert llm.executor.replayed_steps >= 5 + 6  # every prefill but the first, and the decodes after the first
+    assert list(tapes) == [(0, 0, 1)]
+    assert llm.executor.replayed_steps == 6 * 3 - 1  # a prefill and two decodes a prompt
     monkeypatch.setenv("KILN_STEP_REPLAY", "0")
     expected = answers(LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.02,
                                                                            enable_prefix_caching=False)))
@@ -237,8 +282,8 @@ def test_a_step_of_more_than_64_tokens_replays(replay_engine_dir, monkeypatch):
 
     assert tape.REUSE_ROWS >= 200
     replayed, llm = answers()
-    # the 2nd and 3rd prefills, their 3 decodes each, and the 1st prompt's last decode (a shape records when it repeats)
-    assert (0, 1, 1) in llm.executor.tapes and llm.executor.replayed_steps >= 2 + 2 * 3 + 1
+    # every step but the first prefill: 3 prompts of a prefill and 3 decodes
+    assert list(llm.executor.tapes) == [(0, 0, 1)] and llm.executor.replayed_steps == 3 * 4 - 1
     monkeypatch.setenv("KILN_STEP_REPLAY", "0")
     assert answers()[0] == replayed
 

@@ -255,9 +255,11 @@ static int run_qkv_call(const void *p) {
     return qkv_attention_compute(&c->r, &a, live_threads(c->threads));
 }
 
-static void resize_qkv_call(void *p, Py_ssize_t from, Py_ssize_t to) {
+static void resize_qkv_call(void *p, const TapeShape *from, const TapeShape *to, int logits_rows) {
     QKVCall *c = p;
-    c->r.num_tokens = tape_rows(c->r.num_tokens, from, to);
+    c->r.num_tokens = tape_step_rows(c->r.num_tokens, from, to, logits_rows);
+    if (from->seqs > 0 && c->a.num_seqs == from->seqs)  /* the step's sequences (their arrays hold room for more) */
+        c->a.num_seqs = (int)to->seqs;
 }
 
 static PyObject *py_qkv_attention(PyObject *Py_UNUSED(self), PyObject *args) {

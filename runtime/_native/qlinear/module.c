@@ -158,10 +158,10 @@ static int run_linear(const void *p)
     return run_kernels(kern, &job, live_threads(a->threads));
 }
 
-static void resize_call(void *p, Py_ssize_t from, Py_ssize_t to)
+static void resize_call(void *p, const TapeShape *from, const TapeShape *to, int logits_rows)
 {
     CallArgs *a = p;
-    a->count = tape_rows((Py_ssize_t)a->count, from, to);
+    a->count = tape_step_rows((Py_ssize_t)a->count, from, to, logits_rows);
 }
 
 /* run(handle, y_address, x_address, T, threads): y[T, N] = x[T, K] @ W^T (+ bias) */
