@@ -9,9 +9,9 @@ every call's counts are rewritten first from the recorded ones (C's tape_rows): 
 tokens, or the logits rows on the calls after their gather, and attention's sequence count the sequences.
 The buffers must hold the rows, so kept outputs are allocated for REUSE_ROWS rows whatever the step's
 count: every tape of an executor shares them, and a step of up to REUSE_ROWS tokens finds its rows where
-any tape points. Nodes whose values
-never live at the same time share one buffer (`Slot`, assigned by runtime.program.Program from the
-order of its calls), so that the buffers cost a few values' rows rather than every node's.
+any tape points. Nodes whose values never live at the same time share one buffer (`Slot`, assigned by
+runtime.program.Program from the order of its calls), so that the buffers cost a few values' rows rather
+than every node's.
 """
 
 from __future__ import annotations
