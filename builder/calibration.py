@@ -202,7 +202,7 @@ class GraphRunner:
             while len(out) < max_new and not (out and out[-1] in stop):
                 start = len(ids) + len(out) - len(step)
                 env = {"tokens": torch.tensor(step, dtype=torch.int64), "positions": torch.arange(start, start + len(step))}
-                out.append(int(program.run(env)[0][-1].argmax()))
+                out.append(int(program.run(env, release=True)[0][-1].argmax()))
                 step = out[-1:]
         finally:
             self._cache = None

@@ -20,4 +20,4 @@ class Interpreter:
         """[1, vocab] logits of the last token, or [T, vocab] with all_logits."""
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         env = {"tokens": tokens, "positions": torch.arange(len(token_ids), dtype=torch.int64)}
-        return self.program.run(env)[0]
+        return self.program.run(env, release=True)[0]

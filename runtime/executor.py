@@ -247,13 +247,16 @@ class CpuExecutor(Executor):
         return recorded.output_of(shape[0], shape[2])
 
     @torch.inference_mode()
-    def _run(self, meta: StepMetadata, env: dict, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+    def _run(self, meta: StepMetadata, env: dict, inputs: dict[str, torch.Tensor] | None,
+             release: bool = True) -> torch.Tensor | None:
+        """The step op by op. release: its values are dropped after their last reader (Program.run); a
+        recording keeps them (its tape replays into their buffers)."""
         self.meta, self.arrays = meta, [attention.StepArrays.of(meta, g) for g in range(len(meta.groups))]
         env.update(tokens=meta.token_ids, positions=meta.positions)
         if inputs:
             env.update(inputs)
         try:
-            outputs = self.program.run(env)
+            outputs = self.program.run(env, release=release)
             return outputs[0] if outputs else None  # a pipeline stage before the last sends, returns nothing
         finally:
             self.meta, self.arrays = None, []
@@ -285,7 +288,7 @@ class CpuExecutor(Executor):
                                             + (("window_block_tables",) if window else ())})
         env: dict[str, torch.Tensor] = {}
         with tape.Recording(*((tokens, seqs, logits) if any_shape else (tokens,))) as recording:
-            output = self._run(step, env, None)
+            output = self._run(step, env, None, release=False)
         if recording.tape is None or (any_shape and tape.tape_tokens(recording.tape) <= 0):
             return output
         if any_shape:

@@ -104,6 +104,20 @@ class Program:
                     self.calls.append(self._bind(node, tensors, hooks))
             made.append(outputs)
         self.shared: list[tuple[str, Slot]] = self._share_buffers(made) if reuse_outputs else []
+        self.done = self._done_after()
+
+    def _done_after(self) -> list[tuple[str, ...]]:
+        """Per call: the values no later call reads (its inputs read for the last time, its outputs never
+        read), the program's outputs excepted: what `run(release=True)` drops after the call."""
+        last: dict[str, int] = {}
+        for i, call in enumerate(self.calls):
+            last.update((name, i) for name in call.outputs)  # made and never read: done where made
+            last.update((name, i) for name in call.inputs)
+        done: list[list[str]] = [[] for _ in self.calls]
+        for name, at in last.items():
+            if name not in self.outputs:
+                done[at].append(name)
+        return [tuple(names) for names in done]
 
     @property
     def recordable(self) -> bool:
@@ -183,12 +197,26 @@ class Program:
             checked = True
         self._unchecked = not checked
 
-    def run(self, env: dict[str, torch.Tensor], observer: Observer | None = None) -> list[torch.Tensor] | None:
+    def run(self, env: dict[str, torch.Tensor], observer: Observer | None = None,
+            release: bool = False) -> list[torch.Tensor] | None:
         """Every call in order over env (value name -> tensor, holding the inputs); the program's outputs.
 
         An observer sees env after each call and may end the run there (None is returned then); without
         one the loop does nothing else, which keeps the executor's per-step cost one Python call per op.
+        release (no observer): each value leaves env after the last call that reads it, so a run holds
+        the values alive at once, not all of them (a 512-token SmolLM2 step: 650 MB of activations kept
+        to its end otherwise); env keeps the inputs no call reads and the outputs.
         """
+        if observer is None and release:
+            for call, done in zip(self.calls, self.done):
+                result = call.fn(*[env[i] for i in call.inputs])
+                if len(call.outputs) == 1:
+                    env[call.outputs[0]] = result
+                elif call.outputs:
+                    env.update(zip(call.outputs, result))
+                for name in done:
+                    del env[name]
+            return [env[o] for o in self.outputs]
         if observer is None:
             for call in self.calls:
                 result = call.fn(*[env[i] for i in call.inputs])

@@ -288,6 +288,39 @@ def test_a_step_of_more_than_64_tokens_replays(replay_engine_dir, monkeypatch):
     assert answers()[0] == replayed
 
 
+def test_a_step_past_the_kept_buffers_holds_only_the_values_still_to_be_read(replay_engine_dir):
+    """A step of more tokens than the kept buffers hold runs op by op on fresh buffers: each value leaves the
+    step once its last reader has run (Program.run's release), so the step holds a few values, not all it made."""
+    llm = LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.05, enable_prefix_caching=False))
+    program, run = llm.executor.program, llm.executor.program.run
+    held, made, runs = [], {}, []
+
+    def storages(values) -> dict[int, int]:
+        return {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in values
+                if isinstance(v, torch.Tensor)}
+
+    def watched(env, observer=None, release=False):
+        runs.append((env, release))
+        return run(env, observer, release)
+
+    def watch(call):
+        def fn(*args):
+            held.append(sum(storages(runs[-1][0].values()).values()))
+            out = inner(*args)
+            made.update(storages(out if isinstance(out, (tuple, list)) else [out]))
+            return out
+        inner, call.fn = call.fn, fn
+
+    program.run = watched
+    for call in program.calls:
+        watch(call)
+    prompt = torch.randint(3, 250, (tape.REUSE_ROWS + 40,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    env, release = runs[0]
+    assert release and set(env) == set(program.outputs)
+    assert max(held[:len(program.calls)]) < sum(made.values()) / 2
+
+
 @pytest.fixture(scope="module")
 def gemma3_replay_engine_dir(tiny_gemma3_dir, build_tiny_engine):
     """Gemma 3 with every weight int8 (the scaled embedding and the tied logits too), float32 activations."""
