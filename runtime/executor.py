@@ -174,13 +174,17 @@ class CpuExecutor(Executor):
 
     REPLAY_MAX_TOKENS = tape.REUSE_ROWS
     MAX_TAPES = 8
+    TAPE_SEQ_LEN = 8192  # positions a tape's rope and block tables cover from the start (when the engine's allow)
 
     def __init__(self, rank_file: RankFile, pools: int | KVGroups, block_size: int, kv_dtype: str = "f32",
-                 collectives: dict | None = None, cache: KVCacheStorage | None = None, serving: bool = True):
+                 collectives: dict | None = None, cache: KVCacheStorage | None = None, serving: bool = True,
+                 max_seq_len: int = 0):
         """pools: the KV groups' blocks, or one pool's blocks for every layer. cache: pools that outlive this
         executor (the builder's layer-by-layer evaluation binds one layer at a time to its kept pool). serving:
         keep freed step buffers in the heap for the next step (recycle_large_allocations); a build's evaluation
-        runs few, large steps and gives memory back instead."""
+        runs few, large steps and gives memory back instead. max_seq_len: the longest sequence the engine runs
+        (0: not known); up to TAPE_SEQ_LEN of it, the rope tables and the tapes' block tables are made that
+        long at once, so a tape keeps fitting as sequences grow (see _record)."""
         if serving:
             recycle_large_allocations()
         self.meta: StepMetadata | None = None
@@ -195,6 +199,9 @@ class CpuExecutor(Executor):
                       **(collectives or {}))
         # a serving engine samples the logits before its next step: they may keep their buffer too
         self.program = Program(doc, rank_file.tensors, hooks, reuse_outputs=True, reuse_final=serving)
+        self.tape_seq_len = min(max_seq_len, self.TAPE_SEQ_LEN)
+        for table in self.rope_tables.values():  # made while binding: as long as the tapes' sequences at once
+            table.ensure(self.tape_seq_len)
         self.replay = (self.program.recordable and bool(self.program.outputs)
                        and os.environ.get("KILN_STEP_REPLAY", "1") != "0")
         self.tapes: OrderedDict[tuple[int, int, int], RecordedStep] = OrderedDict()  # shape -> tape, oldest first
@@ -265,11 +272,12 @@ class CpuExecutor(Executor):
     def _record(self, meta: StepMetadata, key: tuple[int, int, int]) -> torch.Tensor:
         """Run the step on inputs of its own and keep its tape under key: a tape of its shape, or (key (0, 0, x)) one
         that follows any shape, whose inputs have room for REPLAY_MAX_TOKENS tokens, sequences and logits rows.
-        Block tables have room for twice the step's columns."""
+        Block tables have room for twice the step's columns, and at least tape_seq_len positions."""
         self.tapes.pop(key, None)
         tokens, seqs, logits = meta.token_ids.numel(), meta.context_lens.numel(), meta.logits_indices.numel()
         any_shape, room = not key[0], self.REPLAY_MAX_TOKENS
-        tables = [torch.full((room if any_shape else seqs, max(16, 2 * t.shape[1])), -1, dtype=torch.int32)
+        columns = -(-self.tape_seq_len // self.cache.block_size)
+        tables = [torch.full((room if any_shape else seqs, max(16, 2 * t.shape[1], columns)), -1, dtype=torch.int32)
                   for _, t in meta.groups]
         window = ("window_slot_mapping",) if len(tables) == 2 else ()
         token_fields = _TOKEN_FIELDS + window

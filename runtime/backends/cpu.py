@@ -27,4 +27,5 @@ def create_executor(engine, rank: int, pools, num_threads: int | None = None, co
     from runtime.executor import CpuExecutor
 
     manifest = engine.manifest
-    return CpuExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype, collectives=collectives)
+    return CpuExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype, collectives=collectives,
+                       max_seq_len=manifest.limits.max_seq_len)

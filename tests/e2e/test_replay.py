@@ -158,7 +158,7 @@ def replay_engine_dir(request, tiny_llama_dir, build_tiny_engine):
 
 def run_mixed(path) -> tuple[list[list[int]], LLMEngine]:
     """Staggered greedy and seeded requests of different lengths, one of them past 300 positions
-    (the rope table grows at 256 and the block tables widen), and a 9-token batch of 9 sequences.
+    (where the rope table grew at 256 and the block tables widened), and a 9-token batch of 9 sequences.
     llm.steps_taken: the steps it ran."""
     llm = LLMEngine.from_dir(path, EngineOptions(kv_cache_gib=0.02))
     step, llm.steps_taken = llm.step, 0
@@ -185,11 +185,11 @@ def run_mixed(path) -> tuple[list[list[int]], LLMEngine]:
 
 def test_replayed_steps_give_the_tokens_of_steps_run_op_by_op(replay_engine_dir, monkeypatch):
     """The batches' mixes of prompt chunks and decodes change from step to step (sequences and logits rows): one
-    tape follows them all, recorded again only when the rope table grows and the block tables widen."""
+    tape follows them all, recorded once: its rope and block tables are as long as the engine's sequences."""
     replayed, llm = run_mixed(replay_engine_dir)
     executor = llm.executor
-    assert executor.replay and executor.recorded_steps <= 3
-    assert executor.replayed_steps >= llm.steps_taken - 4  # the last step finds nothing to run
+    assert executor.replay and executor.recorded_steps == 1
+    assert executor.replayed_steps >= llm.steps_taken - 1  # the last step finds nothing to run
     monkeypatch.setenv("KILN_STEP_REPLAY", "0")
     expected, llm = run_mixed(replay_engine_dir)
     assert not llm.executor.replay and llm.executor.replayed_steps == 0
@@ -286,6 +286,22 @@ def test_a_step_of_more_than_64_tokens_replays(replay_engine_dir, monkeypatch):
     assert list(llm.executor.tapes) == [(0, 0, 1)] and llm.executor.replayed_steps == 3 * 4 - 1
     monkeypatch.setenv("KILN_STEP_REPLAY", "0")
     assert answers()[0] == replayed
+
+
+def test_one_tape_replays_a_sequence_as_it_grows(replay_engine_dir, monkeypatch):
+    """The tape recorded on a 20-token prompt keeps replaying its decodes past 256 positions (where the rope
+    table grew before) and past twice the prompt's block-table columns: the rope and block tables a tape reads
+    are as long as the engine's sequences (up to TAPE_SEQ_LEN) from the start, so nothing records again."""
+    def answer():
+        llm = LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.05, enable_prefix_caching=False))
+        prompt = torch.randint(3, 250, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+        return out[0].token_ids, llm.executor
+
+    tokens, executor = answer()
+    assert len(tokens) == 300 and executor.recorded_steps == 1 and executor.replayed_steps == 299
+    monkeypatch.setenv("KILN_STEP_REPLAY", "0")
+    assert answer()[0] == tokens
 
 
 def test_a_step_past_the_kept_buffers_holds_only_the_values_still_to_be_read(replay_engine_dir):
