@@ -174,7 +174,7 @@ class CpuExecutor(Executor):
 
     REPLAY_MAX_TOKENS = tape.REUSE_ROWS
     MAX_TAPES = 8
-    TAPE_SEQ_LEN = 8192  # positions a tape's rope and block tables cover from the start (when the engine's allow)
+    TAPE_SEQ_LEN = 8192  # positions a tape's rope and block tables cover from the start (at most max_seq_len)
 
     def __init__(self, rank_file: RankFile, pools: int | KVGroups, block_size: int, kv_dtype: str = "f32",
                  collectives: dict | None = None, cache: KVCacheStorage | None = None, serving: bool = True,

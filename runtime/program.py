@@ -105,6 +105,10 @@ class Program:
             made.append(outputs)
         self.shared: list[tuple[str, Slot]] = self._share_buffers(made) if reuse_outputs else []
         self.done = self._done_after()
+        made_at = {name: i for i, call in enumerate(self.calls) for name in call.outputs}
+        self.shared_by_call: list[list[tuple[str, Slot]]] = [[] for _ in self.calls]  # each call's shared outputs
+        for name, slot in self.shared:
+            self.shared_by_call[made_at[name]].append((name, slot))
 
     def _done_after(self) -> list[tuple[str, ...]]:
         """Per call: the values no later call reads (its inputs read for the last time, its outputs never
@@ -182,11 +186,12 @@ class Program:
         self._unchecked = bool(shared)
         return shared
 
-    def _check_shared(self, env: dict[str, torch.Tensor]) -> None:
+    def _check_shared(self, env: dict[str, torch.Tensor], shared: list[tuple[str, Slot]] | None = None) -> bool:
         """After the first run on kept buffers: every shared value is where its slot is (a binder that returned
-        something else would have had its value overwritten by a later node's)."""
+        something else would have had its value overwritten by a later node's). shared: those values only (a
+        releasing run checks each call's own before they leave env); True if any value could be checked."""
         checked = False
-        for name, slot in self.shared:
+        for name, slot in self.shared if shared is None else shared:
             value = env.get(name)
             if (slot.buffer is None or value is None or value.dim() != 2 or value.numel() == 0
                     or value.shape[0] > REUSE_ROWS):
@@ -195,7 +200,9 @@ class Program:
                 raise RuntimeError(f"program: value {name!r} is not in the buffer its node was given (runtime.ops."
                                    "tape.Outputs): its binder must return its Outputs' buffers, in order")
             checked = True
-        self._unchecked = not checked
+        if shared is None:
+            self._unchecked = not checked
+        return checked
 
     def run(self, env: dict[str, torch.Tensor], observer: Observer | None = None,
             release: bool = False) -> list[torch.Tensor] | None:
@@ -208,14 +215,19 @@ class Program:
         to its end otherwise); env keeps the inputs no call reads and the outputs.
         """
         if observer is None and release:
-            for call, done in zip(self.calls, self.done):
+            checking, checked = self._unchecked, False
+            for call, done, shared in zip(self.calls, self.done, self.shared_by_call):
                 result = call.fn(*[env[i] for i in call.inputs])
                 if len(call.outputs) == 1:
                     env[call.outputs[0]] = result
                 elif call.outputs:
                     env.update(zip(call.outputs, result))
+                if checking and shared:
+                    checked = self._check_shared(env, shared) or checked
                 for name in done:
                     del env[name]
+            if checking:
+                self._unchecked = not checked
             return [env[o] for o in self.outputs]
         if observer is None:
             for call in self.calls:

@@ -337,6 +337,28 @@ def test_a_step_past_the_kept_buffers_holds_only_the_values_still_to_be_read(rep
     assert max(held[:len(program.calls)]) < sum(made.values()) / 2
 
 
+@pytest.mark.parametrize("replay", ["1", "0"])
+def test_a_binder_that_returns_another_buffer_fails_the_first_step(replay_engine_dir, monkeypatch, replay):
+    """Program checks, on its first step, that every kept value is in the buffer its node was given, whether the
+    step keeps its values (a recording) or drops each after its last reader (op by op, replay off)."""
+    from runtime import program as program_module
+
+    original = program_module.BINDERS["silu_mul"]
+
+    def cloned(site):
+        fn = original(site)
+        run = lambda *args: fn(*args).clone()  # noqa: E731
+        run.recordable = getattr(fn, "recordable", False)
+        return run
+
+    monkeypatch.setitem(program_module.BINDERS, "silu_mul", cloned)
+    monkeypatch.setenv("KILN_STEP_REPLAY", replay)
+    llm = LLMEngine.from_dir(replay_engine_dir, EngineOptions(kv_cache_gib=0.02))
+    assert llm.executor.replay == (replay == "1")
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert out.finish_reason == "error" and "is not in the buffer its node was given" in out.error
+
+
 @pytest.fixture(scope="module")
 def gemma3_replay_engine_dir(tiny_gemma3_dir, build_tiny_engine):
     """Gemma 3 with every weight int8 (the scaled embedding and the tied logits too), float32 activations."""
