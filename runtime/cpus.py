@@ -240,7 +240,7 @@ class ThreadGovernor:
             if self.lower is not None and self._rising >= self.RISE_AFTER:
                 self._rising, self.lower = 0, None
                 self._forget()
-                self._set(self.threads)
+                self._set(self.threads, f"the CPUs are free again ({free:.1f} of {len(self.cpus)})")
             return
         self._rising, self._short = 0, (self._short + [free])[-self.DROP_AFTER:]
         if self.lower is None and len(self._short) >= self.DROP_AFTER:  # contention starts (see the class)
@@ -249,7 +249,8 @@ class ThreadGovernor:
             self._hold = self.FIRST_HOLD if self.kept is None else min(self._hold, self.KEPT_HOLD)
             self._try_at = self.clock() + self._hold
             left = sum(self._short) / len(self._short)
-            self._set(self.kept or max(1, min(self.threads, math.floor(left + self.START_HEADROOM))))
+            self._set(self.kept or max(1, min(self.threads, math.floor(left + self.START_HEADROOM))),
+                      f"other processes hold CPUs ({left:.1f} of {len(self.cpus)} free)")
 
     def _forget(self) -> None:
         self._timed, self._trial, self._trial_timed = {}, None, {}
@@ -272,23 +273,26 @@ class ThreadGovernor:
         _remember(self._timed, shape, seconds, self.PROBE_STEPS, self.MAX_SHAPES)
         if self.clock() >= self._try_at and sum(map(len, self._timed.values())) >= self.PROBE_STEPS:
             self._trial, self._trial_timed, self._trial_steps, self._before_trial = [], {}, 0, self.live
-            self._set(self.threads if self.live < self.threads else self.lower)
+            self._set(self.threads if self.live < self.threads else self.lower, f"trying it against {self.live}")
 
     def _end_trial(self, won: bool) -> None:
+        result = (f"its steps took x{median(self._trial):.2f} the time of {self._before_trial}'s" if self._trial
+                  else "no step of a shape timed before")
         if won:  # the try's times are the live count's now
             self._timed, self._hold = self._trial_timed, self.FIRST_HOLD
+            log.info("kernel threads: %d kept (%s)", self.live, result)
         else:
-            self._set(self._before_trial)
+            self._set(self._before_trial, f"the try of {self.live} lost ({result})")
             self._hold = min(2 * self._hold, self.LONGEST_HOLD)
         self._trial, self._trial_timed = None, {}
         self.kept = self.live
         self._try_at = self.clock() + self._hold
 
-    def _set(self, count: int) -> None:
+    def _set(self, count: int, why: str = "") -> None:
         from runtime._native import _ops
 
         if count != self.live:
-            log.info("kernel threads at most %d of %d", count, self.threads)
+            log.info("kernel threads at most %d of %d%s", count, self.threads, f": {why}" if why else "")
             self.changes += 1
         self.live = count
         _ops.set_thread_cap(0 if count >= self.threads else count)

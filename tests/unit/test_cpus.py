@@ -1,6 +1,7 @@
 """The CPU count a process may use (affinity, capped by a cgroup v1 or v2 CPU quota), and the thread
 governor that follows the CPUs other processes leave it."""
 
+import logging
 import math
 import os
 import subprocess
@@ -132,7 +133,8 @@ def contend(governor: ThreadGovernor, free: float) -> None:
         governor.observe(free)
 
 
-def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster():
+def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster(caplog):
+    caplog.set_level(logging.INFO, logger="runtime.cpus")
     clock = Clock()
     governor = contended_governor(clock)
     try:
@@ -165,6 +167,15 @@ def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster():
         assert governor.live == 2
     finally:
         governor.close()
+    # each change says why, so a server's log tells contention, tries and their outcomes apart
+    assert [r.getMessage() for r in caplog.records if r.name == "runtime.cpus"][:7] == [
+        "kernel threads at most 1 of 2: other processes hold CPUs (1.0 of 2 free)",
+        "kernel threads at most 2 of 2: trying it against 1",
+        "kernel threads at most 1 of 2: the try of 2 lost (its steps took x4.00 the time of 1's)",
+        "kernel threads at most 2 of 2: trying it against 1",
+        "kernel threads: 2 kept (its steps took x0.67 the time of 1's)",
+        "kernel threads at most 1 of 2: trying it against 2",
+        "kernel threads at most 2 of 2: the try of 1 lost (no step of a shape timed before)"]
 
 
 def test_a_try_compares_each_step_with_steps_of_its_own_shape():
