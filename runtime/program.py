@@ -110,13 +110,15 @@ class Program:
         for name, slot in self.shared:
             self.shared_by_call[made_at[name]].append((name, slot))
 
+    def _last_reads(self) -> dict[str, int]:
+        """Each value a call reads -> the index of the last call that reads it."""
+        return {name: i for i, call in enumerate(self.calls) for name in call.inputs}
+
     def _done_after(self) -> list[tuple[str, ...]]:
         """Per call: the values no later call reads (its inputs read for the last time, its outputs never
         read), the program's outputs excepted: what `run(release=True)` drops after the call."""
-        last: dict[str, int] = {}
-        for i, call in enumerate(self.calls):
-            last.update((name, i) for name in call.outputs)  # made and never read: done where made
-            last.update((name, i) for name in call.inputs)
+        last = {name: i for i, call in enumerate(self.calls) for name in call.outputs}  # never read: done where made
+        last.update(self._last_reads())
         done: list[list[str]] = [[] for _ in self.calls]
         for name, at in last.items():
             if name not in self.outputs:
@@ -137,9 +139,7 @@ class Program:
         from the calls' order: a value lives from the call that makes it to the last call that reads it. A
         call whose binder made no Outputs of its own (or several) may return views of its inputs, so its
         outputs count as its inputs for as long as they live. Returns (value, slot) of every shared value."""
-        last_use: dict[str, int] = {}
-        for i, call in enumerate(self.calls):
-            last_use.update((name, i) for name in call.inputs)
+        last_use = self._last_reads()
         last_use.update((name, len(self.calls)) for name in self.outputs)  # read after the run
         holder: dict[str, str] = {}  # value -> the value whose buffer holds it
 
