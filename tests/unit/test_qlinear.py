@@ -217,7 +217,7 @@ def test_fp8_decodes_every_finite_code():
                                       ("avx2", "int16"), ("avx2", "int8")])
 def test_integer_activations_are_the_portable_numbers_bit_for_bit(simd, act):
     """The SIMD kernels' integer modes share the portable quantization, block sums and integer dots:
-    equal, not close. AMX takes int16 steps from 16 tokens and int8 ones from 64: 17, 40 and 70 tokens
+    equal, not close. AMX takes int16 steps from 16 tokens and int8 ones from 32: 17, 40 and 70 tokens
     fill whole tiles of 16 and a partial last one."""
     if simd not in ISAS:
         pytest.skip(LACKS[simd])

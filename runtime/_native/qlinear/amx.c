@@ -44,12 +44,12 @@ int cpu_has_amx(void)
 }
 
 /* Tokens from which the tiles beat the AVX-512 kernels (a SmolLM2 layer, 1 and 2 threads, measured on
- * a Xeon with AMX): int16 activations from 16 (x1.07-1.22 there, x1.27-1.41 at 128), int8 ones only
- * from 64 (x1.13-1.2 at 128; 3-4% slower at 16-32 on 2 threads), f32 ones from 13, where the AVX-512
+ * a Xeon with AMX): int16 activations from 16 (on 2 threads x1.0-1.1 there, x1.25 at 32: every layer's
+ * pass keeping its sums in registers), int8 ones from 32 (even there for q4 codes, x1.05-1.2 for q8; 0.8-0.9x at 16), f32 ones from 13, where the AVX-512
  * tiles begin (x1.4 there on 2 threads, x1.6-1.7 at 16, 1.9-2.0 at 64; at 8 tokens, converting the
  * codes for the tiles costs more than it saves: 0.75x). */
 #define AMX_MIN_T_INT16 16
-#define AMX_MIN_T_INT8 64
+#define AMX_MIN_T_INT8 32
 #define AMX_MIN_T_F32 13
 
 int amx_takes(const Job *job)
@@ -84,20 +84,21 @@ INLINE void load_config(const TileConfig *cfg)
     __asm__ volatile("ldtilecfg %0" ::"m"(*cfg));
 }
 
-/* The tiles (the intrinsics take their numbers as literals): sums [MT][16] int32, 0 and 1 (high or
- * int8 bytes' products, low bytes') for the even panels of a group, 2 and 3 for the odd ones;
- * activation bytes [MT][B], 4 (high or int8) and 5 (low); codes [B/4][64], 6 (even panels) and 7. */
+/* The tiles (the intrinsics take their numbers as literals): sums [MT][16] int32, 0 (high or int8
+ * bytes' products) and 1 (low bytes'); activation bytes [MT][B], even blocks' in 4 (high or int8) and
+ * 5 (low), odd blocks' in 2 and 3, so that loading a block's activations need not wait for the
+ * products of the block before; codes [B/4][64], 6 (even blocks) and 7. */
 static void configure(int64_t B)
 {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int i = 0; i < 4; i++) {
+    cfg.rows[0] = cfg.rows[1] = MT;
+    cfg.colsb[0] = cfg.colsb[1] = PANEL * 4;
+    for (int i = 2; i < 6; i++) {
         cfg.rows[i] = MT;
-        cfg.colsb[i] = PANEL * 4;
+        cfg.colsb[i] = (uint16_t)B;
     }
-    cfg.rows[4] = cfg.rows[5] = MT;
-    cfg.colsb[4] = cfg.colsb[5] = (uint16_t)B;
     cfg.rows[6] = cfg.rows[7] = (uint8_t)(B / 4);
     cfg.colsb[6] = cfg.colsb[7] = PANEL * 4;
     load_config(&cfg);
@@ -119,77 +120,95 @@ static void split_q4(const Job *job, int64_t p, uint8_t *rows)
     }
 }
 
-/* One panel's products with the activation tiles over one block, its codes' rows at `codes`: into
- * tiles 0 and 1 (codes in 6) for an even panel of a group, 2 and 3 (codes in 7) for an odd one.
- * panel_store takes them out a panel later, so that no store waits on the products just issued. */
-INLINE void panel_products(const int wide, const int odd, const uint8_t *codes)
+/* Block b's products, tokens t0 .. t0+MT against one panel's codes for the block (at `codes`), into
+ * tiles 0 and 1. */
+INLINE void block_products(const int wide, const int odd, const Job *job, int64_t t0, int64_t b, const uint8_t *codes)
 {
+    const int64_t K = job->w.k, off = t0 * K + b * job->blk;
+    _tile_zero(0);
+    if (wide)
+        _tile_zero(1);
     if (!odd) {
-        _tile_zero(0);
+        _tile_loadd(4, job->ws.xhi + off, K);
         if (wide)
-            _tile_zero(1);
+            _tile_loadd(5, job->ws.xlo + off, K);
         _tile_loadd(6, codes, PANEL * 4);
         _tile_dpbssd(0, 4, 6);      /* high (or int8) bytes, signed, x signed codes */
         if (wide)
             _tile_dpbusd(1, 5, 6);  /* low bytes, unsigned, x signed codes */
     } else {
-        _tile_zero(2);
+        _tile_loadd(2, job->ws.xhi + off, K);
         if (wide)
-            _tile_zero(3);
+            _tile_loadd(3, job->ws.xlo + off, K);
         _tile_loadd(7, codes, PANEL * 4);
-        _tile_dpbssd(2, 4, 7);
+        _tile_dpbssd(0, 2, 7);
         if (wide)
-            _tile_dpbusd(3, 5, 7);
+            _tile_dpbusd(1, 3, 7);
     }
 }
 
-/* The sums of panel_products into sums[0] (high or int8) and sums[1] (low). */
-INLINE void panel_store(const int wide, const int odd, int32_t (*sums)[MT][PANEL])
+/* y[t0 .. t0+mt, panel p] (+ bias) for integer activations, the panel's codes as tile rows at `codes`:
+ * per block, the products stored to sums[b & 1] while the block before is finished from its stored
+ * sums (acc[t] += its dot, the correction included, * (s * step) (+ z * xsum for q4), in micro_int's
+ * order of operations); the panel's f32 sums stay in registers from block to block (x1.1-1.25 at
+ * 16-32 tokens on a Xeon against keeping eight panels' sums in memory, each block's activation tiles
+ * loaded once for the eight). */
+INLINE void panel_int(const int fmt, const int wide, const int mt, const Job *job, int64_t p, int64_t t0,
+                      const uint8_t *codes)
 {
-    if (!odd) {
-        _tile_stored(0, sums[0], PANEL * 4);
-        if (wide)
-            _tile_stored(1, sums[1], PANEL * 4);
-    } else {
-        _tile_stored(2, sums[0], PANEL * 4);
-        if (wide)
-            _tile_stored(3, sums[1], PANEL * 4);
-    }
-}
-
-/* acc[t] (+)= block b's dot (its sums, the correction included) * (s * step) (+ z * xsum for
- * q4), for tokens t0 .. t0+mt and panel p, in micro_int's order of operations. */
-INLINE void block_finish(const int fmt, const int wide, const int mt, const Job *job, int64_t p, int64_t t0,
-                         int64_t b, int32_t (*sums)[MT][PANEL], float (*acc)[PANEL])
-{
-    const Weight *w = &job->w;
-    const int64_t K = w->k, nb = K / job->blk;
-    __m512 s, z = _mm512_setzero_ps();
-    group_params(fmt, w, p, w->group == K ? 0 : b, &s, &z);  /* per-channel, or block b's group */
-    const float *tp0 = job->ws.tparams + ((t0 / MRQ) * nb + b) * 3 * MRQ;  /* tokens t0 .. t0+7 */
-    const float *tp1 = tp0 + nb * 3 * MRQ;                                  /* t0+8 .. t0+15 */
+    const int64_t K = job->w.k, B = job->blk, nb = K / B, N = job->w.n;
+    const int64_t groups = K / job->w.group, stride = nb * 3 * MRQ;  /* per-channel scales: one group */
+    const float *tparams = job->ws.tparams + (t0 / MRQ) * stride;    /* tokens t0 .. t0+7; +stride: the next 8 */
+    int32_t sums[2][2][MT][PANEL] __attribute__((aligned(64)));        /* [block & 1][high, low][token] */
+    __m512 acc[MT];
     #pragma GCC unroll 16
-    for (int t = 0; t < mt; t++) {
-        const float *tp = (t < MRQ ? tp0 : tp1) + t % MRQ;
-        __m512i d = _mm512_load_si512(sums[0][t]);
-        if (wide)
-            d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), _mm512_load_si512(sums[1][t]));
-        __m512 a = b ? _mm512_load_ps(acc[t]) : _mm512_setzero_ps();
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(tp[0])), a);
-        if (fmt == FMT_Q4)
-            a = _mm512_fmadd_ps(z, _mm512_set1_ps(tp[MRQ]), a);
-        _mm512_store_ps(acc[t], a);
+    for (int t = 0; t < mt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b <= nb; b++) {
+        if (b < nb) {
+            (b & 1) ? block_products(wide, 1, job, t0, b, codes + b * B * PANEL)
+                    : block_products(wide, 0, job, t0, b, codes + b * B * PANEL);
+            _tile_stored(0, sums[b & 1][0], PANEL * 4);
+            if (wide)
+                _tile_stored(1, sums[b & 1][1], PANEL * 4);
+        }
+        if (b == 0)
+            continue;
+        const int64_t f = b - 1;  /* the block to finish */
+        __m512 s, z = _mm512_setzero_ps();
+        group_params_at(fmt, &job->w, (p * groups + (groups == 1 ? 0 : f)) * PANEL, &s, &z);  /* q4/q8 groups are blocks */
+        const float *tp0 = tparams + f * 3 * MRQ, *tp1 = tp0 + stride;
+        int32_t (*d32)[MT][PANEL] = sums[f & 1];
+        #pragma GCC unroll 16
+        for (int t = 0; t < mt; t++) {
+            const float *tp = (t < MRQ ? tp0 : tp1) + t % MRQ;
+            __m512i d = _mm512_load_si512(d32[0][t]);
+            if (wide)
+                d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), _mm512_load_si512(d32[1][t]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(tp[0])), acc[t]);
+            if (fmt == FMT_Q4)
+                acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(tp[MRQ]), acc[t]);
+        }
     }
+    const __mmask16 m = rows_mask(N, p);
+    const __m512 bias = job->bias ? _mm512_maskz_loadu_ps(m, job->bias + p * PANEL) : _mm512_setzero_ps();
+    #pragma GCC unroll 16
+    for (int t = 0; t < mt; t++)
+        _mm512_mask_storeu_ps(job->y + (t0 + t) * N + p * PANEL, m, job->bias ? _mm512_add_ps(acc[t], bias) : acc[t]);
 }
 
-INLINE void finish_any(const int fmt, const int wide, int mt, const Job *job, int64_t p, int64_t t0, int64_t b,
-                       int32_t (*sums)[MT][PANEL], float (*acc)[PANEL])
-{
-    if (mt == MT)
-        block_finish(fmt, wide, MT, job, p, t0, b, sums, acc);
-    else
-        block_finish(fmt, wide, mt, job, p, t0, b, sums, acc);
-}
+#define PANEL_INT(name, fmt, wide)                                                             \
+    static void name(const Job *job, int64_t p, int64_t t0, int mt, const uint8_t *codes)      \
+    {                                                                                          \
+        if (mt == MT)                                                                          \
+            panel_int(fmt, wide, MT, job, p, t0, codes);                                       \
+        else                                                                                   \
+            panel_int(fmt, wide, mt, job, p, t0, codes);                                       \
+    }
+PANEL_INT(amx_i8_q4, FMT_Q4, 0)
+PANEL_INT(amx_i8_q8, FMT_Q8, 0)
+PANEL_INT(amx_i16_q4, FMT_Q4, 1)
+PANEL_INT(amx_i16_q8, FMT_Q8, 1)
 
 /* y[t0 .. t0+mt, panels p0 .. p0+np) = the sums a tile pass kept in acc (+ bias). */
 INLINE void store_sums(const Job *job, int64_t p0, int np, int64_t t0, int mt, float (*acc)[MT][PANEL])
@@ -203,42 +222,6 @@ INLINE void store_sums(const Job *job, int64_t p0, int np, int64_t t0, int mt, f
                                   job->bias ? _mm512_add_ps(_mm512_load_ps(acc[i][t]), bias) : _mm512_load_ps(acc[i][t]));
     }
 }
-
-/* y[t0 .. t0+mt, panels p0 .. p0+np) (np <= AMX_PANELS; codes[i]: panel p0+i's tile rows): per block,
- * the activation tiles once, then each panel's products, finished while the tile unit works on the
- * next ones; the sums in acc until the last block. */
-INLINE void tiles_int(const int fmt, const int wide, const Job *job, int64_t p0, int np, int64_t t0, int mt,
-                      const uint8_t *const *codes)
-{
-    const int64_t K = job->w.k, B = job->blk, nb = K / B;
-    int32_t sums[2][2][MT][PANEL] __attribute__((aligned(64)));
-    float acc[AMX_PANELS][MT][PANEL] __attribute__((aligned(64)));
-    for (int64_t b = 0; b < nb; b++) {
-        _tile_loadd(4, job->ws.xhi + t0 * K + b * B, K);
-        if (wide)
-            _tile_loadd(5, job->ws.xlo + t0 * K + b * B, K);
-        /* panel i's products, panel i-1's store, panel i-2's finish: each waits on work two steps old */
-        for (int i = 0; i < np + 2; i++) {
-            if (i < np)
-                (i & 1) ? panel_products(wide, 1, codes[i] + b * B * PANEL) : panel_products(wide, 0, codes[i] + b * B * PANEL);
-            if (i >= 1 && i <= np)
-                ((i - 1) & 1) ? panel_store(wide, 1, sums[1]) : panel_store(wide, 0, sums[0]);
-            if (i >= 2)
-                finish_any(fmt, wide, mt, job, p0 + i - 2, t0, b, sums[i & 1], acc[i - 2]);
-        }
-    }
-    store_sums(job, p0, np, t0, mt, acc);
-}
-
-#define TILES_CASE(name, fmt, wide)                                                                   \
-    static void name(const Job *job, int64_t p0, int np, int64_t t0, int mt, const uint8_t *const *codes) \
-    {                                                                                                 \
-        tiles_int(fmt, wide, job, p0, np, t0, mt, codes);                                             \
-    }
-TILES_CASE(amx_i8_q4, FMT_Q4, 0)
-TILES_CASE(amx_i8_q8, FMT_Q8, 0)
-TILES_CASE(amx_i16_q4, FMT_Q4, 1)
-TILES_CASE(amx_i16_q8, FMT_Q8, 1)
 
 // ----------------------------------------------------------------------------
 // F32 activations on AMX-BF16 tiles
@@ -380,14 +363,14 @@ INLINE void panel_products_bf16(const int odd, const uint16_t *codes)
     }
 }
 
-/* acc[t] (+)= chunk c's sums * s + z * sum(x over the chunk), tokens t0 .. t0+mt, panel p. */
-INLINE void chunk_finish_f32(const int fmt, const int mt, const Job *job, int64_t p, int64_t t0, int64_t c,
+/* acc[t] (+)= chunk c's sums * s + z * sum(x over the chunk), tokens t0 .. t0+mt, panel p; `at`: the
+ * index of the panel's scales for the chunk's group (group_params_at). */
+INLINE void chunk_finish_f32(const int fmt, const int mt, const Job *job, int64_t at, int64_t t0, int64_t c,
                              float (*sums)[PANEL], float (*acc)[PANEL])
 {
-    const Weight *w = &job->w;
-    const int64_t nc = w->k / 32;
+    const int64_t nc = job->w.k / 32;
     __m512 s, z = _mm512_setzero_ps();
-    group_params(fmt, w, p, c * 32 / w->group, &s, &z);
+    group_params_at(fmt, &job->w, at, &s, &z);
     const float *xs = job->ws.xsum32 + t0 * nc + c;
     #pragma GCC unroll 16
     for (int t = 0; t < mt; t++) {
@@ -405,10 +388,12 @@ INLINE void tiles_f32(const int fmt, const Job *job, int64_t p0, int np, int64_t
                       const uint16_t *const *codes)
 {
     const int64_t K = job->w.k, nc = K / 32, rows = ceil_div(job->t, MT) * MT;
+    const int64_t groups = K / job->w.group, chunks = job->w.group / 32;  /* 32-k chunks a group */
     float sums[2][MT][PANEL] __attribute__((aligned(64)));
     float acc[AMX_PANELS][MT][PANEL] __attribute__((aligned(64)));
     const uint16_t *xh = job->ws.xbf + t0 * K, *xm = xh + rows * K, *xl = xm + rows * K;
     for (int64_t c = 0; c < nc; c++) {
+        const int64_t g = c / chunks;  /* one division a chunk, not one a panel */
         _tile_loadd(4, xh + c * 32, K * 2);
         _tile_loadd(5, xm + c * 32, K * 2);
         _tile_loadd(1, xl + c * 32, K * 2);
@@ -422,10 +407,11 @@ INLINE void tiles_f32(const int fmt, const Job *job, int64_t p0, int np, int64_t
                     _tile_stored(0, sums[0], 64);
             }
             if (i >= 2) {
+                const int64_t at = ((p0 + i - 2) * groups + g) * PANEL;
                 if (mt == MT)
-                    chunk_finish_f32(fmt, MT, job, p0 + i - 2, t0, c, sums[i & 1], acc[i - 2]);
+                    chunk_finish_f32(fmt, MT, job, at, t0, c, sums[i & 1], acc[i - 2]);
                 else
-                    chunk_finish_f32(fmt, mt, job, p0 + i - 2, t0, c, sums[i & 1], acc[i - 2]);
+                    chunk_finish_f32(fmt, mt, job, at, t0, c, sums[i & 1], acc[i - 2]);
             }
         }
     }
@@ -485,8 +471,8 @@ void amx_prepare(Job *job, int tid, int nt)
         split_token_bf16(job, t, ceil_div(job->t, MT) * MT);
 }
 
-/* Each thread a contiguous range of panels, taken AMX_PANELS at a time (q4: their codes split into
- * tile rows once), against every tile of MT tokens. */
+/* Each thread a contiguous range of panels, each (q4: its codes split into tile rows first) against every
+ * tile of MT tokens. */
 static void amx_compute(Job *job, int tid, int nt)
 {
     if (job->ws.xbf) {
@@ -499,25 +485,18 @@ static void amx_compute(Job *job, int tid, int nt)
     }
     const int64_t K = job->w.k, bpk = panel_bytes_per_k(job->w.fmt);
     const int q4 = job->w.fmt == FMT_Q4, wide = job->act == ACT_INT16;
-    void (*fn)(const Job *, int64_t, int, int64_t, int, const uint8_t *const *) =
+    void (*fn)(const Job *, int64_t, int64_t, int, const uint8_t *) =
         wide ? (q4 ? amx_i16_q4 : amx_i16_q8) : (q4 ? amx_i8_q4 : amx_i8_q8);
-    uint8_t *rows = q4 ? job->ws.wrows + (size_t)tid * AMX_PANELS * K * PANEL : NULL;
+    uint8_t *rows = q4 ? job->ws.wrows + (size_t)tid * K * PANEL : NULL;
     configure(job->blk);
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
-    for (int64_t p0 = lo; p0 < hi; p0 += AMX_PANELS) {
-        const int np = (int)(hi - p0 < AMX_PANELS ? hi - p0 : AMX_PANELS);
-        const uint8_t *codes[AMX_PANELS];
-        for (int i = 0; i < np; i++) {
-            if (q4) {
-                split_q4(job, p0 + i, rows + i * K * PANEL);
-                codes[i] = rows + i * K * PANEL;
-            } else {
-                codes[i] = job->w.codes + (p0 + i) * K * bpk;
-            }
-        }
+    for (int64_t p = lo; p < hi; p++) {
+        if (q4)
+            split_q4(job, p, rows);  /* 16 K bytes: in L1 for every tile of tokens */
+        const uint8_t *codes = q4 ? rows : job->w.codes + p * K * bpk;
         for (int64_t t0 = 0; t0 < job->t; t0 += MT)
-            fn(job, p0, np, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
+            fn(job, p, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
     }
     _tile_release();
 }

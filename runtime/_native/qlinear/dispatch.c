@@ -33,7 +33,7 @@ static int build_workspace(const Kernels *kern, Job *job, int threads)
         const int64_t rows = ceil_div(T, MT) * MT;
         ws->xhi = alloc_aligned((size_t)(rows * K));
         ws->xlo = job->act == ACT_INT16 ? alloc_aligned((size_t)(rows * K)) : NULL;
-        ws->wrows = job->w.fmt == FMT_Q4 ? alloc_aligned((size_t)threads * AMX_PANELS * (size_t)K * PANEL) : NULL;
+        ws->wrows = job->w.fmt == FMT_Q4 ? alloc_aligned((size_t)threads * (size_t)K * PANEL) : NULL;
         if (!ws->xhi || (job->act == ACT_INT16 && !ws->xlo) || (job->w.fmt == FMT_Q4 && !ws->wrows) || !ws->tparams)
             return 0;
         /* the last tile's rows past T: zeros, so that every tile multiply reads defined bytes */

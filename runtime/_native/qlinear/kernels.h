@@ -27,7 +27,7 @@ enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 #define MRQ 8        /* tokens per integer micro-kernel tile, and per tile of the xq / xq16 layouts */
 #define KC 256       /* k per dequantized f32 tile: [KC][32] f32 = 32 KiB, L1/L2 resident */
 #define MT 16          /* tokens per AMX tile (amx.c) */
-#define AMX_PANELS 8   /* panels an AMX pass takes at a time: their sums stay in L1 */
+#define AMX_PANELS 8   /* panels an AMX pass of f32 activations takes at a time: their sums stay in L1 */
 #define DIRECT_T 12  /* AVX-512, f32 activations: T <= DIRECT_T decodes weights in registers, no tile (12
                         tokens: 24 accumulators, the most the 32 registers hold beside a chunk's codes) */
 
@@ -44,7 +44,7 @@ typedef struct {
                         and xcorr (its int32 bits) per block, its tokens side by side */
     int8_t *xhi;     /* AMX: [ceil(T/MT)*MT][K] int8 activations, or int16 ones' high bytes (signed) */
     uint8_t *xlo;    /* AMX, int16: [ceil(T/MT)*MT][K] their low bytes (unsigned); x = 256 xhi + xlo */
-    uint8_t *wrows;  /* AMX, q4: [threads][AMX_PANELS][K/4][16][4] a group of panels' codes as tile rows;
+    uint8_t *wrows;  /* AMX, q4: [threads][K/4][16][4] a panel's codes as tile rows;
                         f32 activations: [threads][AMX_PANELS][K/2][16][2] their values as bf16 */
     uint16_t *xbf;   /* AMX, f32 activations: [3][ceil(T/MT)*MT][K] bf16 parts of x (hi, mid, lo: their sum
                         is x exactly) */
