@@ -44,10 +44,10 @@ int cpu_has_amx(void)
 }
 
 /* Tokens from which the tiles beat the AVX-512 kernels (a SmolLM2 layer, 1 and 2 threads, measured on
- * a Xeon with AMX): int16 activations from 16 (on 2 threads x1.0-1.1 there, x1.25 at 32: every layer's
- * pass keeping its sums in registers), int8 ones from 32 (even there for q4 codes, x1.05-1.2 for q8; 0.8-0.9x at 16), f32 ones from 13, where the AVX-512
- * tiles begin (x1.4 there on 2 threads, x1.6-1.7 at 16, 1.9-2.0 at 64; at 8 tokens, converting the
- * codes for the tiles costs more than it saves: 0.75x). */
+ * a Xeon with AMX): int16 activations from 16 (on 2 threads x1.0-1.1 there, x1.1-1.25 at 32, with each
+ * panel's sums in registers), int8 ones from 32 (even there for q4 codes, x1.05-1.2 for q8; 0.8-0.9x
+ * at 16), f32 ones from 13, where the AVX-512 tiles begin (x1.4 there on 2 threads, x1.6-1.7 at 16,
+ * 1.9-2.0 at 64; at 8 tokens, converting the codes for the tiles costs more than it saves: 0.75x). */
 #define AMX_MIN_T_INT16 16
 #define AMX_MIN_T_INT8 32
 #define AMX_MIN_T_F32 13
@@ -150,9 +150,9 @@ INLINE void block_products(const int wide, const int odd, const Job *job, int64_
 /* y[t0 .. t0+mt, panel p] (+ bias) for integer activations, the panel's codes as tile rows at `codes`:
  * per block, the products stored to sums[b & 1] while the block before is finished from its stored
  * sums (acc[t] += its dot, the correction included, * (s * step) (+ z * xsum for q4), in micro_int's
- * order of operations); the panel's f32 sums stay in registers from block to block (x1.1-1.25 at
- * 16-32 tokens on a Xeon against keeping eight panels' sums in memory, each block's activation tiles
- * loaded once for the eight). */
+ * order of operations); the panel's f32 sums stay in registers from block to block (x1.4 at 16
+ * tokens, x1.24 at 32 on a 2-core Xeon against keeping eight panels' sums in memory, each block's
+ * activation tiles loaded once for the eight). */
 INLINE void panel_int(const int fmt, const int wide, const int mt, const Job *job, int64_t p, int64_t t0,
                       const uint8_t *codes)
 {
