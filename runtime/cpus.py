@@ -107,9 +107,9 @@ def free_cpus(before: CpuTimes, after: CpuTimes, count: int) -> float | None:
 class ThreadGovernor:
     """Caps the threads of every Kiln kernel in this process at what runs fastest beside other processes.
 
-    `tick()` is called once a step; every `interval` seconds it reads /proc (after a gap of more than
-    `interval` between steps it only reads afresh: while this process was idle, other processes' work is
-    not contention). While the CPUs that were idle or this process's own add up to all of them (within
+    `tick()` is called once a step; every `interval` seconds it reads /proc (after more than `interval`
+    from one step's end to the next step it only reads afresh: while this process was idle, other
+    processes' work is not contention). While the CPUs that were idle or this process's own add up to all of them (within
     HEADROOM), the cap is lifted. When they fall short in DROP_AFTER readings in a row, another process
     holds CPUs: contention starts, at the count the last try kept if one has decided (a client busy now
     and then starts contention again and again), else at the CPUs those readings left on average,
@@ -173,7 +173,7 @@ class ThreadGovernor:
         enabled = (self.threads > 1 and len(self.cpus) > 0
                    and os.environ.get("KILN_ADAPTIVE_THREADS", "1") != "0")
         self._last = read_cpu_times(self.cpus, proc) if enabled else None  # None: it never acts
-        self._ticked = time.monotonic()  # the last tick: a longer gap than `interval` was idle time
+        self._stepped = time.monotonic()  # the last step's end (its start for a caller that reports no end)
         self.pins = (self.threads > 1 and len(self.cpus) == self.threads
                      and os.environ.get("KILN_PIN_THREADS", "1") != "0")
         self.teams: dict[int, list[int]] = {}  # stepping thread's native id -> its team's native ids
@@ -186,11 +186,13 @@ class ThreadGovernor:
         last = self._last
         if last is None:
             return
-        at, previous = time.monotonic(), self._ticked
-        self._ticked = at
+        at, previous = time.monotonic(), self._stepped
+        self._stepped = at
         if at - previous > self.interval:
-            # No step for a whole interval: this process was idle, and what others ran meanwhile (a benchmark's
-            # other engine, a client) says nothing about who holds the CPUs while it steps. Read afresh.
+            # No step for a whole interval since the last one ended: this process was idle, and what others ran
+            # meanwhile (a benchmark's other engine, a client) says nothing about who holds the CPUs while it
+            # steps. Read afresh. (The gap is counted from a step's end: steps longer than the interval, a
+            # long prefill or any step on a crowded host, are not idle time.)
             self._last = read_cpu_times(self.cpus, self.proc) or last
             return
         if at - last.at < self.interval:
@@ -211,6 +213,7 @@ class ThreadGovernor:
         try:
             yield
         finally:
+            self._stepped = time.monotonic()
             if mask is not None:
                 os.sched_setaffinity(0, mask)
 
@@ -257,6 +260,7 @@ class ThreadGovernor:
 
     def observe_step(self, shape: object, seconds: float) -> None:
         """One step of `shape` took `seconds` at the live count: material for comparing the counts."""
+        self._stepped = time.monotonic()
         if self.lower is None:  # not contended: nothing to compare
             return
         if self._trial is not None:
