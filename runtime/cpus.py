@@ -109,8 +109,8 @@ class ThreadGovernor:
 
     `tick()` is called once a step; every `interval` seconds it reads /proc (after more than `interval`
     from one step's end to the next step it only reads afresh: while this process was idle, other
-    processes' work is not contention). While the CPUs that were idle or this process's own add up to all of them (within
-    HEADROOM), the cap is lifted. When they fall short in DROP_AFTER readings in a row, another process
+    processes' work is not contention). While the CPUs that were idle or this process's own add up to
+    all of them (within HEADROOM), the cap is lifted. When they fall short in DROP_AFTER readings in a row, another process
     holds CPUs: contention starts, at the count the last try kept if one has decided (a client busy now
     and then starts contention again and again), else at the CPUs those readings left on average,
     rounded up from 0.5 (one short reading, a client's burst of a quarter second, starts nothing). Which
