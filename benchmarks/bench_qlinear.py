@@ -103,6 +103,7 @@ def methods(group: int, threads: int) -> list[Method]:
         Method(f"kiln int4 g{group} act=f32", kiln_int4("f32")),
         Method(f"kiln int4 g{group} act=int8", kiln_int4("int8")),
         Method(f"kiln int4 g{group} act=int16", kiln_int4("int16")),
+        Method(f"kiln int4 g{group} act=int12", kiln_int4("int12")),
         Method("kiln int8/ch act=f32", kiln_int8("f32", None)),
         Method("kiln int8/ch act=int8", kiln_int8("int8", None)),
         Method("kiln int8/ch act=int16", kiln_int8("int16", None)),

@@ -1,17 +1,18 @@
 """activations = "auto" (cpu target): the activation path chosen by measurement on the build host.
 
-Each candidate path (f32, int16, int8) runs the quantized, fused program on this host, with this
+Each candidate path (f32, int16, int8, and int12 where the kernels have AMX tiles: elsewhere it runs
+int16's instructions, so it could only be int16 with coarser steps) runs the quantized, fused program on this host, with this
 build's threads: a prefill of PROMPT_TOKENS tokens, then DECODE_STEPS single-sequence decode steps
 replayed from a tape as the engine serves them, ROUNDS times, medians kept. A path that rounds
 activations is also measured for accuracy the way every lossy plan is (builder/accuracy.py:
 perplexity, KL and greedy chat agreement); f32 on weights the build keeps exactly is exact.
 
-The choice: the fastest path whose greedy agreement reaches the gate (the plan's
-min_greedy_agreement, else DEFAULT_GATE), where fastest is the geometric mean of decode and prefill
-speed relative to f32 (a path must not buy one with the other). A path that rounds activations must
-beat f32 by MIN_GAIN: within that margin the timings are noise, and exact wins the tie, so that a
-host where the paths run alike does not flip between builds. f32 when none does. The report and the
-manifest show the table and the reason.
+The choice: among the paths whose greedy agreement reaches the gate (the plan's min_greedy_agreement, else
+DEFAULT_GATE), from the most precise (f32, int16, int12, int8), each coarser path is taken only if it
+beats the one taken so far by MIN_GAIN, where speed is the geometric mean of decode and prefill speed
+relative to f32 (a path must not buy one with the other). Within that margin the timings are noise and
+the more precise path wins the tie, so that a host where the paths run alike does not flip between
+builds. The report and the manifest show the table and the reason.
 
 A choice by timing depends on the host it was made on: the engine's bytes follow the choice, and the
 manifest says which was made and why; pin `activations` for an engine built the same anywhere.
@@ -30,9 +31,10 @@ from builder.evaluation import BLOCK_SIZE, _rank_file
 from builder.ir import Graph
 from builder.packing import integer_activations
 from runtime.executor import CpuExecutor
+from runtime.ops import linear
 from runtime.step import StepMetadata
 
-CANDIDATES = ("f32", "int16", "int8")
+CANDIDATES = ("f32", "int16", "int12", "int8")  # the most precise first
 DEFAULT_GATE = 95.0   # percent of the shipped chat prompts answered as the reference does
 MIN_GAIN = 1.05       # a rounding path must be this much faster than f32 (geometric mean) to be chosen
 PROMPT_TOKENS = 128
@@ -48,9 +50,9 @@ class Speed:
 
 
 def candidates(graph: Graph) -> list[str]:
-    """f32, and the integer paths when some linear of the program can take them."""
-    return [mode for mode in CANDIDATES
-            if mode == "f32" or any(integer_activations(n.op, n.attrs, mode) for n in graph.nodes)]
+    """f32, and the integer paths when some linear of the program can take them (int12 only on AMX kernels)."""
+    return [mode for mode in CANDIDATES if mode == "f32" or (
+        (mode != "int12" or linear.isa() == "amx") and any(integer_activations(n.op, n.attrs, mode) for n in graph.nodes))]
 
 
 def _step(tokens: list[int], start: int) -> StepMetadata:
@@ -88,27 +90,37 @@ def time_path(graph: Graph, activations: str, kv_dtype: str, vocab_size: int) ->
 
 
 def choose(speeds: dict[str, Speed], agreement: dict[str, float | None], gate: float) -> tuple[str, str]:
-    """(the chosen path, why): the fastest whose greedy agreement (None: exact) reaches the gate, f32 unless
-    that one gains MIN_GAIN over it."""
+    """(the chosen path, why): from the most precise path whose greedy agreement (None: exact) reaches the
+    gate, each coarser passing path that gains MIN_GAIN over the one chosen so far."""
     base = speeds["f32"]
 
     def score(mode: str) -> float:
         s = speeds[mode]
         return math.sqrt(s.decode_tok_s / base.decode_tok_s * s.prefill_tok_s / base.prefill_tok_s)
 
-    passing = [m for m in speeds if agreement.get(m) is None or agreement[m] >= gate]
+    order = sorted(speeds, key=lambda m: CANDIDATES.index(m) if m in CANDIDATES else len(CANDIDATES))
+    passing = [m for m in order if agreement.get(m) is None or agreement[m] >= gate]
     if not passing:
         return "f32", f"no path answers at least {gate:g}% of the chat prompts as the reference does: f32"
-    best = max(passing, key=score)
+    best, held = passing[0], []  # held: faster paths that did not gain MIN_GAIN over the path chosen before them
+    for mode in passing[1:]:
+        if score(mode) >= MIN_GAIN * score(best):
+            best = mode
+        elif score(mode) > score(best):
+            held.append(mode)
     failed = [m for m in speeds if m not in passing]
-    if best != "f32" and score(best) < MIN_GAIN:
-        why = (f"f32: {best}, the fastest of the paths whose greedy agreement reaches {gate:g}%, is only "
-               f"x{score(best):.2f} of f32 (geometric mean of decode and prefill speed), under the x{MIN_GAIN:g} "
+    if best == "f32" and held:
+        fastest = max(held, key=score)
+        why = (f"f32: {fastest}, the fastest of the paths whose greedy agreement reaches {gate:g}%, is only "
+               f"x{score(fastest):.2f} of f32 (geometric mean of decode and prefill speed), under the x{MIN_GAIN:g} "
                f"a rounding path must gain")
-        best = "f32"
     else:
-        why = (f"{best}: the fastest (geometric mean of decode and prefill speed, x{score(best):.2f} of f32) of the "
-               f"paths whose greedy agreement reaches {gate:g}%")
+        why = (f"{best}: x{score(best):.2f} of f32 (geometric mean of decode and prefill speed), the fastest of "
+               f"the paths whose greedy agreement reaches {gate:g}% by at least x{MIN_GAIN:g} over each more "
+               f"precise one")
+        held = [m for m in held if score(m) > score(best)]
+        if held:
+            why += "; " + ", ".join(f"{m} x{score(m):.2f} gained too little over it" for m in held)
     if failed:
         why += "; " + ", ".join(f"{m} answered {agreement[m]:.1f}%" for m in failed)
     return best, why

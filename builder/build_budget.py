@@ -96,7 +96,7 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
         phases["calibrating scales, a layer at a time"] = sweep
     if plan.target == "tensorrt":  # the ONNX export, ONNX Runtime's sessions and the cpu engine that verify it
         phases["verifying the ONNX (ONNX Runtime beside the cpu engine)"] = 2.5 * float_model + quantized
-    measured = (q.method in REQUANT or plan.kv_cache.dtype != "f32" or q.activations in ("int8", "int16", "auto")) \
+    measured = (q.method in REQUANT or plan.kv_cache.dtype != "f32" or q.activations in ("int8", "int16", "int12", "auto")) \
         and rank in (None, 0)
     if measured:
         logits = 2 * WINDOW_ROWS * shape.vocab_size * 4.0

@@ -55,8 +55,9 @@ def build(
              "model's first 32 greedy tokens."),
     activations: Optional[str] = typer.Option(None, "--activations",
                                               help="Override [quant] activations (cpu): f32 (exact, the default), "
-                                                   "int16 or int8 (int4/int8 layers quantize activations per token and "
-                                                   "block of 32; "
+                                                   "int16, int12 or int8 (int4/int8 layers quantize activations per "
+                                                   "token and block of 32; int12 takes half int16's AMX tile "
+                                                   "multiplies, elsewhere it runs as int16; "
                                                    "int8 is faster on AVX-512 VNNI, on par with f32 on "
                                                    "AVX2, and changes answers), or auto (each timed on this host; "
                                                    "the fastest whose greedy chat agreement reaches "

@@ -47,7 +47,7 @@ def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, 
     return list(names.values()), list(parts)
 
 
-INTEGER_ACTIVATIONS = ("int8", "int16")
+INTEGER_ACTIVATIONS = ("int8", "int16", "int12")
 
 
 def plan_activations(graph: Graph, plan) -> str:
@@ -57,7 +57,7 @@ def plan_activations(graph: Graph, plan) -> str:
 
 
 def integer_activations(op: str, attrs: dict, activations: str) -> bool:
-    """The integer activation paths (int8, int16) take int4/int8 linears (and logits) whose input
+    """The integer activation paths (int8, int16, int12) take int4/int8 linears (and logits) whose input
     width is a multiple of 32; other nodes compute on f32 activations."""
     quant = attrs.get("quant")
     return (activations in INTEGER_ACTIVATIONS and op in ("linear", "logits", "moe_linear") and quant in FORMATS

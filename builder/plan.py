@@ -22,7 +22,7 @@ from runtime.engine_format import KV_CACHE_DTYPES
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 GROUP_SIZES = (32, 64, 128)
-ACTIVATIONS = ("f32", "int16", "int8", "auto", "f16", "bf16")
+ACTIVATIONS = ("f32", "int16", "int12", "int8", "auto", "f16", "bf16")
 # What each target takes (activations, KV dtypes, quant methods) is the target's own: builder/targets.
 BF16_MIN_CC = (8, 0)  # bf16 tensor cores: Ampere or newer
 FP8_MIN_CC = (8, 9)   # FP8 tensor cores: Ada, Hopper or newer

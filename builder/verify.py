@@ -32,7 +32,7 @@ DEFAULT_PROMPTS = (
 # Without --tolerance, an engine on integer activations passes when its top-1 token is the reference's on
 # every prompt and its logits are within this share of the largest reference logit.
 # The cuda target's f16 and bf16 activations round every op's output the same way (10 and 7 fraction bits).
-INTEGER_ACTIVATION_TOLERANCE = {"int16": 0.01, "int8": 0.05, "f16": 0.02, "bf16": 0.05}
+INTEGER_ACTIVATION_TOLERANCE = {"int16": 0.01, "int12": 0.02, "int8": 0.05, "f16": 0.02, "bf16": 0.05}
 
 
 @dataclass
@@ -40,7 +40,7 @@ class VerifyReport:
     max_abs_diff: float = 0.0
     max_reference: float = 0.0      # largest |logit| of the reference
     top1_same: bool = True          # on every prompt
-    activations: str = "f32"  # "int8" / "int16": the engine computes some layers on such activations (approximate)
+    activations: str = "f32"  # "int8" / "int16" / "int12": the engine computes some layers on such activations (approximate)
     lines: list[str] = field(default_factory=list)
 
 

@@ -100,7 +100,8 @@ def linear_parameters(config: dict) -> tuple[int, int]:
 def roofline(weight_gbs: float, gops: float, peaks: Peaks, activations: str) -> tuple[float, float, str]:
     """(share of the read bandwidth, share of the compute peak, the limit that applies): each
     activation mode is held to the peak of its own instruction."""
-    kind = activations if activations in ("int8", "int16") else "f32"
+    kind = "int16" if activations == "int12" else activations  # int12 runs int16's instructions
+    kind = kind if kind in ("int8", "int16") else "f32"
     memory = weight_gbs / peaks.read_gbs
     compute = gops / {"int8": peaks.int8_gops, "int16": peaks.int16_gops, "f32": peaks.f32_gflops}[kind]
     return memory, compute, ("memory" if memory >= compute else kind)

@@ -2,11 +2,13 @@
 
 y = x @ w.T + bias, w the dequantized weight [N, K] of a format in runtime.weights.FORMATS.
 Activations: act="f32" computes in fp32 against the dequantized weights (matches the float
-reference to fp32 rounding); act="int16" and act="int8" (int4/int8 weights only) quantize x per
-token and block (step amax / 32767, amax / 127) and use integer dot products, error bounded by that
-rounding. int16 keeps chat answers equal to the float model's and runs on AVX2 (vpmaddwd) and AVX-512
-VNNI (vpdpwssd); int8 (AVX2 vpmaddubsw, AVX-512 VNNI vpdpbusd) changes answers, as llama.cpp's and
-ONNX Runtime's int8 activations do. CPUs with neither run the portable C path, far slower than f32.
+reference to fp32 rounding); act="int16", "int12" and "int8" (int4/int8 weights only) quantize x per
+token and block (step amax / 32767, amax / 2047, amax / 127) and use integer dot products, error bounded
+by that rounding. int16 keeps chat answers equal to the float model's and runs on AVX2 (vpmaddwd) and
+AVX-512 VNNI (vpdpwssd); int12 runs int16's kernels except on AMX, where a q4 block's 32 codes take one
+tile multiply (int16's take two); int8 (AVX2 vpmaddubsw, AVX-512 VNNI vpdpbusd) changes answers, as
+llama.cpp's and ONNX Runtime's int8 activations do. CPUs with neither run the portable C path, far
+slower than f32.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from runtime.ops.checks import buffer, describe, expect_shape, fail, threads
 from runtime.ops.tape import Outputs, recordable, unrecorded
 from runtime.weights import FORMATS, WeightFormat, bf16, fp8, int4, int8
 
-ACT_MODES = {"f32": _C.ACT_F32, "int8": _C.ACT_INT8, "int16": _C.ACT_INT16}
+ACT_MODES = {"f32": _C.ACT_F32, "int8": _C.ACT_INT8, "int16": _C.ACT_INT16, "int12": _C.ACT_INT12}
 
 
 def isa() -> str:

@@ -101,7 +101,7 @@ def test_unset_activations_follow_the_target():
 
 def test_f16_and_bf16_activations_are_not_cpu_paths():
     for activations in ("f16", "bf16"):
-        refused("[quant] activations", "the cpu target takes f32 or int16 or int8",
+        refused("[quant] activations", "the cpu target takes f32 or int16 or int12 or int8",
                 target="cpu", device="cpu", quant={"activations": activations})
 
 
@@ -171,3 +171,12 @@ def test_auto_activations_choose_the_fastest_path_that_keeps_the_gate():
     assert chosen == "f32" and "int16" in why and "x1.02" in why
     clear = {"f32": Speed(100, 1000), "int16": Speed(100, 1400)}
     assert choose(clear, {"f32": None, "int16": 100.0}, 95)[0] == "int16"
+    # each coarser path must gain MIN_GAIN over the more precise one chosen before it
+    agree = {"f32": None, "int16": 100.0, "int12": 100.0}
+    near = {"f32": Speed(100, 1000), "int16": Speed(130, 1300), "int12": Speed(133, 1350)}
+    chosen, why = choose(near, agree, 95)
+    assert chosen == "int16" and "int12 x1.34 gained too little" in why
+    ahead = {"f32": Speed(100, 1000), "int16": Speed(130, 1300), "int12": Speed(135, 1600)}
+    assert choose(ahead, agree, 95)[0] == "int12"
+    # an exact path that fails the gate is passed over for the most precise one that keeps it
+    assert choose({"f32": Speed(100, 1000), "int16": Speed(100, 1000)}, {"f32": 80.0, "int16": 96.0}, 95)[0] == "int16"

@@ -5,7 +5,7 @@ most K + 2K/G terms, so |y - ref| <= gamma_n * sum|terms| with gamma_n = n * 2^-
 rounding of each dequantized weight; AMX's f32 tiles add the 3 x 32 exact products of a 32-k
 chunk from zero, then two terms a chunk: chains of 96 + 2K/32, within the same bound); act="int8"
 adds the activation rounding, at most half an int8 step (block amax / 127) per element times |w|,
-and act="int16" half an int16 step (amax / 32767).
+and act="int16" half an int16 step (amax / 32767), act="int12" half an int12 one (amax / 2047).
 """
 
 import pytest
@@ -101,7 +101,7 @@ def check_f32(y, x, terms_w, ref, k, g):
     assert err.norm() <= 2e-6 * ref.norm() + 1e-30
 
 
-LEVELS = {"int8": 127, "int16": 32767}
+LEVELS = {"int8": 127, "int16": 32767, "int12": 2047}
 
 
 def check_int_act(y, x, w, terms_w, ref, k, block, act="int8"):
@@ -145,7 +145,7 @@ def per_batch(k, kernel, seed=0):
 
 
 @pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("act", ["f32", "int8", "int16"])
+@pytest.mark.parametrize("act", ["f32", "int8", "int16", "int12"])
 def test_int4_matches_reference(isa, g, act):
     for idx, (n, k) in enumerate(run_shapes(isa, g == 32).values()):
         if k % g:
@@ -163,7 +163,7 @@ def test_int4_matches_reference(isa, g, act):
 
 
 @pytest.mark.parametrize("g", [None, 32])
-@pytest.mark.parametrize("act", ["f32", "int8", "int16"])
+@pytest.mark.parametrize("act", ["f32", "int8", "int16", "int12"])
 def test_int8_matches_reference(isa, g, act):
     for idx, (n, k) in enumerate(run_shapes(isa, g == 32).values()):
         q, s = random_int8(n, k, g, seed=idx)
@@ -213,12 +213,12 @@ def test_fp8_decodes_every_finite_code():
     assert torch.equal(ql.linear_fp8(x, packed, 1, 248)[:, 0], expected[0])  # one product each: exact
 
 
-@pytest.mark.parametrize("simd,act", [("amx", "int16"), ("amx", "int8"), ("avx512", "int16"), ("avx512", "int8"),
-                                      ("avx2", "int16"), ("avx2", "int8")])
+@pytest.mark.parametrize("simd,act", [(simd, act) for simd in ("amx", "avx512", "avx2") for act in ("int16", "int12", "int8")])
 def test_integer_activations_are_the_portable_numbers_bit_for_bit(simd, act):
     """The SIMD kernels' integer modes share the portable quantization, block sums and integer dots:
-    equal, not close. AMX takes int16 steps from 16 tokens and int8 ones from 32: 17, 40 and 70 tokens
-    fill whole tiles of 16 and a partial last one."""
+    equal, not close. AMX takes int16 and int12 steps from 16 tokens and int8 ones from 32: 17, 40 and 70
+    tokens fill whole tiles of 16 and a partial last one; int12 against q4 codes in blocks of 32 goes one tile
+    row a block from 32 tokens (576 x 576 at 40 and 70), as int16 below that."""
     if simd not in ISAS:
         pytest.skip(LACKS[simd])
     # int8 per-channel (group None) takes activation blocks of 128 at K = 256, 64 at 320 and 32 at 96
@@ -244,7 +244,7 @@ def test_threads_give_identical_results():
     packed = int4.pack(*random_int4(n, k, g), g)
     for t in (1, 17):
         x = torch.randn(t, k, generator=gen(t))
-        for act in ("f32", "int8", "int16"):
+        for act in ("f32", "int8", "int16", "int12"):
             one = ql.linear_int4(x, packed, n, k, g, act=act, num_threads=1)
             assert torch.equal(one, ql.linear_int4(x, packed, n, k, g, act=act, num_threads=2))
 
@@ -316,7 +316,7 @@ def test_bf16_pack_round_trip_is_exact():
 # Adversarial inputs
 
 
-@pytest.mark.parametrize("act", ["f32", "int8", "int16"])
+@pytest.mark.parametrize("act", ["f32", "int8", "int16", "int12"])
 def test_outliers_and_zero_scales(isa, act):
     n, k, g = 40, 192, 32
     q, s, z = random_int4(n, k, g, seed=5)

@@ -6,9 +6,9 @@ from runtime.engine_format import KV_CACHE_DTYPES
 
 DEVICE_KIND = "cpu"
 RANKS_ALONE = True
-# int16 / int8: integer activations per token in int4/int8 linears; auto: the fastest on the build host that keeps
-# the greedy gate (builder/activation_choice.py)
-ACTIVATIONS = ("f32", "int16", "int8", "auto")
+# int16 / int12 / int8: integer activations per token and block in int4/int8 linears; auto: the fastest on the build
+# host that keeps the greedy gate (builder/activation_choice.py)
+ACTIVATIONS = ("f32", "int16", "int12", "int8", "auto")
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 

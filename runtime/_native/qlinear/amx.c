@@ -9,7 +9,12 @@
  * A block's integer dot products come from tile multiplies: a tile of MT tokens' activation bytes
  * [MT][B] times a panel's codes [B/4][16 rows][4] gives [MT][16] int32 sums. Int8 activations take
  * one multiply a block; int16 ones, split into a signed high byte and an unsigned low byte
- * (x = 256 hi + lo), take two, combined as 256 * sum(hi) + sum(lo). Integer sums are exact, so each
+ * (x = 256 hi + lo), take two, combined as 256 * sum(hi) + sum(lo). Int12 ones (|x| <= 2047) against q4
+ * codes in blocks of 32 take one, from 32 tokens: x = 16 hi + lo with lo in 0..15, and a block's tile row
+ * is [32 hi | 32 lo] against codes [16 (q - 8) | q - 8] (16 (q - 8) still fits a signed byte), so the
+ * tile's sum is the block's whole dot; at a layer's 64 and 128 tokens x1.2-1.35 int16's tiles on a
+ * 2-core Xeon, as each block's finish needs no combining and half the stored sums (the products take
+ * the same time: a multiply of 64-byte rows costs two of 32-byte ones). Integer sums are exact, so each
  * block's dot is micro_int's (q8 codes multiply as signed bytes, which needs no correction; q4 codes
  * multiply as q - 8, which is the dot plus micro_int's correction), and the f32 steps after it are the same:
  * the numbers are the portable path's, bit for bit. */
@@ -61,7 +66,7 @@ int amx_takes(const Job *job)
      * codes, then the scale) a tiny model's logits moved by 0.038. */
     if (job->act == ACT_F32)
         return amx_bf16 && job->t >= AMX_MIN_T_F32 && job->w.group % 32 == 0 && job->w.fmt != FMT_F8;
-    return (job->act == ACT_INT16 ? job->t >= AMX_MIN_T_INT16 : job->act == ACT_INT8 && job->t >= AMX_MIN_T_INT8) &&
+    return (act_wide(job->act) ? job->t >= AMX_MIN_T_INT16 : job->act == ACT_INT8 && job->t >= AMX_MIN_T_INT8) &&
            (job->w.fmt == FMT_Q4 || job->w.fmt == FMT_Q8) && (job->blk == 32 || job->blk == 64);
 }
 
@@ -84,20 +89,23 @@ INLINE void load_config(const TileConfig *cfg)
     __asm__ volatile("ldtilecfg %0" ::"m"(*cfg));
 }
 
-/* The tiles (the intrinsics take their numbers as literals): sums [MT][16] int32, 0 (high or int8
- * bytes' products) and 1 (low bytes'); activation bytes [MT][B], even blocks' in 4 (high or int8) and
- * 5 (low), odd blocks' in 2 and 3, so that loading a block's activations need not wait for the
- * products of the block before; codes [B/4][64], 6 (even blocks) and 7. */
-static void configure(int64_t B)
+/* The tiles (the intrinsics take their numbers as literals); activation and code tiles alternate between
+ * even and odd blocks, so that loading a block's need not wait for the multiplies of the block before.
+ * One multiply a block (int8 activations, and joined int12 ones): sums [MT][16] int32 0 (joined: odd
+ * blocks' in 3, see panel_int), activation bytes [MT][B] 2 and 4 (joined: [MT][64]). Int16 ones: sums 0
+ * (high bytes' products) and 1 (low bytes'), activation bytes 4 and 5, then 2 and 3. Codes [B/4][64]
+ * (joined: [16][64]) 6 and 7. */
+static void configure(int64_t B, int wide)
 {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    cfg.rows[0] = cfg.rows[1] = MT;
-    cfg.colsb[0] = cfg.colsb[1] = PANEL * 4;
-    for (int i = 2; i < 6; i++) {
-        cfg.rows[i] = MT;
-        cfg.colsb[i] = (uint16_t)B;
+    if (wide == 2)  /* a block's row is 64 bytes, x >> 4 then x & 15, against 16 rows of codes */
+        B = 64;
+    for (int i = 0; i < 6; i++) {
+        const int sums = i == 0 || (wide == 1 ? i == 1 : i == 3);
+        cfg.rows[i] = wide == 1 || sums || i == 2 || i == 4 ? MT : 0;
+        cfg.colsb[i] = sums ? PANEL * 4 : cfg.rows[i] ? (uint16_t)B : 0;
     }
     cfg.rows[6] = cfg.rows[7] = (uint8_t)(B / 4);
     cfg.colsb[6] = cfg.colsb[7] = PANEL * 4;
@@ -120,70 +128,120 @@ static void split_q4(const Job *job, int64_t p, uint8_t *rows)
     }
 }
 
-/* Block b's products, tokens t0 .. t0+MT against one panel's codes for the block (at `codes`), into
- * tiles 0 and 1. */
-INLINE void block_products(const int wide, const int odd, const Job *job, int64_t t0, int64_t b, const uint8_t *codes)
+/* A q4 panel's codes for joined int12 activations (amx_joined): per block of 32 k, 8 tile rows of 16 * (q - 8)
+ * (against x >> 4), then 8 of q - 8 (against x & 15), each 8 rows in split_q4's order. 16 * (q - 8) is
+ * the nibble moved to the byte's top, minus 128 (an exclusive or of the top bit). */
+static void split_q4_joined(const Job *job, int64_t p, uint8_t *rows)
 {
-    const int64_t K = job->w.k, off = t0 * K + b * job->blk;
-    _tile_zero(0);
-    if (wide)
-        _tile_zero(1);
-    if (!odd) {
-        _tile_loadd(4, job->ws.xhi + off, K);
-        if (wide)
-            _tile_loadd(5, job->ws.xlo + off, K);
-        _tile_loadd(6, codes, PANEL * 4);
-        _tile_dpbssd(0, 4, 6);      /* high (or int8) bytes, signed, x signed codes */
-        if (wide)
-            _tile_dpbusd(1, 5, 6);  /* low bytes, unsigned, x signed codes */
-    } else {
-        _tile_loadd(2, job->ws.xhi + off, K);
-        if (wide)
-            _tile_loadd(3, job->ws.xlo + off, K);
-        _tile_loadd(7, codes, PANEL * 4);
-        _tile_dpbssd(0, 2, 7);
-        if (wide)
-            _tile_dpbusd(1, 3, 7);
+    const int64_t K = job->w.k;
+    const uint8_t *src = job->w.codes + p * K * panel_bytes_per_k(FMT_Q4);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
+    const __m512i eight = _mm512_set1_epi8(8), top = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; c < K / 8; c++) {
+        const __m512i v = _mm512_loadu_si512(src + c * 64);
+        uint8_t *dst = rows + (c / 4) * 1024 + (c % 4) * 128;
+        _mm512_store_si512(dst, _mm512_xor_si512(_mm512_and_si512(_mm512_slli_epi16(v, 4), high4), top));
+        _mm512_store_si512(dst + 64, _mm512_xor_si512(_mm512_and_si512(v, high4), top));
+        _mm512_store_si512(dst + 512, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
+        _mm512_store_si512(dst + 576, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
     }
 }
 
+/* Block b's products, tokens t0 .. t0+MT against one panel's codes for the block (at `codes`), in the tiles
+ * `configure` gives them. wide: 0 int8 activations, 1 int16 ones as high and low bytes, 2 joined int12
+ * ones (one tile row a block, against amx_joined's codes). */
+INLINE void block_products(const int wide, const int odd, const Job *job, int64_t t0, int64_t b, const uint8_t *codes)
+{
+    const int64_t K = job->w.k, off = t0 * K + b * job->blk;
+    const int8_t *x = job->ws.xhi + (wide == 2 ? 2 * off : off);
+    const int64_t row = wide == 2 ? 2 * K : K;
+    if (wide == 1) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (!odd) {
+            _tile_loadd(4, x, row);
+            _tile_loadd(5, job->ws.xlo + off, K);
+            _tile_loadd(6, codes, PANEL * 4);
+            _tile_dpbssd(0, 4, 6);  /* high bytes, signed, x signed codes */
+            _tile_dpbusd(1, 5, 6);  /* low bytes, unsigned, x signed codes */
+        } else {
+            _tile_loadd(2, x, row);
+            _tile_loadd(3, job->ws.xlo + off, K);
+            _tile_loadd(7, codes, PANEL * 4);
+            _tile_dpbssd(0, 2, 7);
+            _tile_dpbusd(1, 3, 7);
+        }
+    } else if (!odd) {
+        _tile_zero(0);
+        _tile_loadd(2, x, row);
+        _tile_loadd(6, codes, PANEL * 4);
+        _tile_dpbssd(0, 2, 6);  /* int8 or joined bytes, signed, x signed codes */
+    } else if (wide == 2) {  /* its own sums tile: stored while the next block multiplies */
+        _tile_zero(3);
+        _tile_loadd(4, x, row);
+        _tile_loadd(7, codes, PANEL * 4);
+        _tile_dpbssd(3, 4, 7);
+    } else {
+        _tile_zero(0);
+        _tile_loadd(4, x, row);
+        _tile_loadd(7, codes, PANEL * 4);
+        _tile_dpbssd(0, 4, 7);
+    }
+}
+
+/* A block's sums into sums[0] (and, int16, its low bytes' into sums[1]); odd: an odd joined block's tile. */
+INLINE void store_block(const int wide, const int odd, int32_t (*sums)[MT][PANEL])
+{
+    if (odd && wide == 2) {
+        _tile_stored(3, sums[0], PANEL * 4);
+        return;
+    }
+    _tile_stored(0, sums[0], PANEL * 4);
+    if (wide == 1)
+        _tile_stored(1, sums[1], PANEL * 4);
+}
+
 /* y[t0 .. t0+mt, panel p] (+ bias) for integer activations, the panel's codes as tile rows at `codes`:
- * per block, the products stored to sums[b & 1] while the block before is finished from its stored
- * sums (acc[t] += its dot, the correction included, * (s * step) (+ z * xsum for q4), in micro_int's
+ * per block, the products stored to sums while a block before is finished from its stored sums
+ * (acc[t] += its dot, the correction included, * (s * step) (+ z * xsum for q4), in micro_int's
  * order of operations); the panel's f32 sums stay in registers from block to block (x1.4 at 16
  * tokens, x1.24 at 32 on a 2-core Xeon against keeping eight panels' sums in memory, each block's
- * activation tiles loaded once for the eight). */
+ * activation tiles loaded once for the eight). Joined int12 blocks (wide 2) alternate two sums tiles
+ * and are finished two blocks after their products, not one (x1.1-1.2 at 32-64 tokens there: the
+ * finish's loads wait less on the tile's stores; the other modes have no tile to spare). */
 INLINE void panel_int(const int fmt, const int wide, const int mt, const Job *job, int64_t p, int64_t t0,
                       const uint8_t *codes)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B, N = job->w.n;
     const int64_t groups = K / job->w.group, stride = nb * 3 * MRQ;  /* per-channel scales: one group */
     const float *tparams = job->ws.tparams + (t0 / MRQ) * stride;    /* tokens t0 .. t0+7; +stride: the next 8 */
-    int32_t sums[2][2][MT][PANEL] __attribute__((aligned(64)));        /* [block & 1][high, low][token] */
+    int32_t sums[3][2][MT][PANEL] __attribute__((aligned(64)));  /* [block % (lag + 1)][high, low][token] */
     __m512 acc[MT];
     #pragma GCC unroll 16
     for (int t = 0; t < mt; t++)
         acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b <= nb; b++) {
+    const int lag = wide == 2 ? 2 : 1;  /* blocks from a block's multiplies to its finish */
+    for (int64_t b = 0; b < nb + lag; b++) {
         if (b < nb) {
-            (b & 1) ? block_products(wide, 1, job, t0, b, codes + b * B * PANEL)
-                    : block_products(wide, 0, job, t0, b, codes + b * B * PANEL);
-            _tile_stored(0, sums[b & 1][0], PANEL * 4);
-            if (wide)
-                _tile_stored(1, sums[b & 1][1], PANEL * 4);
+            const uint8_t *at = codes + b * B * PANEL * (wide == 2 ? 2 : 1);
+            (b & 1) ? block_products(wide, 1, job, t0, b, at) : block_products(wide, 0, job, t0, b, at);
+            if (wide != 2)  /* one sums tile (pair): stored before the next block's multiplies */
+                store_block(wide, 0, sums[b & 1]);
         }
-        if (b == 0)
+        if (wide == 2 && b >= 1 && b <= nb)  /* the block before's sums, its multiply done by now */
+            ((b - 1) & 1) ? store_block(2, 1, sums[(b - 1) % 3]) : store_block(2, 0, sums[(b - 1) % 3]);
+        if (b < lag)
             continue;
-        const int64_t f = b - 1;  /* the block to finish */
+        const int64_t f = b - lag;  /* the block to finish */
         __m512 s, z = _mm512_setzero_ps();
         group_params_at(fmt, &job->w, (p * groups + (groups == 1 ? 0 : f)) * PANEL, &s, &z);  /* q4/q8 groups are blocks */
         const float *tp0 = tparams + f * 3 * MRQ, *tp1 = tp0 + stride;
-        int32_t (*d32)[MT][PANEL] = sums[f & 1];
+        int32_t (*d32)[MT][PANEL] = sums[wide == 2 ? f % 3 : f & 1];
         #pragma GCC unroll 16
         for (int t = 0; t < mt; t++) {
             const float *tp = (t < MRQ ? tp0 : tp1) + t % MRQ;
             __m512i d = _mm512_load_si512(d32[0][t]);
-            if (wide)
+            if (wide == 1)
                 d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), _mm512_load_si512(d32[1][t]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(tp[0])), acc[t]);
             if (fmt == FMT_Q4)
@@ -209,6 +267,7 @@ PANEL_INT(amx_i8_q4, FMT_Q4, 0)
 PANEL_INT(amx_i8_q8, FMT_Q8, 0)
 PANEL_INT(amx_i16_q4, FMT_Q4, 1)
 PANEL_INT(amx_i16_q8, FMT_Q8, 1)
+PANEL_INT(amx_i12_q4, FMT_Q4, 2)
 
 /* y[t0 .. t0+mt, panels p0 .. p0+np) = the sums a tile pass kept in acc (+ bias). */
 INLINE void store_sums(const Job *job, int64_t p0, int np, int64_t t0, int mt, float (*acc)[MT][PANEL])
@@ -484,15 +543,17 @@ static void amx_compute(Job *job, int tid, int nt)
         return;
     }
     const int64_t K = job->w.k, bpk = panel_bytes_per_k(job->w.fmt);
-    const int q4 = job->w.fmt == FMT_Q4, wide = job->act == ACT_INT16;
+    const int q4 = job->w.fmt == FMT_Q4, wide = act_wide(job->act), joined = amx_joined(job);
     void (*fn)(const Job *, int64_t, int64_t, int, const uint8_t *) =
-        wide ? (q4 ? amx_i16_q4 : amx_i16_q8) : (q4 ? amx_i8_q4 : amx_i8_q8);
-    uint8_t *rows = q4 ? job->ws.wrows + (size_t)tid * K * PANEL : NULL;
-    configure(job->blk);
+        joined ? amx_i12_q4 : wide ? (q4 ? amx_i16_q4 : amx_i16_q8) : (q4 ? amx_i8_q4 : amx_i8_q8);
+    uint8_t *rows = q4 ? job->ws.wrows + (size_t)tid * K * PANEL * (joined ? 2 : 1) : NULL;
+    configure(job->blk, joined ? 2 : wide);
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
     for (int64_t p = lo; p < hi; p++) {
-        if (q4)
+        if (joined)
+            split_q4_joined(job, p, rows);
+        else if (q4)
             split_q4(job, p, rows);  /* 16 K bytes: in L1 for every tile of tokens */
         const uint8_t *codes = q4 ? rows : job->w.codes + p * K * bpk;
         for (int64_t t0 = 0; t0 < job->t; t0 += MT)

@@ -77,7 +77,7 @@ static void avx512_quantize_token(const Job *job, int64_t t)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
     const float *x = job->x + t * K, levels = act_levels(job->act);
-    const int wide = job->act == ACT_INT16;
+    const int wide = act_wide(job->act);
     /* xq / xq16 words of this token: one every MRQ words along k (4 k a word for int8, 2 for int16) */
     int32_t *words = job->ws.xhi ? NULL
                      : wide ? (int32_t *)job->ws.xq16 + xq16_index(t, 0, K) / 2
@@ -93,7 +93,11 @@ static void avx512_quantize_token(const Job *job, int64_t t)
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
             qsum = _mm512_add_epi32(qsum, q);
             if (job->ws.xhi) {
-                if (wide) {
+                if (amx_joined(job)) {  /* block b's 64 bytes: x >> 4, then x & 15 */
+                    int8_t *row = job->ws.xhi + t * 2 * K + b * 64 + (k - b * B);
+                    _mm_storeu_si128((__m128i *)row, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 4)));
+                    _mm_storeu_si128((__m128i *)(row + 32), _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(15))));
+                } else if (wide) {
                     _mm_storeu_si128((__m128i *)(job->ws.xhi + t * K + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
                     _mm_storeu_si128((__m128i *)(job->ws.xlo + t * K + k),
                                      _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(0xFF))));
@@ -143,7 +147,7 @@ INLINE void transpose8x8_epi32(const __m256i r[8], __m256i out[8])
 static void avx512_quantize_tile16(const Job *job, int64_t t0, int mr)
 {
     const int64_t K = job->w.k, B = job->blk, nb = K / B;
-    const float levels = act_levels(ACT_INT16);
+    const float levels = act_levels(job->act);
     int32_t *words = (int32_t *)job->ws.xq16 + xq16_index(t0, 0, K) / 2;
     for (int64_t b = 0; b < nb; b++) {
         __m512 inv[MRQ];
@@ -183,7 +187,7 @@ void avx512_prepare(Job *job, int tid, int nt)
 {
     const int64_t K = job->w.k, nb = K / job->blk;
     int64_t lo, hi;
-    if (job->act == ACT_INT16 && !job->ws.xhi && job->t >= TILE_QUANTIZE_T) {  /* whole tiles a thread */
+    if (act_wide(job->act) && !job->ws.xhi && job->t >= TILE_QUANTIZE_T) {  /* whole tiles a thread */
         thread_range((job->t + MRQ - 1) / MRQ, tid, nt, &lo, &hi);
         for (int64_t tile = lo; tile < hi; tile++)
             avx512_quantize_tile16(job, tile * MRQ, (int)(job->t - tile * MRQ < MRQ ? job->t - tile * MRQ : MRQ));
@@ -563,7 +567,7 @@ static void avx512_compute_int(const Job *job, int tid, int nt)
 {
     const int q4 = job->w.fmt == FMT_Q4;
     void (*fn)(const Job *, int64_t, int64_t, int) =
-        job->act == ACT_INT16 ? (q4 ? i16_FMT_Q4 : i16_FMT_Q8) : (q4 ? i8_FMT_Q4 : i8_FMT_Q8);
+        act_wide(job->act) ? (q4 ? i16_FMT_Q4 : i16_FMT_Q8) : (q4 ? i8_FMT_Q4 : i8_FMT_Q8);
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
     for (int64_t p = lo; p < hi; p++)

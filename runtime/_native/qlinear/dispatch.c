@@ -31,19 +31,21 @@ static int build_workspace(const Kernels *kern, Job *job, int threads)
     }
     if (kern == &KERNELS_AMX && amx_takes(job)) {
         const int64_t rows = ceil_div(T, MT) * MT;
-        ws->xhi = alloc_aligned((size_t)(rows * K));
-        ws->xlo = job->act == ACT_INT16 ? alloc_aligned((size_t)(rows * K)) : NULL;
-        ws->wrows = job->w.fmt == FMT_Q4 ? alloc_aligned((size_t)threads * (size_t)K * PANEL) : NULL;
-        if (!ws->xhi || (job->act == ACT_INT16 && !ws->xlo) || (job->w.fmt == FMT_Q4 && !ws->wrows) || !ws->tparams)
+        const int joined = amx_joined(job), wide = act_wide(job->act) && !joined;
+        const int64_t row = joined ? 2 * K : K;  /* bytes of a token's row of xhi */
+        ws->xhi = alloc_aligned((size_t)(rows * row));
+        ws->xlo = wide ? alloc_aligned((size_t)(rows * K)) : NULL;
+        ws->wrows = job->w.fmt == FMT_Q4 ? alloc_aligned((size_t)threads * (size_t)row * PANEL) : NULL;
+        if (!ws->xhi || (wide && !ws->xlo) || (job->w.fmt == FMT_Q4 && !ws->wrows) || !ws->tparams)
             return 0;
         /* the last tile's rows past T: zeros, so that every tile multiply reads defined bytes */
-        memset(ws->xhi + T * K, 0, (size_t)((rows - T) * K));
+        memset(ws->xhi + T * row, 0, (size_t)((rows - T) * row));
         if (ws->xlo)
             memset(ws->xlo + T * K, 0, (size_t)((rows - T) * K));
         return 1;
     }
     if (job->act != ACT_F32) {
-        if (job->act == ACT_INT16)
+        if (act_wide(job->act))
             ws->xq16 = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K) * sizeof(int16_t));
         else
             ws->xq = alloc_aligned((size_t)(ceil_div(T, MRQ) * MRQ * K));

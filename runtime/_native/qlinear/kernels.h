@@ -3,8 +3,9 @@
  *
  * Activation modes: f32 (codes decoded to f32, fp32 FMA accumulation), int8 (q4/q8 only:
  * activations quantized per token and block of `blk` k to int8, u8 x s8 VNNI dot products, one
- * fp32 rescale per block, as llama.cpp does) and int16 (the same with 16-bit activations, step
- * amax / 32767: u8-widened codes x s16 pair products, vpdpwssd on AVX-512 VNNI, vpmaddwd on AVX2).
+ * fp32 rescale per block, as llama.cpp does), int16 (the same with 16-bit activations, step
+ * amax / 32767: u8-widened codes x s16 pair products, vpdpwssd on AVX-512 VNNI, vpmaddwd on AVX2) and
+ * int12 (int16's kernels on codes of step amax / 2047; on AMX, q4 blocks join, see amx_joined).
  *
  * Kernels: AMX (AVX-512's, with tile multiplies for integer activations' larger steps, and for f32
  * ones' with AMX-BF16: x split exactly into three bf16 parts) when the CPU and OS offer AMX-INT8, else
@@ -21,7 +22,11 @@
 
 #include "layout.h"
 
-enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
+enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2, ACT_INT12 = 3 };
+
+/* int12 activations are int16 codes of a smaller range (step amax / 2047): every path runs them as int16,
+ * but on AMX a q4 block's 32 codes fit one 64-byte tile row (see amx.c). */
+static inline int act_wide(int act) { return act == ACT_INT16 || act == ACT_INT12; }
 
 #define MR 12        /* tokens per f32 micro-kernel tile */
 #define MRQ 8        /* tokens per integer micro-kernel tile, and per tile of the xq / xq16 layouts */
@@ -42,7 +47,9 @@ typedef struct {
     int32_t *xcorr;  /* [T][K/blk] -offset * sum(q) over each block (portable, AVX2) */
     float *tparams;  /* AVX-512 integer modes: [ceil(T/MRQ)][K/blk][3][MRQ] a tile's xscale, xsum
                         and xcorr (its int32 bits) per block, its tokens side by side */
-    int8_t *xhi;     /* AMX: [ceil(T/MT)*MT][K] int8 activations, or int16 ones' high bytes (signed) */
+    int8_t *xhi;     /* AMX: [ceil(T/MT)*MT][K] int8 activations, or int16 ones' high bytes (signed); joined
+                        int12 ones (amx_joined): [ceil(T/MT)*MT][K/32][2][32] each block's x >> 4 (signed),
+                        then its x & 15 */
     uint8_t *xlo;    /* AMX, int16: [ceil(T/MT)*MT][K] their low bytes (unsigned); x = 256 xhi + xlo */
     uint8_t *wrows;  /* AMX, q4: [threads][K/4][16][4] a panel's codes as tile rows;
                         f32 activations: [threads][AMX_PANELS][K/2][16][2] their values as bf16 */
@@ -64,6 +71,14 @@ typedef struct {
 } Job;
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* An AMX job (amx_takes) whose blocks go as one tile row each: int12 activations against q4 codes in blocks
+ * of 32 k, from 32 tokens (at 16, its twice larger split of the codes costs more than it saves: 0.8-0.9x
+ * the int16 tiles, which take int12 codes too). */
+static inline int amx_joined(const Job *job)
+{
+    return job->act == ACT_INT12 && job->w.fmt == FMT_Q4 && job->blk == 32 && job->t >= 32;
+}
 
 static inline int uses_direct(const Job *job) { return job->act == ACT_F32 && job->t <= job->direct_t; }
 
@@ -92,7 +107,7 @@ static inline int64_t xq16_index(int64_t t, int64_t k, int64_t K)
 }
 
 /* Largest activation code of an integer mode: q = rint(x * levels / amax) over a block. */
-static inline float act_levels(int act) { return act == ACT_INT16 ? 32767.0f : 127.0f; }
+static inline float act_levels(int act) { return act == ACT_INT16 ? 32767.0f : act == ACT_INT12 ? 2047.0f : 127.0f; }
 
 // ----------------------------------------------------------------------------
 // Per-ISA entry points

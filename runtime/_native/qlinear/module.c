@@ -55,7 +55,7 @@ static int take_buffer(Bound *b, PyObject *obj, const char *name, int64_t bytes,
 
 static int check_dims(int fmt, int act, int64_t N, int64_t K, int64_t G, int64_t blk)
 {
-    if (fmt < FMT_Q4 || fmt > FMT_Q6 || act < ACT_F32 || act > ACT_INT16)
+    if (fmt < FMT_Q4 || fmt > FMT_Q6 || act < ACT_F32 || act > ACT_INT12)
         return PyErr_Format(PyExc_ValueError, "qlinear: unknown format %d or activation mode %d", fmt, act), -1;
     if (N <= 0 || K <= 0 || K % 8)
         return PyErr_Format(PyExc_ValueError, "qlinear: bad shape N=%lld K=%lld (K must be a positive multiple "
@@ -303,7 +303,7 @@ PyMODINIT_FUNC PyInit__qlinear(void)
     const struct { const char *name; int value; } consts[] = {
         {"FMT_Q4", FMT_Q4}, {"FMT_Q5", FMT_Q5}, {"FMT_Q6", FMT_Q6}, {"FMT_Q8", FMT_Q8}, {"FMT_F8", FMT_F8},
         {"FMT_BF16", FMT_BF16},
-        {"ACT_F32", ACT_F32}, {"ACT_INT8", ACT_INT8}, {"ACT_INT16", ACT_INT16}, {"PANEL", PANEL},
+        {"ACT_F32", ACT_F32}, {"ACT_INT8", ACT_INT8}, {"ACT_INT16", ACT_INT16}, {"ACT_INT12", ACT_INT12}, {"PANEL", PANEL},
     };
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++)
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) {

@@ -110,7 +110,7 @@ static void portable_quantize_token(const Job *job, int64_t t)
         int32_t qsum = 0;
         for (int64_t k = b * B; k < (b + 1) * B; k++) {
             const int32_t q = (int32_t)lrintf(x[k] * inv);
-            if (job->act == ACT_INT16)
+            if (act_wide(job->act))
                 job->ws.xq16[xq16_index(t, k, K)] = (int16_t)q;
             else
                 job->ws.xq[xq_index(t, k, K)] = (int8_t)q;
@@ -163,7 +163,7 @@ static void portable_row_int(const Job *job, int64_t n)
             for (int64_t k = b * B; k < (b + 1) * B; k++) {
                 const int32_t code = portable_code(w, n, k);
                 const int32_t u = w->fmt == FMT_Q4 ? code : code + off;
-                dot += u * (job->act == ACT_INT16 ? job->ws.xq16[xq16_index(t, k, K)] : job->ws.xq[xq_index(t, k, K)]);
+                dot += u * (act_wide(job->act) ? job->ws.xq16[xq16_index(t, k, K)] : job->ws.xq[xq_index(t, k, K)]);
             }
             const int64_t g = b * B / w->group;
             acc = fmaf((float)dot, portable_scale(w, n, g) * job->ws.xscale[t * nb + b], acc);
