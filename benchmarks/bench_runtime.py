@@ -1,10 +1,12 @@
 """Offline throughput of a Kiln engine beside Hugging Face transformers, same model, same run.
 
     python benchmarks/bench_runtime.py [--engine engines/smollm2-135m] [--requests 32]
-        [--prompt-len 128] [--output-len 128] [--max-num-tokens N] [--no-transformers]
+        [--prompt-len 128] [--output-len 128] [--max-num-tokens N] [--prefill-chunk N] [--no-transformers]
 
 Kiln's side is `engine-run bench`'s measurement (runtime/bench.py) at concurrency 1 and N, all N
-requests at once; transformers runs `generate` on the model the engine was built from (float32),
+requests at once, with no cap on prefill tokens beside decodes unless --prefill-chunk gives one: offline,
+as `engine-run generate` runs a batch of prompts (a server's default, 64, keeps streams' inter-token
+latency low instead); transformers runs `generate` on the model the engine was built from (float32),
 greedy, on the same synthetic prompts, with the same lengths. Prints output tokens/s, time to first
 token and inter-token latency for both, and their ratios.
 """
@@ -44,16 +46,20 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-tokens", type=int, default=None,
                         help="lower the engine's tokens per step (default: the plan's)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="prefill tokens per step while others decode (default 0: no cap, as generate's batch)")
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     # opened as engine-run opens it (runtime.launcher: what lives as long as the engine leaves the cyclic collector)
-    with open_llm_engine(args.engine, EngineOptions(kv_cache_gib=1.0, max_num_tokens=args.max_num_tokens)) as llm:
+    options = EngineOptions(kv_cache_gib=1.0, max_num_tokens=args.max_num_tokens, prefill_chunk=args.prefill_chunk or None)
+    with open_llm_engine(args.engine, options) as llm:
         weights = weight_bytes(args.engine)
         run_level(llm, 1, 1, 8, 4, weights, seed=99)  # warm up caches and threads
         kiln = [run_level(llm, n, n, args.prompt_len, args.output_len, weights, seed=n) for n in (1, args.requests)]
         print(f"engine {args.engine}  threads {torch.get_num_threads()}  prompt {args.prompt_len}  "
-              f"output {args.output_len}  max_num_tokens {llm.limits.max_num_tokens}")
+              f"output {args.output_len}  max_num_tokens {llm.limits.max_num_tokens}  "
+              f"prefill_chunk {args.prefill_chunk or 'none'}")
         print(table(kiln))
         source, vocab = llm.engine.manifest.model_source, llm.engine.manifest.vocab_size
     if not args.transformers:

@@ -62,7 +62,8 @@ MAX_TOKENS_STEP = typer.Option(None, "--max-num-tokens", help="Lower the plan's 
 PREFILL_CHUNK = typer.Option(None, "--prefill-chunk",
                              help="Prefill tokens per step while other requests decode, so that long prompts "
                                   "arriving do not stall the running streams (0: up to --max-num-tokens; "
-                                  "default 64).")
+                                  "default 64, but none for generate's batch of prompts, which streams none "
+                                  "of them: its prompts all start as soon as the step budget allows).")
 MAX_SEQ = typer.Option(None, "--max-seq-len", help="Lower the plan's prompt + output length limit.")
 KV_GIB = typer.Option(None, "--kv-cache-gib", help="KV cache budget in GiB (default: the build's memory plan).")
 THREADS = typer.Option(None, "--threads", help="CPU threads per rank (default: all cores).")
@@ -117,6 +118,8 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()))
+    if prefill_chunk is None and len(prompt) > 1:
+        prefill_chunk = 0  # a batch streams nothing: no decode waits on a step's time, only the whole batch's
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
                                                 threads, rank_timeout, backend, prefill_chunk, speculative, draft,
                                                 speculative_k, adaptive_k)) as llm:
