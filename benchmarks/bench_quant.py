@@ -261,7 +261,7 @@ class OrtGenaiRunner:
 
 def build_kiln(model: str, method: str, engines: Path):
     """`method` is a [quant] method, optionally with "+head" (the logits and embedding weights requantized too,
-    nothing excluded) and ":f32", ":int16" or ":int8" for the activations (default: the plan's, f32)."""
+    nothing excluded) and ":f32", ":int16", ":int12" or ":int8" for the activations (default: the plan's, f32)."""
     from builder.build import build_engine
     from builder.plan import load_plan
 
@@ -292,7 +292,7 @@ def main() -> None:
     parser.add_argument("--engines", type=Path, default=None, help="directory for the engines (reused if current)")
     parser.add_argument("--methods", default="none,int8,int4,fp8,int4:f32",
                         help="Kiln [quant] methods to build and run; METHOD+head also requantizes the logits "
-                             "(and tied embedding) weights; METHOD:f32, :int16 or :int8 sets the activations "
+                             "(and tied embedding) weights; METHOD:f32, :int16, :int12 or :int8 sets the activations "
                              "(default: the plan's, f32)")
     parser.add_argument("--busy-cores", type=int, default=0,
                         help="then time every engine again beside this many busy-loop processes pinned to this "
