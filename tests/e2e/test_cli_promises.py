@@ -103,6 +103,28 @@ def test_a_negative_prefill_chunk_is_one_line_error(tiny_engine_dir):
     assert_one_line_error(proc, "engine-run", r"--prefill-chunk must be >= 0")
 
 
+def test_generate_lifts_the_prefill_cap_for_a_batch_it_does_not_stream(tiny_engine_dir, monkeypatch):
+    """Several prompts: nothing streams, so no decode waits on a step and the cap beside decodes is lifted.
+    One prompt (streamed to the terminal) keeps the server's default, and --prefill-chunk always wins."""
+    from typer.testing import CliRunner
+
+    import runtime.launcher as launcher
+    from runtime import cli as engine_run
+    from runtime.engine import DEFAULT_PREFILL_CHUNK
+
+    chunks, real = [], launcher.open_llm_engine
+
+    def opened_with(engine, options):  # the real engine runs; only the options it was opened with are kept
+        chunks.append(options.prefill_chunk)
+        return real(engine, options)
+
+    monkeypatch.setattr(launcher, "open_llm_engine", opened_with)
+    for prompts in (["-p", "a", "-p", "b"], ["-p", "a"], ["-p", "a", "-p", "b", "--prefill-chunk", "16"]):
+        result = CliRunner().invoke(engine_run.app, ["generate", str(tiny_engine_dir), *prompts, "--max-tokens", "3"])
+        assert result.exit_code == 0, result.output
+    assert chunks == [None, DEFAULT_PREFILL_CHUNK, 16]
+
+
 # ------------------------------------------------------------------------------------- serve
 
 def test_serve_refuses_a_corrupt_engine_before_it_listens(tiny_engine_dir, tmp_path):
