@@ -14,10 +14,10 @@
  * is [32 hi | 32 lo] against codes [16 (q - 8) | q - 8] (16 (q - 8) still fits a signed byte), so the
  * tile's sum is the block's whole dot; at a layer's 64 and 128 tokens x1.2-1.35 int16's tiles on a
  * 2-core Xeon, as each block's finish needs no combining and half the stored sums (the products take
- * the same time: a multiply of 64-byte rows costs two of 32-byte ones). Integer sums are exact, so each
- * block's dot is micro_int's (q8 codes multiply as signed bytes, which needs no correction; q4 codes
- * multiply as q - 8, which is the dot plus micro_int's correction), and the f32 steps after it are the same:
- * the numbers are the portable path's, bit for bit. */
+ * the same time: one multiply of 64-byte rows costs about what two of 32-byte rows do). Integer sums are
+ * exact, so each block's dot is micro_int's (q8 codes multiply as signed bytes, which needs no
+ * correction; q4 codes multiply as q - 8, which is the dot plus micro_int's correction), and the f32
+ * steps after it are the same: the numbers are the portable path's, bit for bit. */
 #define _GNU_SOURCE  /* syscall() */
 #include <immintrin.h>
 #include <stdint.h>
@@ -49,8 +49,8 @@ int cpu_has_amx(void)
 }
 
 /* Tokens from which the tiles beat the AVX-512 kernels (a SmolLM2 layer, 1 and 2 threads, measured on
- * a Xeon with AMX): int16 activations from 16 (on 2 threads x1.0-1.1 there, x1.1-1.25 at 32, with each
- * panel's sums in registers), int8 ones from 32 (even there for q4 codes, x1.05-1.2 for q8; 0.8-0.9x
+ * a Xeon with AMX): int16 activations (and int12 ones, as int16 below amx_joined's 32) from 16 (on 2
+ * threads x1.0-1.1 there, x1.1-1.25 at 32, with each panel's sums in registers), int8 ones from 32 (even there for q4 codes, x1.05-1.2 for q8; 0.8-0.9x
  * at 16), f32 ones from 13, where the AVX-512 tiles begin (x1.4 there on 2 threads, x1.6-1.7 at 16,
  * 1.9-2.0 at 64; at 8 tokens, converting the codes for the tiles costs more than it saves: 0.75x). */
 #define AMX_MIN_T_INT16 16
