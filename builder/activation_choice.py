@@ -1,11 +1,12 @@
 """activations = "auto" (cpu target): the activation path chosen by measurement on the build host.
 
 Each candidate path (f32, int16, int8, and int12 where the kernels have AMX tiles: elsewhere it runs
-int16's instructions, so it could only be int16 with coarser steps) runs the quantized, fused program on this host, with this
-build's threads: a prefill of PROMPT_TOKENS tokens, then DECODE_STEPS single-sequence decode steps
-replayed from a tape as the engine serves them, ROUNDS times, medians kept. A path that rounds
-activations is also measured for accuracy the way every lossy plan is (builder/accuracy.py:
-perplexity, KL and greedy chat agreement); f32 on weights the build keeps exactly is exact.
+int16's instructions, so it could only be int16 with coarser steps) runs the quantized, fused program
+on this host, with this build's threads: a prefill of PROMPT_TOKENS tokens, then DECODE_STEPS
+single-sequence decode steps replayed from a tape as the engine serves them, ROUNDS times, medians
+kept. A path that rounds activations is also measured for accuracy the way every lossy plan is
+(builder/accuracy.py: perplexity, KL and greedy chat agreement); f32 on weights the build keeps exactly
+is exact.
 
 The choice: among the paths whose greedy agreement reaches the gate (the plan's min_greedy_agreement, else
 DEFAULT_GATE), from the most precise (f32, int16, int12, int8), each coarser path is taken only if it
@@ -36,7 +37,7 @@ from runtime.step import StepMetadata
 
 CANDIDATES = ("f32", "int16", "int12", "int8")  # the most precise first
 DEFAULT_GATE = 95.0   # percent of the shipped chat prompts answered as the reference does
-MIN_GAIN = 1.05       # a rounding path must be this much faster than f32 (geometric mean) to be chosen
+MIN_GAIN = 1.05       # a coarser path must be this much faster (geometric mean) than the more precise one chosen
 PROMPT_TOKENS = 128
 DECODE_STEPS = 16
 ROUNDS = 3
