@@ -123,6 +123,7 @@ static void split_q4(const Job *job, int64_t p, uint8_t *rows)
     const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t c = 0; c < K / 8; c++) {
         const __m512i v = _mm512_loadu_si512(src + c * 64);
+        prefetch_ahead(src + c * 64, 64);
         _mm512_store_si512(rows + c * 128, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
         _mm512_store_si512(rows + c * 128 + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
     }
@@ -139,6 +140,7 @@ static void split_q4_joined(const Job *job, int64_t p, uint8_t *rows)
     const __m512i eight = _mm512_set1_epi8(8), top = _mm512_set1_epi8((char)0x80);
     for (int64_t c = 0; c < K / 8; c++) {
         const __m512i v = _mm512_loadu_si512(src + c * 64);
+        prefetch_ahead(src + c * 64, 64);
         uint8_t *dst = rows + (c / 4) * 1024 + (c % 4) * 128;
         _mm512_store_si512(dst, _mm512_xor_si512(_mm512_and_si512(_mm512_slli_epi16(v, 4), high4), top));
         _mm512_store_si512(dst + 64, _mm512_xor_si512(_mm512_and_si512(v, high4), top));
@@ -224,6 +226,8 @@ INLINE void panel_int(const int fmt, const int wide, const int mt, const Job *jo
     for (int64_t b = 0; b < nb + lag; b++) {
         if (b < nb) {
             const uint8_t *at = codes + b * B * PANEL * (wide == 2 ? 2 : 1);
+            if (fmt == FMT_Q8 && t0 == 0)  /* q8 codes: read from the weights by the first tile of tokens */
+                prefetch_ahead(at, B * PANEL);
             (b & 1) ? block_products(wide, 1, job, t0, b, at) : block_products(wide, 0, job, t0, b, at);
             if (wide != 2)  /* one sums tile (pair): stored before the next block's multiplies */
                 store_block(wide, 0, sums[b & 1]);
@@ -323,6 +327,7 @@ static void split_q4_bf16(const Job *job, int64_t p, uint16_t *rows)
     const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
     for (int64_t c = 0; c < K / 8; c++) {
         const __m512i v = _mm512_loadu_si512(src + c * 64);  /* 16-bit word 2r: row r's bytes 0, 1; 2r + 1: 2, 3 */
+        prefetch_ahead(src + c * 64, 64);
         uint16_t *dst = rows + c * 4 * 32;                    /* 4 rows of 16 x 2 bf16 per chunk of 8 k */
         _mm512_store_si512(dst, _mm512_permutexvar_epi16(v, table));                           /* k 0, 2 */
         _mm512_store_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table));  /* 1, 3 */
@@ -341,6 +346,7 @@ static void split_q8_bf16(const Job *job, int64_t p, uint16_t *rows)
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int64_t c = 0; c < K / 4; c++) {
         __m512 f[4];
+        prefetch_ahead(src + c * 64, 64);
         for (int i = 0; i < 4; i++)
             f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + c * 64 + 16 * i))));
         /* bf16 pairs, rows 0-7 (a) and 8-15 (b), two a row: its k 0, 1 then its k 2, 3 */

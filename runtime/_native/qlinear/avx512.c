@@ -17,16 +17,6 @@
 
 #include "avx512_shared.h"
 
-/* Software prefetch PREFETCH_BYTES ahead of a streamed chunk of `bytes` (one line per 64 bytes):
- * the decode loops read weights once, from DRAM, and the hardware prefetcher alone leaves a
- * single core well short of the memory bandwidth. */
-#define PREFETCH_BYTES 4096
-INLINE void prefetch_ahead(const uint8_t *chunk, int64_t bytes)
-{
-    for (int64_t off = 0; off < bytes; off += 64)
-        _mm_prefetch((const char *)chunk + PREFETCH_BYTES + off, _MM_HINT_T0);
-}
-
 INLINE void store_rows(float *y, __m512 v, const float *bias, __mmask16 m)
 {
     if (bias)

@@ -14,6 +14,17 @@ INLINE __mmask16 rows_mask(int64_t n, int64_t p)
     return left >= PANEL ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
+/* Software prefetch PREFETCH_BYTES ahead of a streamed chunk of `bytes` (one line per 64 bytes): the
+ * decode loops (and the AMX kernels' passes over each panel's codes) read weights once, from DRAM, and
+ * the hardware prefetcher alone leaves a single core well short of the memory bandwidth. (Past the end of
+ * the weights it asks for lines nothing reads: a prefetch never faults.) */
+#define PREFETCH_BYTES 4096
+INLINE void prefetch_ahead(const uint8_t *chunk, int64_t bytes)
+{
+    for (int64_t off = 0; off < bytes; off += 64)
+        _mm_prefetch((const char *)chunk + PREFETCH_BYTES + off, _MM_HINT_T0);
+}
+
 INLINE __m512 load16(const void *base, int64_t idx, int f16)
 {
     if (f16)
