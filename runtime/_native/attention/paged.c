@@ -814,26 +814,36 @@ static void duplicate_query(Scratch *scratch, int r, const float *q, int hd) {
     }
 }
 
+/* Where rows r0 .. r0 + nr of the scratch read and write: their query heads at q0, hd apart (the first `per` of
+ * them; the rest `next` floats further on, a second query's), and their duplicated queries, scores and sums. */
+typedef struct {
+    const float *q[ROW_PAIR], *q2[ROW_PAIR];
+    float *scores[ROW_PAIR], *acc[ROW_PAIR];
+} Rows;
+
+ALWAYS_INLINE void point_rows(Rows *rows, Scratch *scratch, const float *q0, size_t next, int per, int r0, int nr,
+                              int hd) {
+    for (int r = 0; r < nr; r++) {
+        rows->q[r] = q0 + (r < per ? 0 : next) + (size_t)(r % per) * hd;
+        rows->q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
+        rows->scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
+        rows->acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
+    }
+}
+
 /* attend_chunk_heads for the item's rows r0 .. r0 + nr (nr <= ROW_GROUP): query heads at q0, hd apart, on the
  * n keys and values at scratch->k_src / v_src */
 ALWAYS_INLINE void attend_row_group(const int dtype, const AttentionArgs *a, const float *q0, int r0, int nr, int n,
                                     Scratch *scratch, const Ahead *keys_ahead, const Ahead *values_ahead) {
-    const int hd = a->head_dim;
-    const float *q[ROW_GROUP], *q2[ROW_GROUP];
-    float *scores[ROW_GROUP], *acc[ROW_GROUP];
-    for (int r = 0; r < nr; r++) {
-        q[r] = q0 + (size_t)r * hd;
-        q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
-        scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
-        acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
-    }
+    Rows w;
+    point_rows(&w, scratch, q0, 0, nr, r0, nr, a->head_dim);
     float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
     if (nr == 3)
-        attend_chunk_heads(3, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, keys_ahead, values_ahead);
+        attend_chunk_heads(3, dtype, a, w.q, w.q2, n, scratch, w.scores, w.acc, row_max, row_sum, keys_ahead, values_ahead);
     else if (nr == 2)
-        attend_chunk_heads(2, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, keys_ahead, values_ahead);
+        attend_chunk_heads(2, dtype, a, w.q, w.q2, n, scratch, w.scores, w.acc, row_max, row_sum, keys_ahead, values_ahead);
     else
-        attend_chunk_heads(1, dtype, a, q, q2, n, scratch, scores, acc, row_max, row_sum, keys_ahead, values_ahead);
+        attend_chunk_heads(1, dtype, a, w.q, w.q2, n, scratch, w.scores, w.acc, row_max, row_sum, keys_ahead, values_ahead);
 }
 
 /* attend_chunk_heads for two queries of a prefill tile that see the same keys of the chunk, all the query heads
@@ -842,22 +852,15 @@ ALWAYS_INLINE void attend_row_group(const int dtype, const AttentionArgs *a, con
  * attend_row_group's, operation for operation; the chunk's keys are read once for both queries. */
 static void attend_row_pair(const AttentionArgs *a, const float *q0, size_t next, int r0, int ratio, int n,
                             Scratch *scratch) {
-    const int hd = a->head_dim, nr = 2 * ratio;
-    const float *q[ROW_PAIR], *q2[ROW_PAIR];
-    float *scores[ROW_PAIR], *acc[ROW_PAIR];
-    for (int r = 0; r < nr; r++) {
-        q[r] = q0 + (r < ratio ? 0 : next) + (size_t)(r % ratio) * hd;
-        q2[r] = scratch->q2 + (size_t)(r0 + r) * 2 * hd;
-        scores[r] = scratch->scores + (size_t)(r0 + r) * KEY_CHUNK;
-        acc[r] = scratch->acc + (size_t)(r0 + r) * hd;
-    }
+    Rows w;
+    point_rows(&w, scratch, q0, next, ratio, r0, 2 * ratio, a->head_dim);
     float *row_max = scratch->row_max + r0, *row_sum = scratch->row_sum + r0;
-    if (nr == 6)
-        attend_chunk_heads(6, CACHE_F32, a, q, q2, n, scratch, scores, acc, row_max, row_sum, NULL, NULL);
-    else if (nr == 4)
-        attend_chunk_heads(4, CACHE_F32, a, q, q2, n, scratch, scores, acc, row_max, row_sum, NULL, NULL);
+    if (ratio == 3)
+        attend_chunk_heads(6, CACHE_F32, a, w.q, w.q2, n, scratch, w.scores, w.acc, row_max, row_sum, NULL, NULL);
+    else if (ratio == 2)
+        attend_chunk_heads(4, CACHE_F32, a, w.q, w.q2, n, scratch, w.scores, w.acc, row_max, row_sum, NULL, NULL);
     else
-        attend_chunk_heads(2, CACHE_F32, a, q, q2, n, scratch, scores, acc, row_max, row_sum, NULL, NULL);
+        attend_chunk_heads(2, CACHE_F32, a, w.q, w.q2, n, scratch, w.scores, w.acc, row_max, row_sum, NULL, NULL);
 }
 
 /* out = row r's weighted sum of values over its sum of weights */
@@ -956,8 +959,8 @@ ALWAYS_INLINE void attend_single_query_as(const int dtype, const AttentionArgs *
  * context 128 / 158 / 512 117-118 / 149-150 / 504-508 -> 96-97 / 118-120 / 380-381. With AVX-512 and at most
  * ROW_GROUP heads a kv head, two queries that see the same keys of a chunk (every chunk but their diagonal
  * one, without a window) go through it together (attend_row_pair), each key read once for both: a 2,041-token
- * prompt (SmolLM2's heads, f16, 2 threads, a 2-core Xeon) 36.5 -> 32.7 ms a layer, 16 of 128 tokens 3.5-3.7
- * -> 3.3. */
+ * prompt (SmolLM2's heads, f16, 2 threads, a 2-core Xeon) 36.5-38.0 -> 32.6-34.6 ms a layer, 16 of 128 tokens
+ * 3.5-3.7 -> 3.2-3.5. */
 static void attend_work_item_heads(const AttentionArgs *a, const WorkItem *w, Scratch *scratch) {
     const int hd = a->head_dim, ratio = a->num_heads / a->num_kv_heads;
     const int rows = (w->q_end - w->q_begin) * ratio;
