@@ -1019,8 +1019,10 @@ static void attend_work_item_heads(const AttentionArgs *a, const WorkItem *w, Sc
                 scratch->k_src[i - skip] = (const uint8_t *)scratch->k_rows[i];
                 scratch->v_src[i - skip] = (const uint8_t *)scratch->v_rows[i];
             }
-            if (pairs && jj + 1 < w->q_end - w->q_begin &&
-                (visible_keys(a, first_pos + w->q_begin + jj + 1, key_begin, chunk, &skip2, &end2), skip2 == skip && end2 == end)) {
+            skip2 = 0, end2 = -1;
+            if (pairs && jj + 1 < w->q_end - w->q_begin)
+                visible_keys(a, first_pos + w->q_begin + jj + 1, key_begin, chunk, &skip2, &end2);
+            if (skip2 == skip && end2 == end) {  /* the next query sees the same keys: both in one pass */
                 attend_row_pair(a, query + (size_t)jj * a->num_heads * hd, (size_t)a->num_heads * hd, jj * ratio, ratio,
                                 end - skip, scratch);
                 jj++;
