@@ -239,6 +239,19 @@ def test_integer_activations_are_the_portable_numbers_bit_for_bit(simd, act):
             assert torch.equal(ys[simd], ys["portable"]), (fmt.__name__, n, k, g, t)
 
 
+@pytest.mark.parametrize("act", ["f32", "int8", "int16", "int12"])
+def test_a_step_longer_than_a_pass_gives_each_token_a_short_steps_numbers(isa, act):
+    """A step of many tokens runs in passes of about 1 MiB of prepared activations (pass_tokens; at K = 1536:
+    112 tokens for AMX's f32 tiles, 168 for the AVX-512 and AVX2 f32 tiles, 336 for int16 and int12, 672-680
+    for int8): every token's outputs are those a step of 40 tokens gives it, on either side of a pass's end."""
+    n, k, g = 32, 1536, 32
+    packed = int4.pack(*random_int4(n, k, g), g)
+    x = torch.randn(700, k, generator=gen(7))
+    whole = ql.linear_int4(x, packed, n, k, g, act=act)
+    for a in (0, 96, 150, 320, 660):
+        assert torch.equal(whole[a:a + 40], ql.linear_int4(x[a:a + 40], packed, n, k, g, act=act)), a
+
+
 def test_threads_give_identical_results():
     n, k, g = 576, 576, 32
     packed = int4.pack(*random_int4(n, k, g), g)

@@ -226,7 +226,8 @@ INLINE void panel_int(const int fmt, const int wide, const int mt, const Job *jo
     for (int64_t b = 0; b < nb + lag; b++) {
         if (b < nb) {
             const uint8_t *at = codes + b * B * PANEL * (wide == 2 ? 2 : 1);
-            if (fmt == FMT_Q8 && t0 == 0)  /* q8 codes: read from the weights by the first tile of tokens */
+            if (fmt == FMT_Q8 && t0 == 0)  /* q8 codes: read from the weights by the first tile of tokens (later
+                                              * passes' first tiles find them in L3 or the hardware prefetcher's reach) */
                 prefetch_ahead(at, B * PANEL);
             (b & 1) ? block_products(wide, 1, job, t0, b, at) : block_products(wide, 0, job, t0, b, at);
             if (wide != 2)  /* one sums tile (pair): stored before the next block's multiplies */
@@ -510,15 +511,19 @@ static void amx_compute_f32(Job *job, int tid, int nt)
     configure_bf16();
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
-    for (int64_t p0 = lo; p0 < hi; p0 += AMX_PANELS) {
-        const int np = (int)(hi - p0 < AMX_PANELS ? hi - p0 : AMX_PANELS);
-        const uint16_t *codes[AMX_PANELS];
-        for (int i = 0; i < np; i++) {
-            split(job, p0 + i, rows + i * K * PANEL);
-            codes[i] = rows + i * K * PANEL;
+    const int64_t pass = pass_tokens(3 * 2 * K, MT);  /* x's three bf16 parts */
+    for (int64_t t1 = 0; t1 < job->t; t1 += pass) {
+        const int64_t t2 = t1 + pass < job->t ? t1 + pass : job->t;
+        for (int64_t p0 = lo; p0 < hi; p0 += AMX_PANELS) {
+            const int np = (int)(hi - p0 < AMX_PANELS ? hi - p0 : AMX_PANELS);
+            const uint16_t *codes[AMX_PANELS];
+            for (int i = 0; i < np; i++) {
+                split(job, p0 + i, rows + i * K * PANEL);
+                codes[i] = rows + i * K * PANEL;
+            }
+            for (int64_t t0 = t1; t0 < t2; t0 += MT)
+                tiles(job, p0, np, t0, (int)(t2 - t0 < MT ? t2 - t0 : MT), codes);
         }
-        for (int64_t t0 = 0; t0 < job->t; t0 += MT)
-            tiles(job, p0, np, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
     }
     _tile_release();
 }
@@ -537,7 +542,7 @@ void amx_prepare(Job *job, int tid, int nt)
 }
 
 /* Each thread a contiguous range of panels, each (q4: its codes split into tile rows first) against every
- * tile of MT tokens. */
+ * tile of MT tokens of a pass (pass_tokens). */
 static void amx_compute(Job *job, int tid, int nt)
 {
     if (job->ws.xbf) {
@@ -556,14 +561,18 @@ static void amx_compute(Job *job, int tid, int nt)
     configure(job->blk, joined ? 2 : wide);
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
-    for (int64_t p = lo; p < hi; p++) {
-        if (joined)
-            split_q4_joined(job, p, rows);
-        else if (q4)
-            split_q4(job, p, rows);  /* 16 K bytes: in L1 for every tile of tokens */
-        const uint8_t *codes = q4 ? rows : job->w.codes + p * K * bpk;
-        for (int64_t t0 = 0; t0 < job->t; t0 += MT)
-            fn(job, p, t0, (int)(job->t - t0 < MT ? job->t - t0 : MT), codes);
+    const int64_t pass = pass_tokens(wide ? 2 * K : K, MT);  /* int16 and int12: two bytes a k */
+    for (int64_t t1 = 0; t1 < job->t; t1 += pass) {
+        const int64_t t2 = t1 + pass < job->t ? t1 + pass : job->t;
+        for (int64_t p = lo; p < hi; p++) {
+            if (joined)
+                split_q4_joined(job, p, rows);
+            else if (q4)
+                split_q4(job, p, rows);  /* 16 K bytes: in L1 for every tile of tokens */
+            const uint8_t *codes = q4 ? rows : job->w.codes + p * K * bpk;
+            for (int64_t t0 = t1; t0 < t2; t0 += MT)
+                fn(job, p, t0, (int)(t2 - t0 < MT ? t2 - t0 : MT), codes);
+        }
     }
     _tile_release();
 }

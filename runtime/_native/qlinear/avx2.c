@@ -306,7 +306,8 @@ AVX2_CASES(FMT_Q8)
 AVX2_CASES(FMT_F8)
 AVX2_CASES(FMT_BF16)
 
-static void avx2_tile_panel(const Job *job, int64_t p, float *tile /* [KC][16] */)
+/* Panel p against tokens t1 .. t2 - 1 (t1 a multiple of MR). */
+static void avx2_tile_panel(const Job *job, int64_t p, int64_t t1, int64_t t2, float *tile /* [KC][16] */)
 {
     const Weight *w = &job->w;
     const int64_t K = w->k, N = w->n;
@@ -324,8 +325,8 @@ static void avx2_tile_panel(const Job *job, int64_t p, float *tile /* [KC][16] *
         }
         /* Each packed tile of MR tokens goes in near-equal calls of at most MR2: 8 tokens as 4 + 4,
          * not 6 + 2, whose 4 accumulators would leave the loop waiting on FMA latency. */
-        for (int64_t base = 0; base < job->t; base += MR) {
-            const int in_tile = (int)(job->t - base < MR ? job->t - base : MR);
+        for (int64_t base = t1; base < t2; base += MR) {
+            const int in_tile = (int)(t2 - base < MR ? t2 - base : MR);
             const int calls = (in_tile + MR2 - 1) / MR2;
             for (int c = 0, t = 0; c < calls; c++) {
                 const int mr = (in_tile - t) / (calls - c);
@@ -550,18 +551,22 @@ static void avx2_compute_int(const Job *job, int tid, int nt)
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
     const int q4 = job->w.fmt == FMT_Q4, i8 = job->act == ACT_INT8;
-    for (int64_t p = lo; p < hi; p++)
-        for (int h = 0; h < 2; h++) {
-            if (8 * h >= job->w.n - p * PANEL)
-                break;  /* the panel's padding rows: nothing to store */
-            for (int64_t t0 = 0; t0 < job->t; t0 += MRI) {
-                const int mr = (int)(job->t - t0 < MRI ? job->t - t0 : MRI);
-                if (i8)
-                    (q4 ? avx2_i8_FMT_Q4 : avx2_i8_FMT_Q8)(job, p, h, t0, mr);
-                else
-                    (q4 ? avx2_i16_FMT_Q4 : avx2_i16_FMT_Q8)(job, p, h, t0, mr);
+    const int64_t pass = pass_tokens(i8 ? job->w.k : 2 * job->w.k, MRQ);  /* whole tiles of the xq layouts */
+    for (int64_t t1 = 0; t1 < job->t; t1 += pass) {
+        const int64_t t2 = t1 + pass < job->t ? t1 + pass : job->t;
+        for (int64_t p = lo; p < hi; p++)
+            for (int h = 0; h < 2; h++) {
+                if (8 * h >= job->w.n - p * PANEL)
+                    break;  /* the panel's padding rows: nothing to store */
+                for (int64_t t0 = t1; t0 < t2; t0 += MRI) {
+                    const int mr = (int)(t2 - t0 < MRI ? t2 - t0 : MRI);
+                    if (i8)
+                        (q4 ? avx2_i8_FMT_Q4 : avx2_i8_FMT_Q8)(job, p, h, t0, mr);
+                    else
+                        (q4 ? avx2_i16_FMT_Q4 : avx2_i16_FMT_Q8)(job, p, h, t0, mr);
+                }
             }
-        }
+    }
 }
 
 static void avx2_prepare(Job *job, int tid, int nt)
@@ -584,11 +589,14 @@ static void avx2_compute(Job *job, int tid, int nt)
     float tile[KC * PANEL] __attribute__((aligned(32)));
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
+    if (!uses_direct(job)) {
+        const int64_t pass = pass_tokens(4 * job->w.k, MR);
+        for (int64_t t1 = 0; t1 < job->t; t1 += pass)
+            for (int64_t p = lo; p < hi; p++)
+                avx2_tile_panel(job, p, t1, t1 + pass < job->t ? t1 + pass : job->t, tile);
+        return;
+    }
     for (int64_t p = lo; p < hi; p++) {
-        if (!uses_direct(job)) {
-            avx2_tile_panel(job, p, tile);
-            continue;
-        }
         switch (job->w.fmt) {
         case FMT_Q4: avx2_direct_FMT_Q4(job, p); break;
         case FMT_Q5: avx2_direct_FMT_Q5(job, p); break;

@@ -370,7 +370,8 @@ DEQUANT_CASES(FMT_Q8)
 DEQUANT_CASES(FMT_F8)
 DEQUANT_CASES(FMT_BF16)
 
-static void tile_panels(const Job *job, int64_t p, int np, float *tile /* [KC][32] */)
+/* Panels p .. p + np - 1 against tokens t1 .. t2 - 1 (t1 a multiple of MR). */
+static void tile_panels(const Job *job, int64_t p, int np, int64_t t1, int64_t t2, float *tile /* [KC][32] */)
 {
     const Weight *w = &job->w;
     const int64_t K = w->k, N = w->n;
@@ -384,8 +385,8 @@ static void tile_panels(const Job *job, int64_t p, int np, float *tile /* [KC][3
         case FMT_F8: dequant_FMT_F8(w, p, np, k0, kc, tile); break;
         default: dequant_FMT_BF16(w, p, np, k0, kc, tile); break;
         }
-        for (int64_t t0 = 0; t0 < job->t; t0 += MR) {
-            const int mr = (int)(job->t - t0 < MR ? job->t - t0 : MR);
+        for (int64_t t0 = t1; t0 < t2; t0 += MR) {
+            const int mr = (int)(t2 - t0 < MR ? t2 - t0 : MR);
             micro_f32_any(mr, np, job->ws.xpack + (t0 / MR) * K * MR + k0 * MR, tile, kc, job->y + t0 * N + p * PANEL,
                           N, job->bias ? job->bias + p * PANEL : NULL, rows_mask(N, p), rows_mask(N, p + 1),
                           k0 == 0, k0 + kc == K);
@@ -547,11 +548,13 @@ static void avx512_compute_tiled(const Job *job, int tid, int nt)
     float tile[KC * 2 * PANEL] __attribute__((aligned(64)));
     int64_t lo, hi;
     thread_range(ceil_div(job->w.panels, 2), tid, nt, &lo, &hi);
-    for (int64_t u = lo; u < hi; u++)
-        tile_panels(job, 2 * u, 2 * u + 1 < job->w.panels ? 2 : 1, tile);
+    const int64_t pass = pass_tokens(4 * job->w.k, MR);
+    for (int64_t t1 = 0; t1 < job->t; t1 += pass)
+        for (int64_t u = lo; u < hi; u++)
+            tile_panels(job, 2 * u, 2 * u + 1 < job->w.panels ? 2 : 1, t1, t1 + pass < job->t ? t1 + pass : job->t, tile);
 }
 
-/* Integer activations: each thread a contiguous range of panels, each panel's tokens in tiles of
+/* Integer activations: each thread a contiguous range of panels, each panel's tokens of a pass in tiles of
  * MRQ. */
 static void avx512_compute_int(const Job *job, int tid, int nt)
 {
@@ -560,9 +563,13 @@ static void avx512_compute_int(const Job *job, int tid, int nt)
         act_wide(job->act) ? (q4 ? i16_FMT_Q4 : i16_FMT_Q8) : (q4 ? i8_FMT_Q4 : i8_FMT_Q8);
     int64_t lo, hi;
     thread_range(job->w.panels, tid, nt, &lo, &hi);
-    for (int64_t p = lo; p < hi; p++)
-        for (int64_t t0 = 0; t0 < job->t; t0 += MRQ)
-            fn(job, p, t0, (int)(job->t - t0 < MRQ ? job->t - t0 : MRQ));
+    const int64_t pass = pass_tokens(act_wide(job->act) ? 2 * job->w.k : job->w.k, MRQ);
+    for (int64_t t1 = 0; t1 < job->t; t1 += pass) {
+        const int64_t t2 = t1 + pass < job->t ? t1 + pass : job->t;
+        for (int64_t p = lo; p < hi; p++)
+            for (int64_t t0 = t1; t0 < t2; t0 += MRQ)
+                fn(job, p, t0, (int)(t2 - t0 < MRQ ? t2 - t0 : MRQ));
+    }
 }
 
 void avx512_compute(Job *job, int tid, int nt)
