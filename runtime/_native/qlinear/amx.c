@@ -226,8 +226,8 @@ INLINE void panel_int(const int fmt, const int wide, const int mt, const Job *jo
     for (int64_t b = 0; b < nb + lag; b++) {
         if (b < nb) {
             const uint8_t *at = codes + b * B * PANEL * (wide == 2 ? 2 : 1);
-            if (fmt == FMT_Q8 && t0 == 0)  /* q8 codes: read from the weights by the first tile of tokens (later
-                                              * passes' first tiles find them in L3 or the hardware prefetcher's reach) */
+            if (fmt == FMT_Q8 && t0 == 0)  /* q8 codes: read from the weights by the first tile of tokens (of the
+                                              * first pass: a later pass reads them without asking ahead) */
                 prefetch_ahead(at, B * PANEL);
             (b & 1) ? block_products(wide, 1, job, t0, b, at) : block_products(wide, 0, job, t0, b, at);
             if (wide != 2)  /* one sums tile (pair): stored before the next block's multiplies */
