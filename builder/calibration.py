@@ -21,7 +21,7 @@ import torch
 from builder.cuts import layer_stages
 from builder.errors import KilnError
 from builder.ir import Graph
-from builder.packing import integer_activations, pack_graph
+from builder.packing import pack_graph, with_activations
 from runtime.ops import reference
 from runtime.program import Program, dense_hooks
 from runtime.special_tokens import SpecialTokens
@@ -133,9 +133,8 @@ class GraphRunner:
     def from_program(cls, doc: dict, tensors: dict[str, torch.Tensor], kv_dtype: str = "f32",
                      activations: str = "f32") -> GraphRunner:
         """A runner of a packed program (a rank file's): its nodes' own `act` choices are dropped."""
-        nodes = [dict(n, attrs={k: v for k, v in n["attrs"].items() if k != "act"}) for n in doc["nodes"]]
         runner = cls.__new__(cls)
-        runner._bind(dict(doc, nodes=nodes), tensors, kv_dtype, activations)
+        runner._bind(with_activations(doc, "f32"), tensors, kv_dtype, activations)
         return runner
 
     def _bind(self, doc: dict, tensors: dict[str, torch.Tensor], kv_dtype: str, activations: str) -> None:
@@ -144,10 +143,9 @@ class GraphRunner:
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> (K, V) in generate()
         self.exact_program = Program(doc, tensors, hooks)
         self.program = self.exact_program
-        if any(integer_activations(n["op"], n["attrs"], activations) for n in doc["nodes"]):
-            nodes = [dict(n, attrs=dict(n["attrs"], act=activations))
-                     if integer_activations(n["op"], n["attrs"], activations) else n for n in doc["nodes"]]
-            self.program = Program(dict(doc, nodes=nodes), tensors, hooks)
+        integer = with_activations(doc, activations)
+        if integer != doc:
+            self.program = Program(integer, tensors, hooks)
         self.last_use: dict[str, int] = {}
         for index, call in enumerate(self.program.calls):
             for name in call.inputs:

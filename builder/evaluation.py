@@ -32,7 +32,7 @@ import torch
 from builder.cuts import layer_stages
 from builder.ir import Graph
 from builder.lazy_tensors import LazyTensors
-from builder.packing import pack_graph
+from builder.packing import pack_graph, with_activations
 from runtime.engine_format import RankFile
 from runtime.executor import CpuExecutor, KVCacheStorage
 from runtime.kv_groups import KVGroups
@@ -75,9 +75,7 @@ class WholeRunner:
 
 def _exact_program(program: str) -> str:
     """A packed program with its integer activation paths dropped: its nodes compute on f32 activations."""
-    doc = json.loads(program)
-    nodes = [dict(n, attrs={k: v for k, v in n["attrs"].items() if k != "act"}) for n in doc["nodes"]]
-    return json.dumps(dict(doc, nodes=nodes))
+    return json.dumps(with_activations(json.loads(program), "f32"))
 
 
 class LayerRunner:

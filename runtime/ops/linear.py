@@ -153,10 +153,11 @@ def bind_embedding(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool =
         return rows
 
     def sharded(tokens):
+        # another rank's ids read row 0 here and are zeroed in place: the rows' buffer is what the node
+        # returns (a kept Outputs that runtime.program.Program may share between nodes must hold the value)
         local = tokens - start
-        inside = (local >= 0) & (local < vocab)
-        out = rows(local.clamp(0, vocab - 1))
-        return out * inside[:, None]
+        outside = (local < 0) | (local >= vocab)
+        return rows(local.clamp(0, vocab - 1)).masked_fill_(outside[:, None], 0.0)
 
     return sharded
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from builder.ir import Graph, Node, Value, verify
-from builder.packing import pack_graph
+from builder.packing import pack_graph, with_activations
 from builder.plan import load_plan
 from builder.quant.awq import awq_clip, awq_search
 from builder.quant.gptq import fit_int4_grid, gptq_int4
@@ -215,3 +215,24 @@ def test_packed_layouts_match_the_float_product_within_the_bit_width(scheme, gro
     bound = x.double().abs() @ weight_bound(w, scheme, group_size).double().T
     bound += 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-5  # fp32 accumulation in the kernel
     assert bool(((fn(x).double() - reference).abs() <= bound).all())
+
+
+def test_activation_paths_are_set_on_the_linears_alone():
+    # `act` is a linear's activation path but a silu_mul's or a moe's gated activation: the exact (f32) program
+    # the build measures against keeps Gemma's GeGLU and a mixture's activation (it once dropped both).
+    q8 = {"quant": "int8", "in_features": 64}
+    doc = {"nodes": [
+        {"op": "linear", "attrs": dict(q8, act="int16")},
+        {"op": "logits", "attrs": dict(q8)},
+        {"op": "linear", "attrs": dict(q8, in_features=48)},  # not a multiple of 32: f32 always
+        {"op": "silu_mul", "attrs": {"act": "gelu_tanh"}},
+        {"op": "moe", "attrs": {"act": "silu", "linears": [{"quant": "none", "in_features": 64},
+                                                            dict(q8, act="int16")]}},
+    ]}
+    exact = with_activations(doc, "f32")
+    assert [n["attrs"].get("act") for n in exact["nodes"]] == [None, None, None, "gelu_tanh", "silu"]
+    assert [e.get("act") for e in exact["nodes"][4]["attrs"]["linears"]] == [None, None]
+    int12 = with_activations(doc, "int12")
+    assert [n["attrs"].get("act") for n in int12["nodes"]] == ["int12", "int12", None, "gelu_tanh", "silu"]
+    assert [e.get("act") for e in int12["nodes"][4]["attrs"]["linears"]] == [None, "int12"]
+    assert doc["nodes"][0]["attrs"]["act"] == "int16" and "act" not in doc["nodes"][1]["attrs"]  # a copy

@@ -1,0 +1,127 @@
+"""The parallel matrix: every plan shape the README offers, built from the shipped model (and from tiny checkpoints of
+a windowed family and a mixture) and run as a user runs it, through `engine-run generate` with real rank processes,
+answers greedy chat prompts with the text of the same build at tp=1.
+
+SmolLM2 is the case the tiny float checkpoints miss: a tied Q8_0 embedding that both the lookup and the logits read,
+GGUF int4 blocks, and 9 query / 3 KV heads that split unevenly. Its engines are built once per session (the default
+plan and int16 activations, each at tp=1, tp=2, pp=2 and tp=2 x pp=2) and each runs with step replay on and off."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from builder.build import build_engine
+from builder.plan import load_plan
+from conftest import make_tiny_llama
+
+CHAT = ["Write one sentence about the sea.", "What is the capital of France?", "List three colors."]
+SHAPES = [(2, 1), (1, 2), (2, 2)]  # (tp, pp) beside tp=1
+MODES = {"default": {}, "int16": {"activations": "int16"}}  # the plan's own activations (f32), and int16
+
+
+def generate(engine, replay: bool = True, prompts=CHAT) -> str:
+    """What `engine-run generate --chat` prints for the prompts, greedy, 32 tokens each."""
+    args = [sys.executable, "-m", "runtime.cli", "generate", str(engine), "--chat", "--max-tokens", "32",
+            "--temperature", "0", "--rank-timeout", "60"]
+    for prompt in prompts:
+        args += ["--prompt", prompt]
+    env = dict(os.environ, KILN_STEP_REPLAY="1" if replay else "0")
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, f"engine-run generate {engine.name} failed: {done.stderr.strip()[-1500:]}"
+    assert done.stdout.count("--- [") == len(prompts)
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def smollm2_engines(tmp_path_factory, smollm2_default_engine):
+    """engine(mode, tp, pp) -> the embedded model built with the default plan and MODES[mode], once a session."""
+    root, built = tmp_path_factory.mktemp("parallel"), {("default", 1, 1): smollm2_default_engine}
+
+    def engine(mode: str, tp: int = 1, pp: int = 1):
+        if (mode, tp, pp) not in built:
+            plan = load_plan().with_overrides("quant", **MODES[mode]).with_overrides(tp=tp, pp=pp)
+            out = root / f"smollm2-{mode}-tp{tp}pp{pp}"
+            build_engine("smollm2-135m", plan, out, show_progress=False)
+            built[mode, tp, pp] = out
+        return built[mode, tp, pp]
+
+    return engine
+
+
+@pytest.fixture(scope="session")
+def smollm2_answers(smollm2_engines):
+    """mode -> tp=1's printed answers (step replay on, as served)."""
+    answers = {}
+
+    def get(mode: str) -> str:
+        if mode not in answers:
+            answers[mode] = generate(smollm2_engines(mode))
+        return answers[mode]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_smollm2_at_tp1_answers_the_prompts_and_replay_changes_nothing(mode, smollm2_engines, smollm2_answers):
+    expected = smollm2_answers(mode)
+    assert "The capital of France is Paris." in expected
+    assert generate(smollm2_engines(mode), replay=False) == expected
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "op-by-op"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tp,pp", SHAPES, ids=[f"tp{tp}pp{pp}" for tp, pp in SHAPES])
+def test_smollm2_sharded_answers_with_the_text_of_one_rank(tp, pp, mode, replay, smollm2_engines, smollm2_answers):
+    assert generate(smollm2_engines(mode, tp, pp), replay) == smollm2_answers(mode)
+
+
+# ---------------------------------------------------------------------------- a windowed family and a mixture
+
+TINY = {  # name -> the shapes (tp, pp, ep) it runs beside tp=1
+    "gemma3": [(2, 1, 1)],             # conftest's tiny_gemma3_dir: sliding-window layers beside a global one
+    "mixtral": [(2, 1, 1), (1, 1, 2)],  # 5 experts: tp=2 splits each expert's columns, ep=2 the experts 2 + 3
+}
+TINY_QUANT = {"default": {}, "int8": {"method": "int8", "exclude": [], "activations": "int16"}}  # int8: packed tables
+TINY_CASES = [(name, quant, *shape) for name, shapes in TINY.items() for shape in shapes for quant in TINY_QUANT]
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tmp_path_factory, tiny_gemma3_dir):
+    """engine(name, quant, tp, pp, ep) -> an engine of TINY[name]'s checkpoint with TINY_QUANT[quant]."""
+    root, built = tmp_path_factory.mktemp("parallel-tiny"), {}
+    dirs = {"gemma3": tiny_gemma3_dir,
+            "mixtral": make_tiny_llama(root / "mixtral", family="mixtral", seed=11, num_local_experts=5,
+                                       num_experts_per_tok=2)}
+
+    def engine(name: str, quant: str, tp: int = 1, pp: int = 1, ep: int = 1):
+        if (name, quant, tp, pp, ep) not in built:
+            plan = load_plan().with_overrides("quant", **TINY_QUANT[quant]).with_overrides(tp=tp, pp=pp, ep=ep)
+            out = root / f"{name}-{quant}-tp{tp}pp{pp}ep{ep}"
+            build_engine(str(dirs[name]), plan, out, show_progress=False)
+            built[name, quant, tp, pp, ep] = out
+        return built[name, quant, tp, pp, ep]
+
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tiny_answers(tiny_engines):
+    """(name, quant) -> tp=1's printed answers."""
+    answers = {}
+
+    def get(name: str, quant: str) -> str:
+        if (name, quant) not in answers:
+            answers[name, quant] = generate(tiny_engines(name, quant))
+        return answers[name, quant]
+
+    return get
+
+
+@pytest.mark.parametrize("name,quant,tp,pp,ep", TINY_CASES,
+                         ids=[f"{n}-{q}-tp{t}pp{p}ep{e}" for n, q, t, p, e in TINY_CASES])
+def test_tiny_families_sharded_answer_with_the_text_of_one_rank(name, quant, tp, pp, ep, tiny_engines, tiny_answers):
+    expected = tiny_answers(name, quant)
+    assert generate(tiny_engines(name, quant, tp, pp, ep)) == expected
+    assert generate(tiny_engines(name, quant, tp, pp, ep), replay=False) == expected
