@@ -1,22 +1,20 @@
-"""activations = "auto" (cpu target): the activation path chosen by measurement on the build host.
+"""activations = "auto" (cpu target): every activation path measured at build, the gate's choice of those an
+engine may run, and the build host's pick among them.
 
 Each candidate path (f32, int16, int8, and int12 where the kernels have AMX tiles: elsewhere it runs
-int16's instructions, so it could only be int16 with coarser steps) runs the quantized, fused program
-on this host, with this build's threads: a prefill of PROMPT_TOKENS tokens, then DECODE_STEPS
-single-sequence decode steps replayed from a tape as the engine serves them, ROUNDS times, medians
-kept. A path that rounds activations is also measured for accuracy the way every lossy plan is
-(builder/accuracy.py: perplexity, KL and greedy chat agreement); f32 on weights the build keeps exactly
-is exact.
+int16's instructions, so it could only be int16 with coarser steps) is measured for accuracy the way every
+lossy plan is (builder/accuracy.py: perplexity, KL and greedy chat agreement; f32 on weights the build keeps
+exactly is exact), and timed on this host with this build's threads: a prefill of PROMPT_TOKENS tokens, then
+DECODE_STEPS single-sequence decode steps replayed from a tape as the engine serves them, ROUNDS times, medians
+kept.
 
-The choice: among the paths whose greedy agreement reaches the gate (the plan's min_greedy_agreement, else
-DEFAULT_GATE), from the most precise (f32, int16, int12, int8), each coarser path is taken only if it
-beats the one taken so far by MIN_GAIN, where speed is the geometric mean of decode and prefill speed
-relative to f32 (a path must not buy one with the other). Within that margin the timings are noise and
-the more precise path wins the tie, so that a host where the paths run alike does not flip between
-builds. The report and the manifest show the table and the reason.
-
-A choice by timing depends on the host it was made on: the engine's bytes follow the choice, and the
-manifest says which was made and why; pin `activations` for an engine built the same anywhere.
+The gate (`allowed`): a path passes when its greedy agreement is f32's and its perplexity within PPL_MARGIN
+percent of f32's (the plan's min_greedy_agreement and max_ppl_increase replace those bounds). The manifest
+lists the paths that pass; the engine is packed with the fastest of them here, each coarser path taken only if
+it beats the one taken so far by MIN_GAIN, speed being the geometric mean of decode and prefill speed relative
+to f32 (a path must not buy one with the other). At start-up the runtime times the allowed paths again on the
+host that serves the engine and runs the fastest there (runtime/activations.py), so an engine built in CI on
+one CPU runs the path that suits another.
 """
 
 from __future__ import annotations
@@ -30,14 +28,13 @@ import torch
 
 from builder.evaluation import BLOCK_SIZE, _rank_file
 from builder.ir import Graph
-from builder.packing import integer_activations
+from runtime import activations
+from runtime.activations import CANDIDATES, MIN_GAIN, integer_activations
 from runtime.executor import CpuExecutor
 from runtime.ops import linear
 from runtime.step import StepMetadata
 
-CANDIDATES = ("f32", "int16", "int12", "int8")  # the most precise first
-DEFAULT_GATE = 95.0   # percent of the shipped chat prompts answered as the reference does
-MIN_GAIN = 1.05       # a coarser path must be this much faster (geometric mean) than the more precise one chosen
+PPL_MARGIN = 0.01     # percent of perplexity a path may add to f32's under the default gate
 PROMPT_TOKENS = 128
 DECODE_STEPS = 16
 ROUNDS = 3
@@ -90,38 +87,40 @@ def time_path(graph: Graph, activations: str, kv_dtype: str, vocab_size: int) ->
     return Speed(1 / statistics.median(decode[1:]), PROMPT_TOKENS / statistics.median(prefill[1:]))
 
 
-def choose(speeds: dict[str, Speed], agreement: dict[str, float | None], gate: float) -> tuple[str, str]:
-    """(the chosen path, why): from the most precise path whose greedy agreement (None: exact) reaches the
-    gate, each coarser passing path that gains MIN_GAIN over the one chosen so far."""
+def allowed(figures: dict[str, dict | None], min_agreement: float | None, max_ppl: float | None) -> list[str]:
+    """The paths the build's gate allows, most precise first. figures: path -> its accuracy figures (None: exact).
+    A path passes when its greedy agreement reaches min_agreement (default: f32's own, so that no shipped prompt
+    is answered otherwise) and its perplexity rises by at most max_ppl percent (default: f32's + PPL_MARGIN). None
+    passing: f32 alone."""
+    def agreement(mode):
+        return 100.0 if figures[mode] is None else figures[mode]["greedy_agreement_pct"]
+
+    def ppl(mode):
+        return 0.0 if figures[mode] is None else figures[mode]["ppl_increase_pct"]
+
+    least = min_agreement if min_agreement is not None else agreement("f32") if "f32" in figures else 100.0
+    most = max_ppl if max_ppl is not None else (ppl("f32") if "f32" in figures else 0.0) + PPL_MARGIN
+    order = sorted(figures, key=CANDIDATES.index)
+    return [m for m in order if agreement(m) >= least and ppl(m) <= most] or ["f32"]
+
+
+def choose(speeds: dict[str, Speed], allowed: list[str]) -> tuple[str, str]:
+    """(the path this host builds, why): the fastest allowed path by the geometric mean of decode and prefill
+    speed relative to f32, each coarser one taken only if MIN_GAIN faster (runtime.activations.choose)."""
     base = speeds["f32"]
-
-    def score(mode: str) -> float:
-        s = speeds[mode]
-        return math.sqrt(s.decode_tok_s / base.decode_tok_s * s.prefill_tok_s / base.prefill_tok_s)
-
-    order = sorted(speeds, key=lambda m: CANDIDATES.index(m) if m in CANDIDATES else len(CANDIDATES))
-    passing = [m for m in order if agreement.get(m) is None or agreement[m] >= gate]
-    if not passing:
-        return "f32", f"no path answers at least {gate:g}% of the chat prompts as the reference does: f32"
-    best, held = passing[0], []  # held: faster paths that did not gain MIN_GAIN over the path chosen before them
-    for mode in passing[1:]:
-        if score(mode) >= MIN_GAIN * score(best):
-            best = mode
-        elif score(mode) > score(best):
-            held.append(mode)
-    failed = [m for m in speeds if m not in passing]
+    score = {m: math.sqrt(speeds[m].decode_tok_s / base.decode_tok_s * speeds[m].prefill_tok_s / base.prefill_tok_s)
+             for m in allowed}
+    best, held = activations.choose(score)
     if best == "f32" and held:
-        fastest = max(held, key=score)
-        why = (f"f32: {fastest}, the fastest of the paths whose greedy agreement reaches {gate:g}%, is only "
-               f"x{score(fastest):.2f} of f32 (geometric mean of decode and prefill speed), under the x{MIN_GAIN:g} "
-               f"a rounding path must gain")
+        fastest = max(held, key=score.get)
+        why = (f"f32: {fastest}, the fastest path the gate allows, is only x{score[fastest]:.2f} of f32 (geometric "
+               f"mean of decode and prefill speed), under the x{MIN_GAIN:g} a rounding path must gain")
     else:
-        why = (f"{best}: x{score(best):.2f} of f32 (geometric mean of decode and prefill speed), the fastest of "
-               f"the paths whose greedy agreement reaches {gate:g}% by at least x{MIN_GAIN:g} over each more "
-               f"precise one")
-        held = [m for m in held if score(m) > score(best)]
+        why = (f"{best}: x{score[best]:.2f} of f32 (geometric mean of decode and prefill speed), the fastest path "
+               f"the gate allows by at least x{MIN_GAIN:g} over each more precise one")
         if held:
-            why += "; " + ", ".join(f"{m} x{score(m):.2f} gained too little over it" for m in held)
-    if failed:
-        why += "; " + ", ".join(f"{m} answered {agreement[m]:.1f}%" for m in failed)
+            why += "; " + ", ".join(f"{m} x{score[m]:.2f} gained too little over it" for m in held)
+    refused = [m for m in speeds if m not in allowed]
+    if refused:
+        why += f"; the gate refused {', '.join(refused)}"
     return best, why

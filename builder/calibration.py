@@ -21,7 +21,8 @@ import torch
 from builder.cuts import layer_stages
 from builder.errors import KilnError
 from builder.ir import Graph
-from builder.packing import pack_graph, with_activations
+from builder.packing import pack_graph
+from runtime.activations import with_activations
 from runtime.ops import reference
 from runtime.program import Program, dense_hooks
 from runtime.special_tokens import SpecialTokens

@@ -183,10 +183,15 @@ def _activation_choice(m: dict) -> list[str]:
              f"{'path':<6} {'decode tok/s':>12} {'prefill tok/s':>13} {'greedy agree':>12} {'ppl':>9} {'KL':>10}"]
     for row in c["paths"]:
         agree, ppl, kl = row["greedy_agreement_pct"], row["ppl_increase_pct"], row["kl_mean"]
+        gate = "" if "allowed" not in c else "  allowed" if row["activations"] in c["allowed"] else "  refused"
         lines.append(f"{row['activations']:<6} {row['decode_tok_s']:>12.1f} {row['prefill_tok_s']:>13.1f} "
-                     f"{agree:>11.1f}% {ppl:>+8.3f}% {kl:>10.3g}" + ("  exact" if row["exact"] else ""))
+                     f"{agree:>11.1f}% {ppl:>+8.3f}% {kl:>10.3g}" + ("  exact" if row["exact"] else "") + gate)
     lines.append(f"decode: one sequence after {c['prompt_tokens']} tokens, {c['decode_steps']} steps; prefill: "
                  f"{c['prompt_tokens']} tokens; medians of {c['rounds']} rounds")
+    if "allowed" in c:
+        lines.append(f"gate: greedy agreement >= {c['gate_greedy_agreement_pct']:g}%, perplexity <= "
+                     f"{c['gate_ppl_increase_pct']:+g}%; the serving host times {', '.join(c['allowed'])} at start-up "
+                     "and runs the fastest (engine-run --activations picks one of them)")
     return lines
 
 

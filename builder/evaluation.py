@@ -32,7 +32,8 @@ import torch
 from builder.cuts import layer_stages
 from builder.ir import Graph
 from builder.lazy_tensors import LazyTensors
-from builder.packing import pack_graph, with_activations
+from builder.packing import pack_graph
+from runtime.activations import with_activations
 from runtime.engine_format import RankFile
 from runtime.executor import CpuExecutor, KVCacheStorage
 from runtime.kv_groups import KVGroups

@@ -5,6 +5,7 @@ from __future__ import annotations
 from builder.experts import graph_expert_linears
 from builder.ir import DTYPE_NAMES, Graph, Value
 from builder.lazy_tensors import PartsMemo
+from runtime.activations import integer_activations
 from runtime.weights import FORMATS
 
 
@@ -47,38 +48,7 @@ def _pack(graph: Graph, quant: str, group_size: int | None, logical: tuple[str, 
     return list(names.values()), list(parts)
 
 
-INTEGER_ACTIVATIONS = ("int8", "int16", "int12")
-
-
-def with_activations(doc: dict, activations: str) -> dict:
-    """A packed program (JSON doc) whose int4/int8 linears, logits and experts compute with `activations` ("f32":
-    all of them on f32 activations). Only their `act` key is the activation path: a silu_mul's or a moe's own
-    `act` names its gated activation and stays."""
-
-    def linear(op: str, attrs: dict) -> dict:
-        attrs = {k: v for k, v in attrs.items() if k != "act"}
-        return dict(attrs, act=activations) if integer_activations(op, attrs, activations) else attrs
-
-    nodes = []
-    for node in doc["nodes"]:
-        if node["op"] in ("linear", "logits"):
-            node = dict(node, attrs=linear(node["op"], node["attrs"]))
-        elif node["op"] == "moe":
-            entries = [linear("moe_linear", entry) for entry in node["attrs"]["linears"]]
-            node = dict(node, attrs=dict(node["attrs"], linears=entries))
-        nodes.append(node)
-    return dict(doc, nodes=nodes)
-
-
 def plan_activations(graph: Graph, plan) -> str:
     """The activation path the program computes with: the plan's, or the one `activations = "auto"` chose
     (passes/choose_activations.py records it in the graph's meta)."""
     return graph.meta.get("activations", plan.quant.activations)
-
-
-def integer_activations(op: str, attrs: dict, activations: str) -> bool:
-    """The integer activation paths (int8, int16, int12) take int4/int8 linears (and logits) whose input
-    width is a multiple of 32; other nodes compute on f32 activations."""
-    quant = attrs.get("quant")
-    return (activations in INTEGER_ACTIVATIONS and op in ("linear", "logits", "moe_linear") and quant in FORMATS
-            and FORMATS[quant].integer_activations and attrs["in_features"] % 32 == 0)

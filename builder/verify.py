@@ -15,7 +15,7 @@ import torch
 from builder.errors import KilnError
 from builder.interpret import Interpreter
 from builder.ir import Graph
-from builder.packing import INTEGER_ACTIVATIONS
+from runtime.activations import INTEGER_ACTIVATIONS
 from runtime.engine_format import EngineError, Manifest, map_rank_file
 from runtime.special_tokens import from_tokenizer
 

@@ -1,7 +1,7 @@
 """Choose activations (analysis, cpu target, activations = "auto"): time each activation path of the quantized,
-fused program on this host, measure the accuracy of those that round activations, and record the fastest that
-keeps the greedy gate (builder/activation_choice.py) in graph.meta["activations"], the table in
-graph.meta["activation_choice"]. measure_accuracy reuses the chosen path's figures."""
+fused program on this host, measure the accuracy of those that round activations, and record the paths the gate
+allows and the fastest of them here (builder/activation_choice.py) in graph.meta["activation_choice"], the one
+built in graph.meta["activations"]. measure_accuracy reuses the built path's figures."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ EXACT = {"greedy_agreement_pct": 100.0, "ppl_increase_pct": 0.0, "kl_mean": 0.0}
 def choose_activations(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     quant, kv_dtype = ctx.plan.quant, ctx.plan.kv_cache.dtype
-    gate = quant.min_greedy_agreement if quant.min_greedy_agreement is not None else choice.DEFAULT_GATE
     modes = choice.candidates(out)
     requantized = out.meta.get("source_requantized", [])
     vocab = out.meta["model"]["vocab_size"]
@@ -39,12 +38,18 @@ def choose_activations(graph: Graph, ctx: PassContext) -> Graph:
             bar.update(1)
     if ctx.show_progress:
         bar.close()
-    agreement = {mode: figures[mode]["greedy_agreement_pct"] if mode in figures else None for mode in modes}
-    chosen, why = choice.choose(speeds, agreement, gate)
+    allowed = choice.allowed({mode: figures.get(mode) for mode in modes}, quant.min_greedy_agreement,
+                             quant.max_ppl_increase)
+    chosen, why = choice.choose(speeds, allowed)
+    f32 = figures.get("f32", EXACT)
     out.meta["activations"] = chosen
     out.meta["activation_choice"] = {
-        "chosen": chosen, "why": why, "gate_greedy_agreement_pct": gate, "threads": torch.get_num_threads(),
-        "prompt_tokens": choice.PROMPT_TOKENS, "decode_steps": choice.DECODE_STEPS, "rounds": choice.ROUNDS,
-        "paths": rows}
+        "chosen": chosen, "why": why, "allowed": allowed,
+        "gate_greedy_agreement_pct": (quant.min_greedy_agreement if quant.min_greedy_agreement is not None
+                                      else f32["greedy_agreement_pct"]),
+        "gate_ppl_increase_pct": (quant.max_ppl_increase if quant.max_ppl_increase is not None
+                                  else round(f32["ppl_increase_pct"] + choice.PPL_MARGIN, 6)),
+        "threads": torch.get_num_threads(), "prompt_tokens": choice.PROMPT_TOKENS,
+        "decode_steps": choice.DECODE_STEPS, "rounds": choice.ROUNDS, "paths": rows}
     out.meta["activation_figures"] = {mode: f for mode, f in figures.items() if mode == chosen}
     return out

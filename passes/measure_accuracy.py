@@ -12,9 +12,10 @@ from builder.accuracy import check_gate, evaluate, reference_graph
 from builder.calibration import chat_prompts, evaluation_windows
 from builder.errors import KilnError
 from builder.ir import Graph
-from builder.packing import INTEGER_ACTIVATIONS, plan_activations
+from builder.packing import plan_activations
 from passes.context import PassContext
 from passes.quant_rewrite import REQUANT_METHODS, weight_nodes
+from runtime.activations import INTEGER_ACTIVATIONS
 
 
 def is_exact(graph: Graph, ctx: PassContext, activations: str) -> bool:

@@ -32,7 +32,7 @@ one_line_errors = cli_errors.one_line_errors("engine-run", (EngineError, ValueEr
 
 def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0,
                    backend=None, prefill_chunk=None, speculative=None, draft=None, speculative_k=4,
-                   adaptive_k=True):
+                   adaptive_k=True, activations=None):
     from runtime.engine import DEFAULT_PREFILL_CHUNK, EngineOptions
     from runtime.speculative import SpeculativeConfig
 
@@ -49,7 +49,16 @@ def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, th
                                  adaptive=adaptive_k, draft_engine=None if draft is None else str(draft))
     return EngineOptions(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                          prefill_chunk=chunk, kv_cache_gib=kv_cache_gib, num_threads=threads,
-                         rank_timeout=rank_timeout, backend=backend, speculative=spec)
+                         rank_timeout=rank_timeout, backend=backend, speculative=spec, activations=activations)
+
+
+def echo_activations(llm) -> None:
+    """The activation path this host runs the engine with, and why (stderr), where it had a choice."""
+    from runtime.activations import describe
+
+    line = describe(llm.engine)
+    if line:
+        typer.echo(line, err=True)
 
 
 @app.callback()
@@ -87,6 +96,10 @@ SPECULATIVE_K = typer.Option(4, "--speculative-k", min=1, max=16,
 ADAPTIVE_K = typer.Option(True, "--adaptive-k/--fixed-k",
                           help="--fixed-k: every sequence guesses --speculative-k tokens whenever the proposer has "
                                "them, whatever they cost (to measure acceptance, or where guesses are nearly free).")
+ACTIVATIONS = typer.Option(None, "--activations",
+                           help="cpu engines: the activation path of the int4/int8 linears, one the build's accuracy "
+                                "gate allowed (`engine-build inspect` lists them). Default: the fastest allowed path, "
+                                "timed on this host at start-up (a second or so, then cached per host and engine).")
 RANK_TIMEOUT = typer.Option(60.0, "--rank-timeout",
                             help="Multi-rank engines: seconds a dead or hung rank is given before every rank "
                                  "stops and engine-run exits naming it. Ranks: one process each, started here, "
@@ -111,6 +124,7 @@ def generate(
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
     adaptive_k: bool = ADAPTIVE_K,
+    activations: Optional[str] = ACTIVATIONS,
 ):
     """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
     from runtime.launcher import open_llm_engine
@@ -122,7 +136,8 @@ def generate(
         prefill_chunk = 0  # a batch streams nothing: no decode waits on a step's time, only the whole batch's
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
                                                 threads, rank_timeout, backend, prefill_chunk, speculative, draft,
-                                                speculative_k, adaptive_k)) as llm:
+                                                speculative_k, adaptive_k, activations)) as llm:
+        echo_activations(llm)
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         ids = [llm.add_request(t, params) for t in texts]
         stream = len(ids) == 1
@@ -174,6 +189,7 @@ def serve(
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
     adaptive_k: bool = ADAPTIVE_K,
+    activations: Optional[str] = ACTIVATIONS,
     replicas: int = typer.Option(1, "--replicas", min=1,
                                  help="Engine replicas behind the one endpoint, each its own rank processes, run "
                                       "on Ray Serve (pip install 'kiln[serve]'); 1 serves from this process."),
@@ -240,7 +256,7 @@ def serve(
     except KeyFileError as exc:
         fail(str(exc))
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
-                             backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k)
+                             backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k, activations)
     options = dataclasses.replace(options, check_hashes=False)
     server = {"max_waiting": max_waiting, "max_request_bytes": max_request_bytes, "metrics_open": metrics_open}
     if fleet.on_ray or ray_address is not None:
@@ -302,6 +318,7 @@ def bench(
     threads: Optional[int] = THREADS, rank_timeout: float = RANK_TIMEOUT, backend: Optional[str] = BACKEND,
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
     adaptive_k: bool = ADAPTIVE_K,
+    activations: Optional[str] = ACTIVATIONS,
     busy_cores: int = typer.Option(0, "--busy-cores", min=0,
                                    help="Then run the levels again with this many busy-loop processes pinned to "
                                         "this process's last CPUs, and show each level's share of its quiet "
@@ -325,7 +342,8 @@ def bench(
         fail(str(exc))
     with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
                                                 threads, rank_timeout, backend, prefill_chunk, speculative, draft,
-                                                speculative_k, adaptive_k)) as llm:
+                                                speculative_k, adaptive_k, activations)) as llm:
+        echo_activations(llm)
         limit = llm.limits.max_seq_len
         if prompt_len + output_len > limit:
             fail(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the engine's max_seq_len {limit}")

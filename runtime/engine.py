@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from runtime import activations
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.backend import Executor, create_executor, kv_groups
 from runtime.cpus import usable_cpus
@@ -57,6 +58,7 @@ class EngineOptions:
     rank_timeout: float = 60.0          # multi-rank: seconds a silent rank is given before all ranks stop
     backend: str | None = None          # None: the engine target's own (cpu); onnxruntime: a tensorrt engine's ONNX
     speculative: SpeculativeConfig | None = None  # speculative decoding (runtime/speculative.py); None: off
+    activations: str | None = None      # cpu: the activation path (one the build allowed); None: the fastest here
 
 
 @dataclass
@@ -128,6 +130,7 @@ class LLMEngine:
         self.eos_token_ids = manifest.eos_token_ids
         if executor is None:
             backend = check_target(engine.path, manifest, options.backend)
+            engine = self.engine = activations.for_host(engine, backend, options.activations)
             executor = create_executor(engine, 0, kv_groups(manifest, backend, options.kv_cache_gib), backend,
                                        options.num_threads)
         self.executor = executor

@@ -119,12 +119,13 @@ class Manifest:
     ranks: tuple[RankEntry, ...]
     memory: tuple[RankMemory, ...]    # per rank
     model_config: dict                # the model's shapes (builder.model.ModelConfig.to_dict)
-    activations: str                  # the plan's [quant] activations
+    activations: str                  # the plan's [quant] activations (auto: the path the build host took)
     special_tokens: SpecialTokens | None = None  # BOS/EOS around raw text; None: an engine built before the rule
     cuda: dict | None = None          # cuda target: its compiled kernels (runtime/backends/cuda/kernel_index.py)
     trt_plugin: dict | None = None    # tensorrt target: the PagedAttention plugin ({"library", "sha256", ...})
     trt_kernels: dict | None = None   # tensorrt target: the plugin's compiled kernels (as `cuda`)
     ep: int = 1                       # expert parallelism (builder.plan.Plan.ep)
+    activation_modes: tuple[str, ...] = ()  # the paths the build's gate allows (auto; else the one built)
 
     @property
     def group(self) -> int:
@@ -179,7 +180,9 @@ class Manifest:
             model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"),
             special_tokens=SpecialTokens.from_dict(model["special_tokens"]) if "special_tokens" in model else None,
             cuda=doc.get("cuda"), trt_plugin=((doc.get("tensorrt") or {}).get("plugins") or [None])[0],
-            trt_kernels=(doc.get("tensorrt") or {}).get("kernels"), ep=int(plan.get("ep", 1)))
+            trt_kernels=(doc.get("tensorrt") or {}).get("kernels"), ep=int(plan.get("ep", 1)),
+            activation_modes=tuple((doc.get("activation_choice") or {}).get("allowed")
+                                   or [plan["quant"].get("activations", "f32")]))
 
     def kv_groups(self, kv_cache_gib: float | None, windowed: bool = True) -> KVGroups:
         """The KV pools every rank allocates (the scheduler hands out one block id space per group): the build's
@@ -223,6 +226,7 @@ class RankFile(NamedTuple):
 class EngineDir:
     path: Path
     manifest: Manifest
+    activation_choice: object = None  # runtime.activations.HostChoice: the path this host runs (None: as built)
 
     def load_rank(self, rank: int) -> RankFile:
         return map_rank_file(self.path / self.manifest.ranks[rank].file)

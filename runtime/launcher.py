@@ -11,8 +11,9 @@ import contextlib
 import gc
 from pathlib import Path
 
+from runtime import activations
 from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import EngineError, open_engine
+from runtime.engine_format import EngineError, check_target, open_engine
 
 
 @contextlib.contextmanager
@@ -29,6 +30,9 @@ def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
         if engine_dir.manifest.world_size == 1:
             yield settled(LLMEngine(engine_dir, options))
             return
+        if options.activations is not None:  # refused here, before any rank starts
+            activations.for_host(engine_dir, check_target(engine_dir.path, engine_dir.manifest, options.backend),
+                                 options.activations)
         world_size = engine_dir.manifest.world_size
     else:
         world_size = rdzv.world_size
@@ -52,7 +56,7 @@ def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
     try:
         with start_ranks(path, world_size, options.rank_timeout, kv_cache_gib=options.kv_cache_gib,
                          num_threads=options.num_threads, check_hashes=options.check_hashes, rdzv=rdzv,
-                         backend=options.backend) as rank:
+                         backend=options.backend, activations=options.activations) as rank:
             if worker:  # torchrun: this process is only ever a rank worker
                 raise SystemExit(rank.serve())
             yield settled(LLMEngine(rank.engine, options, executor=RankDriver(rank)))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime import activations
 from runtime.engine_format import EngineError, cpu_flags
 
 TARGETS = ("cpu",)
 WINDOWED_POOLS = True
 DEFAULT_KV_GIB = None
 GPU = False
+ACTIVATION_PATHS = True  # runs a packed program's int4/int8 linears on any activation path (runtime/activations.py)
 
 
 def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:
@@ -27,5 +29,8 @@ def create_executor(engine, rank: int, pools, num_threads: int | None = None, co
     from runtime.executor import CpuExecutor
 
     manifest = engine.manifest
-    return CpuExecutor(engine.load_rank(rank), pools, manifest.block_size, manifest.kv_dtype, collectives=collectives,
+    rank_file = engine.load_rank(rank)
+    if engine.activation_choice is not None:
+        rank_file = activations.rebind(rank_file, engine.activation_choice.activations)
+    return CpuExecutor(rank_file, pools, manifest.block_size, manifest.kv_dtype, collectives=collectives,
                        max_seq_len=manifest.limits.max_seq_len)

@@ -12,6 +12,7 @@ WINDOWED_POOLS = False
 # A GPU plan's memory plan prices the GPU's memory: on this host the pools hold 1 GiB unless told otherwise.
 DEFAULT_KV_GIB = 1.0
 GPU = False
+ACTIVATION_PATHS = False  # computes as the engine was built (runtime/activations.py: cpu paths)
 
 
 def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:

@@ -12,6 +12,7 @@ TARGETS = ("tensorrt",)
 WINDOWED_POOLS = False
 DEFAULT_KV_GIB = None
 GPU = True
+ACTIVATION_PATHS = False  # computes as the engine was built (runtime/activations.py: cpu paths)
 GRAPH_BATCH = 64  # decode steps of up to this many sequences replay CUDA graphs (one-rank engines)
 
 

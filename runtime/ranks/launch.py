@@ -23,7 +23,7 @@ from runtime.ranks.watchdog import PEER_LOST
 @contextlib.contextmanager
 def start_ranks(path: Path, world_size: int, timeout: float, kv_cache_gib: float | None = None,
                 num_threads: int | None = None, check_hashes: bool = True, rdzv: Rendezvous | None = None,
-                backend: str | None = None):
+                backend: str | None = None, activations: str | None = None):
     """This process's Rank. Without `rdzv` it is rank 0 of a local launch and starts ranks 1..W-1 as
     child processes; on leaving, the children are stopped and reaped, never left behind."""
     children: dict[int, subprocess.Popen] = {}
@@ -43,7 +43,7 @@ def start_ranks(path: Path, world_size: int, timeout: float, kv_cache_gib: float
         torch.set_num_threads(num_threads)
     rank, clean = None, False
     try:
-        rank = Rank(path, rdzv, kv_cache_gib, check_hashes and not children, children, store, backend)
+        rank = Rank(path, rdzv, kv_cache_gib, check_hashes and not children, children, store, backend, activations)
         yield rank
         clean = True
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime import activations as host_activations
 from runtime.backend import create_executor, kv_groups
 from runtime.backends import backend as backend_module
 from runtime.backends.gpus import rank_device
@@ -29,7 +31,8 @@ class Rank:
     rank runs them in `serve()`."""
 
     def __init__(self, path: Path, rdzv: Rendezvous, kv_cache_gib: float | None, check_hashes: bool,
-                 children: dict[int, subprocess.Popen] | None = None, store=None, backend: str | None = None):
+                 children: dict[int, subprocess.Popen] | None = None, store=None, backend: str | None = None,
+                 activations: str | None = None):
         self.rank, self.world_size, self.timeout = rdzv.rank, rdzv.world_size, rdzv.timeout
         self.children = children or {}
         self.watchdog: Watchdog | None = None
@@ -40,7 +43,7 @@ class Rank:
         try:
             self.watchdog = Watchdog(rdzv.addr, rdzv.port, f"{rdzv.prefix}/watchdog", self.rank, self.world_size,
                                      rdzv.timeout, self.children, self._kill_children)
-            self._build(kv_cache_gib)
+            self._build(kv_cache_gib, activations)
         except BaseException:
             self.close(stop_others=False)
             raise
@@ -55,7 +58,9 @@ class Rank:
                     rdzv.report_failure(str(exc))
             raise EngineError(str(exc)) from None
 
-    def _build(self, kv_cache_gib: float | None) -> None:
+    def _build(self, kv_cache_gib: float | None, activations: str | None) -> None:
+        """activations: rank 0's --activations; rank 0 chooses the path (runtime/activations.py) and every rank
+        runs it."""
         manifest = self.engine.manifest
         mapping = Mapping(manifest.group, manifest.pp, self.rank)
         # Rank 0 waits on workers within a step, and workers wait on rank 0 between steps for as long
@@ -69,8 +74,12 @@ class Rank:
             device = rank_device(self.rank)
             torch.cuda.set_device(device)
         self.collectives = Collectives(self.rank, mapping.tp_group(), stages[mapping.pp_rank], device)
-        config = [kv_groups(manifest, self.backend, kv_cache_gib) if self.rank == 0 else None]
+        config = [None, None]
+        if self.rank == 0:
+            config = [kv_groups(manifest, self.backend, kv_cache_gib),
+                      host_activations.for_host(self.engine, self.backend, activations).activation_choice]
         dist.broadcast_object_list(config, 0, group=self.control)
+        self.engine = dataclasses.replace(self.engine, activation_choice=config[1])
         self.executor = create_executor(self.engine, self.rank, config[0], self.backend,
                                         collectives=self.collectives.hooks())
         self.logits_rank = stage_ranks[-1][0]  # the last stage's first rank holds the gathered logits

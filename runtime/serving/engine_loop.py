@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
+from runtime.activations import describe
 from runtime.engine import LLMEngine, RequestOutput
 from runtime.engine_format import EngineError
 from runtime.sampling import SamplingParams
@@ -132,6 +133,8 @@ class EngineLoop:
         try:
             with self._open_engine() as llm:
                 self.llm = llm
+                if line := describe(llm.engine):
+                    log.info("%s: %s", llm.engine.manifest.model_name, line)
                 self.ready = True
                 on_ready()
                 self._engine_serve(llm)

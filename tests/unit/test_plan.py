@@ -154,29 +154,34 @@ def test_the_cuda_plan_and_what_the_cuda_target_takes():
         assert f"plan test: {key} " in str(info.value) and fragment in str(info.value), str(info.value)
 
 
-def test_auto_activations_choose_the_fastest_path_that_keeps_the_gate():
-    from builder.activation_choice import Speed, choose
+def test_auto_activations_choose_the_fastest_path_the_gate_allows():
+    from builder.activation_choice import Speed, allowed, choose
 
+    exact = {"greedy_agreement_pct": 100.0, "ppl_increase_pct": 0.0}
+    # the default gate: f32's greedy agreement and perplexity within 0.01% of f32's
+    figures = {"f32": None, "int16": exact, "int12": dict(exact, ppl_increase_pct=0.02),
+               "int8": dict(exact, greedy_agreement_pct=97.9)}
+    assert allowed(figures, None, None) == ["f32", "int16"]
+    assert allowed(figures, 95, None) == ["f32", "int16", "int8"]
+    assert allowed(figures, 95, 0.05) == ["f32", "int16", "int12", "int8"]
+    f16 = {"greedy_agreement_pct": 97.9, "ppl_increase_pct": 0.004}  # f32 over an f16 cache, measured too
+    assert allowed({"f32": f16, "int16": dict(f16, ppl_increase_pct=0.013), "int8": figures["int8"]},
+                   None, None) == ["f32", "int16", "int8"]
+    assert allowed({"f32": f16, "int16": dict(f16, greedy_agreement_pct=95.8)}, None, None) == ["f32"]
+    assert allowed({"f32": f16}, 99, None) == ["f32"]  # none passing: the exact path
     speeds = {"f32": Speed(100, 1000), "int16": Speed(90, 900), "int8": Speed(180, 1500)}
-    assert choose(speeds, {"f32": None, "int16": 100.0, "int8": 96.0}, 95)[0] == "int8"
-    chosen, why = choose(speeds, {"f32": None, "int16": 100.0, "int8": 40.0}, 95)
-    assert chosen == "f32" and "int8 answered 40.0%" in why
+    assert choose(speeds, ["f32", "int16", "int8"])[0] == "int8"
+    chosen, why = choose(speeds, ["f32", "int16"])
+    assert chosen == "f32" and "the gate refused int8" in why
     # a path must not buy decode speed with prefill: geometric mean of both
-    lopsided = {"f32": Speed(100, 1000), "int8": Speed(130, 600)}
-    assert choose(lopsided, {"f32": None, "int8": 100.0}, 95)[0] == "f32"
-    assert choose({"f32": Speed(100, 1000), "int8": Speed(200, 2000)}, {"f32": 80.0, "int8": 90.0}, 95)[0] == "f32"
+    assert choose({"f32": Speed(100, 1000), "int8": Speed(130, 600)}, ["f32", "int8"])[0] == "f32"
     # exact wins a near-tie: under MIN_GAIN a rounding path is timing noise
-    close = {"f32": Speed(100, 1000), "int16": Speed(103, 1020)}
-    chosen, why = choose(close, {"f32": None, "int16": 100.0}, 95)
+    chosen, why = choose({"f32": Speed(100, 1000), "int16": Speed(103, 1020)}, ["f32", "int16"])
     assert chosen == "f32" and "int16" in why and "x1.02" in why
-    clear = {"f32": Speed(100, 1000), "int16": Speed(100, 1400)}
-    assert choose(clear, {"f32": None, "int16": 100.0}, 95)[0] == "int16"
+    assert choose({"f32": Speed(100, 1000), "int16": Speed(100, 1400)}, ["f32", "int16"])[0] == "int16"
     # each coarser path must gain MIN_GAIN over the more precise one chosen before it
-    agree = {"f32": None, "int16": 100.0, "int12": 100.0}
     near = {"f32": Speed(100, 1000), "int16": Speed(130, 1300), "int12": Speed(133, 1350)}
-    chosen, why = choose(near, agree, 95)
+    chosen, why = choose(near, ["f32", "int16", "int12"])
     assert chosen == "int16" and "int12 x1.34 gained too little" in why
     ahead = {"f32": Speed(100, 1000), "int16": Speed(130, 1300), "int12": Speed(135, 1600)}
-    assert choose(ahead, agree, 95)[0] == "int12"
-    # an exact path that fails the gate is passed over for the most precise one that keeps it
-    assert choose({"f32": Speed(100, 1000), "int16": Speed(100, 1000)}, {"f32": 80.0, "int16": 96.0}, 95)[0] == "int16"
+    assert choose(ahead, ["f32", "int16", "int12"])[0] == "int12"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from builder.ir import Graph, Node, Value, verify
-from builder.packing import pack_graph, with_activations
+from builder.packing import pack_graph
+from runtime.activations import with_activations
 from builder.plan import load_plan
 from builder.quant.awq import awq_clip, awq_search
 from builder.quant.gptq import fit_int4_grid, gptq_int4
