@@ -48,16 +48,21 @@ def main() -> None:
                         help="lower the engine's tokens per step (default: the plan's)")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="prefill tokens per step while others decode (default 0: no cap, as generate's batch)")
+    parser.add_argument("--activations", default=None,
+                        help="the engine's activation path (one its build allowed; default: the fastest here)")
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     # opened as engine-run opens it (runtime.launcher: what lives as long as the engine leaves the cyclic collector)
-    options = EngineOptions(kv_cache_gib=1.0, max_num_tokens=args.max_num_tokens, prefill_chunk=args.prefill_chunk or None)
+    options = EngineOptions(kv_cache_gib=1.0, max_num_tokens=args.max_num_tokens, prefill_chunk=args.prefill_chunk or None,
+                            activations=args.activations)
     with open_llm_engine(args.engine, options) as llm:
         weights = weight_bytes(args.engine)
         run_level(llm, 1, 1, 8, 4, weights, seed=99)  # warm up caches and threads
         kiln = [run_level(llm, n, n, args.prompt_len, args.output_len, weights, seed=n) for n in (1, args.requests)]
-        print(f"engine {args.engine}  threads {torch.get_num_threads()}  prompt {args.prompt_len}  "
+        choice = llm.engine.activation_choice
+        path = choice.activations if choice is not None else llm.engine.manifest.activations
+        print(f"engine {args.engine}  activations {path}  threads {torch.get_num_threads()}  prompt {args.prompt_len}  "
               f"output {args.output_len}  max_num_tokens {llm.limits.max_num_tokens}  "
               f"prefill_chunk {args.prefill_chunk or 'none'}")
         print(table(kiln))

@@ -183,12 +183,12 @@ def reference_answers(runner, prompts: list[list[int]], stop: set[int], key: dic
     return answers
 
 
-def answers_path(key: dict) -> Path:
-    """Where Kiln's cache keeps the reference answers that `key` decides ($KILN_CACHE_DIR, else
-    $XDG_CACHE_HOME/kiln or ~/.cache/kiln)."""
+def answers_path(key: dict, kind: str = "reference-answers") -> Path:
+    """Where Kiln's cache keeps what `key` decides with these kernels (the reference answers; `kind` names other
+    figures) ($KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln or ~/.cache/kiln)."""
     root = os.environ.get("KILN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
     digest = hashlib.sha256(json.dumps(dict(key, kernels=kernels_digest()), sort_keys=True).encode()).hexdigest()
-    return Path(root) / "reference-answers" / f"{digest[:32]}.json"
+    return Path(root) / kind / f"{digest[:32]}.json"
 
 
 def kernels_digest() -> str:

@@ -1,8 +1,7 @@
 """activations = "auto" (cpu target): every activation path measured at build, the gate's choice of those an
 engine may run, and the build host's pick among them.
 
-Each candidate path (f32, int16, int8, and int12 where the kernels have AMX tiles: elsewhere it runs
-int16's instructions, so it could only be int16 with coarser steps) is measured for accuracy the way every
+Each candidate path (f32, int16, int12 and int8) is measured for accuracy the way every
 lossy plan is (builder/accuracy.py: perplexity, KL and greedy chat agreement; f32 on weights the build keeps
 exactly is exact), and timed on this host with this build's threads: a prefill of PROMPT_TOKENS tokens, then
 DECODE_STEPS single-sequence decode steps replayed from a tape as the engine serves them, ROUNDS times, medians
@@ -10,11 +9,11 @@ kept.
 
 The gate (`allowed`): a path passes when its greedy agreement is f32's and its perplexity within PPL_MARGIN
 percent of f32's (the plan's min_greedy_agreement and max_ppl_increase replace those bounds). The manifest
-lists the paths that pass; the engine is packed with the fastest of them here, each coarser path taken only if
-it beats the one taken so far by MIN_GAIN, speed being the geometric mean of decode and prefill speed relative
-to f32 (a path must not buy one with the other). At start-up the runtime times the allowed paths again on the
-host that serves the engine and runs the fastest there (runtime/activations.py), so an engine built in CI on
-one CPU runs the path that suits another.
+lists the paths that pass and the one fastest here, each coarser path taken only if it beats the one taken so
+far by MIN_GAIN, speed being the geometric mean of decode and prefill speed relative to f32 (a path must not buy
+one with the other). The engine is packed on f32 activations: at start-up the runtime times the allowed paths on
+the host that serves it and runs the fastest there (runtime/activations.py), so an engine built in CI on one CPU
+runs the path that suits another.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from builder.ir import Graph
 from runtime import activations
 from runtime.activations import CANDIDATES, MIN_GAIN, integer_activations
 from runtime.executor import CpuExecutor
-from runtime.ops import linear
 from runtime.step import StepMetadata
 
 PPL_MARGIN = 0.01     # percent of perplexity a path may add to f32's under the default gate
@@ -48,9 +46,10 @@ class Speed:
 
 
 def candidates(graph: Graph) -> list[str]:
-    """f32, and the integer paths when some linear of the program can take them (int12 only on AMX kernels)."""
-    return [mode for mode in CANDIDATES if mode == "f32" or (
-        (mode != "int12" or linear.isa() == "amx") and any(integer_activations(n.op, n.attrs, mode) for n in graph.nodes))]
+    """f32, and the integer paths some linear of the program can take (int12 too: its numbers are the same on every
+    CPU, and a serving host with AMX tiles may run it faster than int16)."""
+    return [mode for mode in CANDIDATES if mode == "f32" or any(integer_activations(n.op, n.attrs, mode)
+                                                                   for n in graph.nodes)]
 
 
 def _step(tokens: list[int], start: int) -> StepMetadata:
@@ -109,7 +108,7 @@ def choose(speeds: dict[str, Speed], allowed: list[str]) -> tuple[str, str]:
     speed relative to f32, each coarser one taken only if MIN_GAIN faster (runtime.activations.choose)."""
     base = speeds["f32"]
     score = {m: math.sqrt(speeds[m].decode_tok_s / base.decode_tok_s * speeds[m].prefill_tok_s / base.prefill_tok_s)
-             for m in allowed}
+             for m in activations.worth_timing(allowed)}
     best, held = activations.choose(score)
     if best == "f32" and held:
         fastest = max(held, key=score.get)

@@ -43,10 +43,6 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
         if not target(plan.target).RANKS_ALONE:
             raise KilnError(f"--rank: a {plan.target} build checks its ranks' engines against each other (the ONNX "
                             f"across ranks): build a {plan.target} plan whole; --rank takes cpu and cuda plans")
-        if plan.quant.activations == "auto":
-            raise KilnError("--rank: activations = \"auto\" times the paths on the host that builds, and ranks built "
-                            "apart could choose differently: build the engine whole, or set [quant] activations to "
-                            "the path a whole build chose (its report says which)")
         if not 0 <= rank < plan.world_size:
             experts = f" ep {plan.ep}" if plan.ep > 1 else ""
             raise KilnError(f"--rank {rank}: the plan has {plan.world_size} rank(s) "
@@ -94,8 +90,6 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
     choice = [g.meta.pop("activation_choice", None) for g in graphs][0]
     for g in graphs:
         g.meta.pop("activation_figures", None)
-    if choice:  # the plan as built: the path auto chose (the request, "auto", is in the build id)
-        plan = dataclasses.replace(plan, quant=dataclasses.replace(plan.quant, activations=choice["chosen"]))
 
     manifest = {
         **manifest_header(__version__),

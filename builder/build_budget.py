@@ -96,8 +96,9 @@ def price_build(shape: ModelShape, plan: Plan, rank: int | None = None) -> Build
         phases["calibrating scales, a layer at a time"] = sweep
     if plan.target == "tensorrt":  # the ONNX export, ONNX Runtime's sessions and the cpu engine that verify it
         phases["verifying the ONNX (ONNX Runtime beside the cpu engine)"] = 2.5 * float_model + quantized
-    measured = (q.method in REQUANT or plan.kv_cache.dtype != "f32" or q.activations in ("int8", "int16", "int12", "auto")) \
-        and rank in (None, 0)
+    # auto measures its paths where some linear has integer ones (int4/int8 weights: not none, not fp8)
+    paths = q.activations in ("int8", "int16", "int12") or (q.activations == "auto" and q.method not in ("none", "fp8"))
+    measured = (q.method in REQUANT or plan.kv_cache.dtype != "f32" or paths) and rank in (None, 0)
     if measured:
         logits = 2 * WINDOW_ROWS * shape.vocab_size * 4.0
         # builder/accuracy.py's STREAM_BYTES: a larger quantized model runs a layer at a time too, mapped from a
@@ -126,8 +127,8 @@ def _seconds(shape: ModelShape, plan: Plan, rank: int | None, measured: bool) ->
         ns += ROUND_NS * params
     elif q.method in REQUANT:  # a rank alone: its stage's weights, each rounded whole before it is sliced
         ns += ROUND_ALONE_NS * params / plan.pp
-    if measured:  # activations = "auto" measures each path (f32, int16, int8) and times it
-        ns += MEASURE_NS * params * (3 if q.activations == "auto" else 1)
+    if measured:  # activations = "auto" measures each path (f32, int16, int12, int8) and times it
+        ns += MEASURE_NS * params * (4 if q.activations == "auto" and q.method not in ("none", "fp8") else 1)
     if q.method == "int4-awq":  # every rank's job: a layer's codes depend on the layers rounded before it
         inputs = 3 * shape.hidden_size ** 3 + shape.intermediate_size ** 3  # q/k/v, o, gate/up, down (o: heads wide)
         ns += AWQ_GPTQ_NS * shape.num_layers * shape.mean_layer_parameters + HESSIAN_NS * shape.num_layers * inputs

@@ -54,15 +54,13 @@ def build(
         help="Fail the build when fewer than this many percent of the shipped chat prompts get the unquantized "
              "model's first 32 greedy tokens."),
     activations: Optional[str] = typer.Option(None, "--activations",
-                                              help="Override [quant] activations (cpu): f32 (exact, the default), "
+                                              help="Override [quant] activations (cpu): auto (the default: every "
+                                                   "path measured, those whose greedy chat answers and perplexity "
+                                                   "match f32's allowed, the serving host runs the fastest of them; "
+                                                   "the report shows the table), or one path alone: f32 (exact), "
                                                    "int16, int12 or int8 (int4/int8 layers quantize activations per "
                                                    "token and block of 32; int12 takes half int16's AMX tile "
-                                                   "multiplies, elsewhere it runs as int16; "
-                                                   "int8 is faster on AVX-512 VNNI, on par with f32 on "
-                                                   "AVX2, and changes answers), or auto (each timed on this host; "
-                                                   "the fastest whose greedy chat agreement reaches "
-                                                   "--min-greedy-agreement, default 95%; the report shows the "
-                                                   "table)."),
+                                                   "multiplies, elsewhere it runs as int16; int8 changes answers)."),
     rounding: Optional[str] = typer.Option(None, "--rounding",
                                            help="Override [quant] rounding for int4-awq: gptq (grids fitted to "
                                                 "the calibration activations, GPTQ rounding layer by layer) or "

@@ -86,10 +86,10 @@ class Quant:
     calib: str | None = None
     max_ppl_increase: float | None = None
     min_greedy_agreement: float | None = None  # percent of the shipped chat prompts answered as the reference
-    # cpu: f32, or int16 / int8 (int4/int8 linears quantize activations per token and block), or auto (the fastest
-    # of them on the build host whose greedy chat agreement reaches min_greedy_agreement, default 95%);
-    # tensorrt: f16, bf16 (compute capability 8.0+) or f32. Unset, it is the target's first choice.
-    activations: str = "f32"
+    # cpu: auto (every path measured; the serving host runs the fastest the accuracy gate allows), or f32, int16,
+    # int12, int8 alone (int4/int8 linears quantize activations per token and block); tensorrt: f16, bf16
+    # (compute capability 8.0+) or f32. Unset in a plan file, it is the target's first choice (cpu: auto).
+    activations: str = "auto"
     rounding: str = "gptq"    # int4-awq: gptq (grids fitted, rounding errors compensated) or nearest (AWQ clip)
 
 

@@ -16,6 +16,7 @@ tokens never depend on which other requests share its steps (each token's activa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.engine_format import EngineError, cpu_flags
+from runtime.ops import linear
 from runtime.weights import FORMATS
 
 CANDIDATES = ("f32", "int16", "int12", "int8")  # the most precise first
@@ -72,6 +75,11 @@ def program_activations(doc: dict) -> str:
     return next((mode for mode in INTEGER_ACTIVATIONS if mode in modes), "f32")
 
 
+def worth_timing(paths: list[str]) -> list[str]:
+    """The paths that can differ in speed here: without AMX tiles int12 runs int16's instructions (int16 kept)."""
+    return [m for m in paths if m != "int12" or "int16" not in paths or linear.isa() == "amx"]
+
+
 def choose(scores: dict[str, float]) -> tuple[str, list[str]]:
     """(the chosen path, the faster paths passed over): from the most precise of `scores` (path -> speed relative
     to f32, higher is faster), each coarser path taken only if it is MIN_GAIN faster than the one taken so far."""
@@ -98,8 +106,6 @@ class HostChoice:
 def time_paths(doc: dict, tensors: dict[str, torch.Tensor], modes: list[str]) -> dict[str, float]:
     """Each path's speed relative to the first's: the geometric mean over TIMED_TOKENS of the time the program's
     first linears (up to TIMED_WEIGHTS of weights) take, on this process's threads."""
-    from runtime.ops import linear
-
     nodes, weights = [], 0
     for node in doc["nodes"]:
         attrs = node["attrs"]
@@ -131,9 +137,6 @@ def time_paths(doc: dict, tensors: dict[str, torch.Tensor], modes: list[str]) ->
 
 def host_key(build_id: str, threads: int) -> dict:
     """What decides a host's timing of an engine: its build, this CPU and kernels, the thread count."""
-    from runtime.engine_format import cpu_flags
-    from runtime.ops import linear
-
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
@@ -164,6 +167,7 @@ def host_choice(build_id: str, allowed: list[str], built: str, load_program, req
         return HostChoice(requested, "asked for with --activations", {})
     if len(allowed) == 1:
         return HostChoice(allowed[0], "the one path the build allowed", {})
+    allowed = worth_timing(allowed)
     threads = threads or torch.get_num_threads()
     path = cache_path(host_key(build_id, threads))
     try:
@@ -196,18 +200,14 @@ def rebind(rank_file, activations: str):
     return type(rank_file)(json.dumps(with_activations(doc, activations)), rank_file.tensors)
 
 
-def for_host(engine, backend: str, requested: str | None = None):
-    """`engine` (an EngineDir) with the path this host runs it with, for a backend that takes activation paths
-    (runtime/backends: ACTIVATION_PATHS); as it is otherwise, where --activations is refused in one line."""
-    import dataclasses
-
-    from runtime.backends import backend as backend_module
-    from runtime.engine_format import EngineError
-
+def for_host(engine, backend, requested: str | None = None):
+    """`engine` (an EngineDir) with the path this host runs it with, for a backend (a runtime/backends module) that
+    takes activation paths (ACTIVATION_PATHS); as it is otherwise, where --activations is refused in one line."""
     manifest = engine.manifest
-    if not backend_module(backend).ACTIVATION_PATHS:
+    if not backend.ACTIVATION_PATHS:
         if requested is not None:
-            raise EngineError(f"--activations {requested}: the {backend} backend computes as the engine was built")
+            raise EngineError(f"--activations {requested}: the {backend.__name__.rsplit('.', 1)[-1]} backend "
+                              "computes as the engine was built")
         return engine
 
     def load_program():

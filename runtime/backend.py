@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from runtime import activations
 from runtime.kv_groups import KVGroups
 from runtime.step import StepMetadata
 
@@ -55,3 +56,11 @@ def create_executor(engine, rank: int, pools: KVGroups, backend: str, num_thread
     from runtime.backends import backend as backend_module
 
     return backend_module(backend).create_executor(engine, rank, pools, num_threads, collectives)
+
+
+def for_host(engine, backend: str, requested: str | None = None):
+    """`engine` (an EngineDir) with the activation path this host runs it with on `backend`
+    (runtime/activations.py: the fastest the build allowed, or `requested`)."""
+    from runtime.backends import backend as backend_module
+
+    return activations.for_host(engine, backend_module(backend), requested)

@@ -349,11 +349,14 @@ def bench(
             fail(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the engine's max_seq_len {limit}")
         weights = b.weight_bytes(engine)
         manifest = llm.engine.manifest
+        choice = llm.engine.activation_choice
+        running = choice.activations if choice is not None else manifest.activations  # the path the peaks judge
         layer_params, head_params = linear_parameters(manifest.model_config)
         params = (layer_params // manifest.world_size, head_params // manifest.world_size)
         b.run_level(llm, 1, 1, min(8, prompt_len), 4, weights, seed=99)  # warm up: threads, caches, replay
         context = {"engine": str(engine), "threads": threads or torch.get_num_threads(), "backend": backend,
-                   "prompt_len": prompt_len, "output_len": output_len, "weight_bytes_per_rank": weights}
+                   "prompt_len": prompt_len, "output_len": output_len, "weight_bytes_per_rank": weights,
+                   "activations": running}
         peaks = None
         if roofline:
             typer.echo("  measuring this machine's peaks (read bandwidth, f32 and int8 matrix products) ...", err=True)
@@ -377,7 +380,7 @@ def bench(
                 busy = run_levels(1000, f", CPUs {spinning.cpus} busy")
             context["busy_cores"] = spinning.cpus
     if peaks is not None:
-        b.annotate(results, peaks, manifest.activations)
+        b.annotate(results, peaks, running)
     typer.echo(b.table(results))
     if peaks is not None:
         typer.echo(f"peaks on {peaks.threads} threads: read {peaks.read_gbs:.1f} GB/s, f32 {peaks.f32_gflops:.0f} "
@@ -385,7 +388,7 @@ def bench(
                    "against the peak of the engine's activations", err=True)
     if busy:
         if peaks is not None:
-            b.annotate(busy, peaks, manifest.activations)
+            b.annotate(busy, peaks, running)
         typer.echo(f"\nwith {busy_cores} busy-loop process(es) pinned to CPUs {context['busy_cores']}:")
         typer.echo(b.table(busy))
         typer.echo(f"\n{b.slowdown_table(results, busy)}")

@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from runtime import activations
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.backend import Executor, create_executor, kv_groups
+from runtime.backend import Executor, create_executor, for_host, kv_groups
 from runtime.cpus import usable_cpus
 from runtime.engine_format import EngineDir, EngineError, PlanLimits, check_target, open_engine
 from runtime.sampler import Sampler
@@ -130,7 +129,7 @@ class LLMEngine:
         self.eos_token_ids = manifest.eos_token_ids
         if executor is None:
             backend = check_target(engine.path, manifest, options.backend)
-            engine = self.engine = activations.for_host(engine, backend, options.activations)
+            engine = self.engine = for_host(engine, backend, options.activations)
             executor = create_executor(engine, 0, kv_groups(manifest, backend, options.kv_cache_gib), backend,
                                        options.num_threads)
         self.executor = executor

@@ -119,7 +119,7 @@ class Manifest:
     ranks: tuple[RankEntry, ...]
     memory: tuple[RankMemory, ...]    # per rank
     model_config: dict                # the model's shapes (builder.model.ModelConfig.to_dict)
-    activations: str                  # the plan's [quant] activations (auto: the path the build host took)
+    activations: str                  # the path the program is packed with: the plan's (auto: f32)
     special_tokens: SpecialTokens | None = None  # BOS/EOS around raw text; None: an engine built before the rule
     cuda: dict | None = None          # cuda target: its compiled kernels (runtime/backends/cuda/kernel_index.py)
     trt_plugin: dict | None = None    # tensorrt target: the PagedAttention plugin ({"library", "sha256", ...})
@@ -177,12 +177,12 @@ class Manifest:
             memory=tuple(RankMemory(int(m["kv_blocks"]), int(m["kv_bytes_per_token"]), int(m.get("kv_window_blocks", 0)),
                                     int(m.get("kv_window_bytes_per_token", 0)), "kv_window_bytes_per_token" in m)
                          for m in doc["memory"]["ranks"]),
-            model_config=dict(model["config"]), activations=plan["quant"].get("activations", "f32"),
+            model_config=dict(model["config"]), activations=_built_activations(plan["quant"].get("activations", "f32")),
             special_tokens=SpecialTokens.from_dict(model["special_tokens"]) if "special_tokens" in model else None,
             cuda=doc.get("cuda"), trt_plugin=((doc.get("tensorrt") or {}).get("plugins") or [None])[0],
             trt_kernels=(doc.get("tensorrt") or {}).get("kernels"), ep=int(plan.get("ep", 1)),
             activation_modes=tuple((doc.get("activation_choice") or {}).get("allowed")
-                                   or [plan["quant"].get("activations", "f32")]))
+                                   or [_built_activations(plan["quant"].get("activations", "f32"))]))
 
     def kv_groups(self, kv_cache_gib: float | None, windowed: bool = True) -> KVGroups:
         """The KV pools every rank allocates (the scheduler hands out one block id space per group): the build's
@@ -220,6 +220,11 @@ def manifest_header(kiln_version: str) -> dict:
 class RankFile(NamedTuple):
     program: str                      # the rank's IR as JSON
     tensors: dict[str, torch.Tensor]  # views into the memory-mapped file
+
+
+def _built_activations(planned: str) -> str:
+    """The path a plan's program is packed with: auto packs f32, the serving host picks (runtime/activations.py)."""
+    return "f32" if planned == "auto" else planned
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import contextlib
 import gc
 from pathlib import Path
 
-from runtime import activations
+from runtime.backend import for_host
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import EngineError, check_target, open_engine
 
@@ -31,8 +31,8 @@ def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
             yield settled(LLMEngine(engine_dir, options))
             return
         if options.activations is not None:  # refused here, before any rank starts
-            activations.for_host(engine_dir, check_target(engine_dir.path, engine_dir.manifest, options.backend),
-                                 options.activations)
+            for_host(engine_dir, check_target(engine_dir.path, engine_dir.manifest, options.backend),
+                     options.activations)
         world_size = engine_dir.manifest.world_size
     else:
         world_size = rdzv.world_size

@@ -77,7 +77,8 @@ class Rank:
         config = [None, None]
         if self.rank == 0:
             config = [kv_groups(manifest, self.backend, kv_cache_gib),
-                      host_activations.for_host(self.engine, self.backend, activations).activation_choice]
+                      host_activations.for_host(self.engine, backend_module(self.backend),
+                                                 activations).activation_choice]
         dist.broadcast_object_list(config, 0, group=self.control)
         self.engine = dataclasses.replace(self.engine, activation_choice=config[1])
         self.executor = create_executor(self.engine, self.rank, config[0], self.backend,

@@ -61,3 +61,13 @@ def test_the_most_precise_path_wins_unless_a_coarser_one_gains_enough():
     assert activations.choose({"int16": 1.5, "f32": 1.0}) == ("int16", [])
     assert activations.choose({"f32": 1.0, "int16": 1.5, "int8": 1.52}) == ("int16", ["int8"])
     assert activations.choose({"f32": 1.0, "int16": 0.9}) == ("f32", [])
+
+
+def test_int12_is_timed_apart_from_int16_only_on_amx_tiles(monkeypatch):
+    from runtime.ops import linear
+
+    monkeypatch.setattr(linear, "isa", lambda: "avx512")
+    assert activations.worth_timing(["f32", "int16", "int12"]) == ["f32", "int16"]
+    assert activations.worth_timing(["f32", "int12"]) == ["f32", "int12"]  # int16 refused: int12 stands for itself
+    monkeypatch.setattr(linear, "isa", lambda: "amx")
+    assert activations.worth_timing(["f32", "int16", "int12"]) == ["f32", "int16", "int12"]

@@ -1,4 +1,4 @@
-"""The cpu target: Kiln's C kernels on the build host's kind of CPU (exact by default)."""
+"""The cpu target: Kiln's C kernels on the build host's kind of CPU."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from runtime.engine_format import KV_CACHE_DTYPES
 
 DEVICE_KIND = "cpu"
 RANKS_ALONE = True
-# int16 / int12 / int8: integer activations per token and block in int4/int8 linears; auto: the fastest on the build
-# host that keeps the greedy gate (builder/activation_choice.py)
-ACTIVATIONS = ("f32", "int16", "int12", "int8", "auto")
+# auto (the default): every path measured at build, the serving host runs the fastest of those the accuracy gate
+# allows (builder/activation_choice.py, runtime/activations.py); f32, or int16 / int12 / int8 (integer activations
+# per token and block in int4/int8 linears): that path alone
+ACTIVATIONS = ("auto", "f32", "int16", "int12", "int8")
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
 QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 
@@ -16,7 +17,7 @@ QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
 def check_plan(plan, device, fail) -> None:
     if plan.quant.activations in ("f16", "bf16"):
         fail("[quant] activations", f"{plan.quant.activations} is not a cpu kernel path; the cpu target takes "
-                                    f"{' or '.join(ACTIVATIONS)}: use activations = \"f32\" (exact)")
+                                    f"{' or '.join(ACTIVATIONS)}: use activations = \"auto\" (the default) or \"f32\" (exact)")
 
 
 def layout_passes(plan) -> list:
