@@ -36,6 +36,7 @@ from builder.errors import KilnError
 from builder.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
 from builder.ir import TORCH_DTYPES, Graph
 from builder.lazy_tensors import LazyTensors
+from runtime.cache import cache_path
 
 ROWS = 32  # positions per float64 chunk of the [T, vocab] distributions
 GREEDY_TOKENS = 32
@@ -186,9 +187,7 @@ def reference_answers(runner, prompts: list[list[int]], stop: set[int], key: dic
 def answers_path(key: dict, kind: str = "reference-answers") -> Path:
     """Where Kiln's cache keeps what `key` decides with these kernels (the reference answers; `kind` names other
     figures) ($KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln or ~/.cache/kiln)."""
-    root = os.environ.get("KILN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
-    digest = hashlib.sha256(json.dumps(dict(key, kernels=kernels_digest()), sort_keys=True).encode()).hexdigest()
-    return Path(root) / kind / f"{digest[:32]}.json"
+    return cache_path(kind, dict(key, kernels=kernels_digest()))
 
 
 def kernels_digest() -> str:

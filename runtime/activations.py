@@ -17,18 +17,16 @@ tokens never depend on which other requests share its steps (each token's activa
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from runtime.cache import cache_path
 from runtime.engine_format import EngineError, cpu_flags
 from runtime.ops import linear
 from runtime.weights import FORMATS
@@ -146,13 +144,6 @@ def host_key(build_id: str, threads: int) -> dict:
             "isa": linear.isa(), "threads": threads}
 
 
-def cache_path(key: dict) -> Path:
-    """Where Kiln's cache keeps a host's timing ($KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln or ~/.cache/kiln)."""
-    root = os.environ.get("KILN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return Path(root) / "activations" / f"{digest[:32]}.json"
-
-
 def host_choice(build_id: str, allowed: list[str], built: str, load_program, requested: str | None = None,
                 threads: int | None = None) -> HostChoice:
     """The path this host runs an engine with: `requested` (it must be one the build allowed), the only allowed
@@ -169,7 +160,7 @@ def host_choice(build_id: str, allowed: list[str], built: str, load_program, req
         return HostChoice(allowed[0], "the one path the build allowed", {})
     allowed = worth_timing(allowed)
     threads = threads or torch.get_num_threads()
-    path = cache_path(host_key(build_id, threads))
+    path = cache_path("activations", host_key(build_id, threads))
     try:
         scores = {m: float(s) for m, s in json.loads(path.read_text())["scores"].items()}
         cached = set(scores) == set(allowed)
