@@ -12,7 +12,7 @@ import torch
 from builder.build import build_engine
 from builder.interpret import Interpreter
 from builder.plan import load_plan
-from runtime.activations import CANDIDATES, MIN_GAIN
+from runtime.activations import CANDIDATES, MIN_GAIN, worth_timing
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.engine_format import EngineError, map_rank_file
 from runtime.ops import linear
@@ -90,7 +90,9 @@ def test_auto_times_every_path_and_builds_the_chosen_one(tiny_llama_dir, build_t
         kept = outcomes(best, rest[1:]) if ratio < MIN_GAIN + 0.01 else set()
         return took | kept
 
-    assert chosen in outcomes("f32", [m for m in CANDIDATES[1:] if m in paths]) and chosen in choice["why"]
+    # the build times int12 apart from int16 only where AMX tiles make it faster (worth_timing), as the test does
+    timed = worth_timing([m for m in CANDIDATES if m in paths])
+    assert chosen in outcomes("f32", timed[1:]) and chosen in choice["why"]
     assert choice["allowed"] == [m for m in CANDIDATES if m in paths]  # no gate: every path
     # the bytes do not follow the timing: the program runs f32 until the serving host picks its path
     assert manifest["plan"]["quant"]["activations"] == "auto" and manifest["accuracy"]["activations"] == "f32"
