@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import runtime  # noqa: F401  (OpenMP settings before torch)
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 
 def one_round(llm: LLMEngine, prompt_len: int, decode_len: int) -> tuple[float, float]:

@@ -1,5 +1,5 @@
 """How long builds take and how much memory they hold: wall time and peak RSS of `engine-build build` runs, each
-in its own process, beside the build's own price (builder/build_budget.py) and its accuracy figures.
+in its own process, beside the build's own price (builder/planning/build_budget.py) and its accuracy figures.
 
     python benchmarks/bench_builds.py [--work DIR] [--only NAME,...] [--cached] [--json FILE]
 

@@ -7,7 +7,7 @@ ONNX Runtime GenAI's int4 CPU model, in one run.
 
 Kiln engines of the model are built with `builder.build.build_engine` into --engines (default: a
 temporary directory; an existing directory is reused when its engines are up to date) and run by
-runtime.engine.LLMEngine. llama.cpp runs the same GGUF requantized to Q4_0 and Q8_0 by its own
+runtime.core.engine.LLMEngine. llama.cpp runs the same GGUF requantized to Q4_0 and Q8_0 by its own
 `llama_model_quantize` (llama-cpp-python's ctypes API). ONNX Runtime GenAI runs in its own venv
 (--ort-genai, default /tmp/venv-ort/bin/python; skipped with a message when absent): its model
 builder makes an int4 CPU model (accuracy level 4) of the GGUF converted to a Hugging Face directory,
@@ -68,14 +68,14 @@ def gguf_weight_bytes(path: Path) -> int:
 
 class KilnRunner:
     def __init__(self, engine: Path, threads: int):
-        from runtime.engine import EngineOptions, LLMEngine
+        from runtime.core.engine import EngineOptions, LLMEngine
 
         self.llm = LLMEngine.from_dir(engine, EngineOptions(kv_cache_gib=0.25, num_threads=threads,
                                                              enable_prefix_caching=False))
         self.weight_bytes = kiln_weight_bytes(engine)
 
     def _params(self, max_tokens: int):
-        from runtime.sampling import SamplingParams
+        from runtime.core.sampling import SamplingParams
 
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -263,7 +263,7 @@ def build_kiln(model: str, method: str, engines: Path):
     """`method` is a [quant] method, optionally with "+head" (the logits and embedding weights requantized too,
     nothing excluded) and ":f32", ":int16", ":int12" or ":int8" for the activations (default: the plan's, f32)."""
     from builder.build import build_engine
-    from builder.plan import load_plan
+    from builder.planning.plan import load_plan
 
     name, _, activations = method.partition(":")
     name, head, _ = name.partition("+head")
@@ -293,7 +293,7 @@ def main() -> None:
     parser.add_argument("--methods", default="none,int8,int4,fp8,int4:f32",
                         help="Kiln [quant] methods to build and run; METHOD+head also requantizes the logits "
                              "(and tied embedding) weights; METHOD:f32, :int16, :int12 or :int8 sets the activations "
-                             "(default: the plan's, f32)")
+                             "(default: the plan's, auto: the fastest path the build allowed on this host)")
     parser.add_argument("--busy-cores", type=int, default=0,
                         help="then time every engine again beside this many busy-loop processes pinned to this "
                              "process's last CPUs, and print each one's share of its quiet speed")
@@ -302,7 +302,7 @@ def main() -> None:
                              "with a message when it is not there)")
     args = parser.parse_args()
 
-    from builder.model import load_model
+    from builder.sources import load_model
 
     torch.set_num_threads(args.threads)
     source = Path(load_model(args.model).source)
@@ -373,7 +373,7 @@ SETTLE_SECONDS = 0.5
 
 def busy_beside(runners: dict, args, short: list[int], long: list[int], decode: dict, prefill: dict) -> None:
     """Every engine timed again, interleaved, while busy loops hold `args.busy_cores` of this process's CPUs."""
-    from runtime.bench import BusyCores
+    from runtime.measure.bench import BusyCores
 
     with BusyCores(args.busy_cores) as spinning:
         print(f"\nbusy loops pinned to CPUs {spinning.cpus}; load average {os.getloadavg()[0]:.1f}", flush=True)

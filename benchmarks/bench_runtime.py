@@ -3,7 +3,7 @@
     python benchmarks/bench_runtime.py [--engine engines/smollm2-135m] [--requests 32]
         [--prompt-len 128] [--output-len 128] [--max-num-tokens N] [--prefill-chunk N] [--no-transformers]
 
-Kiln's side is `engine-run bench`'s measurement (runtime/bench.py) at concurrency 1 and N, all N
+Kiln's side is `engine-run bench`'s measurement (runtime/measure/bench.py) at concurrency 1 and N, all N
 requests at once, with no cap on prefill tokens beside decodes unless --prefill-chunk gives one: offline,
 as `engine-run generate` runs a batch of prompts (a server's default, 64, keeps streams' inter-token
 latency low instead); transformers runs `generate` on the model the engine was built from (float32),
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.bench import run_level, synthetic_prompts, table, weight_bytes
-from runtime.engine import EngineOptions
+from runtime.measure.bench import run_level, synthetic_prompts, table, weight_bytes
+from runtime.core.engine import EngineOptions
 from runtime.launcher import open_llm_engine
 
 

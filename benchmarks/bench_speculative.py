@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from speculative_prompts import CHAT, GROUNDED, VERBATIM  # noqa: E402
 
-from runtime.engine import EngineOptions, LLMEngine  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.speculative import SpeculativeConfig  # noqa: E402
+from runtime.core.engine import EngineOptions, LLMEngine  # noqa: E402
+from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.core.speculative import SpeculativeConfig  # noqa: E402
 
 
 def run(llm: LLMEngine, prompts: list[str], concurrency: int, requests: int, max_tokens: int, speculative: bool):

@@ -2,7 +2,7 @@
 
     python benchmarks/calibrate_planner.py ENGINE [ENGINE ...] [--prompt-len 128] [--output-len 128]
 
-For each engine, the plan in its manifest is priced by `engine-build plan`'s code (builder/planner.py:
+For each engine, the plan in its manifest is priced by `engine-build plan`'s code (builder/planning/planner.py:
 the model's shape and stored bytes, the cpu device of plans/devices.toml with its efficiencies) and
 the engine is benchmarked at concurrency 1 and 8 with the same prompt and answer lengths. Three
 figures are compared, each as measured / predicted:
@@ -30,8 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from builder.plan import load_devices, plan_from_dict  # noqa: E402
-from builder.planner import Candidate, Workload, load_shape, price  # noqa: E402
+from builder.planning.plan import load_devices, plan_from_dict  # noqa: E402
+from builder.planning.planner import Candidate, Workload, price
+from builder.planning.shapes import load_shape  # noqa: E402
 
 
 def predicted(engine: Path, prompt: int, output: int) -> dict:

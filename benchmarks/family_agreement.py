@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from builder.build import build_engine
-from builder.calibration import WINDOW, shipped_text, windows
-from builder.interpret import Interpreter
-from builder.plan import load_plan
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import map_rank_file
-from runtime.sampling import SamplingParams
+from builder.measure.calibration import WINDOW, shipped_text, windows
+from builder.graph.interpret import Interpreter
+from builder.planning.plan import load_plan
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.format.engine_format import map_rank_file
+from runtime.core.sampling import SamplingParams
 
 
 def nll(logits: torch.Tensor, ids: list[int]) -> float:

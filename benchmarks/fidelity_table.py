@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from builder.build import build_engine
-from builder.plan import load_plan
+from builder.planning.plan import load_plan
 
 
 def main() -> None:

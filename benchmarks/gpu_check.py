@@ -88,7 +88,7 @@ class Check:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); "
                              "--interpret runs sections 1-2 on the CPU")
-        from builder.plan import load_devices
+        from builder.planning.plan import load_devices
 
         major, minor = torch.cuda.get_device_capability()
         cc, name = f"{major}.{minor}", torch.cuda.get_device_name()
@@ -117,14 +117,14 @@ class Check:
         return str(self.hf_model("tiny-llama", TINY_LLAMA, False)) if self.interpret else "smollm2-135m"
 
     def cuda_plan(self, act: str, kv: str, method: str = "none"):
-        from builder.plan import plan_from_dict
+        from builder.planning.plan import plan_from_dict
 
         return plan_from_dict({"target": "cuda", "device": self.device, "limits": self.limits,
                                "kv_cache": {"dtype": kv, "block_size": 16},
                                "quant": {"method": method, "activations": act, "group_size": 128}}, "gpu_check")
 
     def cpu_plan(self):
-        from builder.plan import load_plan
+        from builder.planning.plan import load_plan
 
         plan = load_plan(ROOT / "plans" / "cpu.toml").with_overrides("kv_cache", dtype="f32")
         return plan.with_overrides("quant", activations="f32", method="none")
@@ -155,7 +155,7 @@ class Check:
         return self.build(f"small-{kind}", self.small_model(), self.cuda_plan(act, act))
 
     def engine(self, path: Path, kv_gib: float | None = None, **options):
-        from runtime.engine import EngineOptions, LLMEngine
+        from runtime.core.engine import EngineOptions, LLMEngine
 
         gib = None if self.interpret or "cpu" in path.name else kv_gib
         return LLMEngine.from_dir(path, EngineOptions(kv_cache_gib=gib, **options))
@@ -183,7 +183,7 @@ class Check:
     def answers(self, path: Path, n: int, tokens: int) -> tuple[list[list[int]], float]:
         from family_agreement import prompts
 
-        from runtime.sampling import SamplingParams
+        from runtime.core.sampling import SamplingParams
 
         llm = self.engine(path, kv_gib=4)
         chat = prompts(llm)[:n]
@@ -218,7 +218,7 @@ class Check:
         return {"tables": [(f"greedy chat answers, {model}", rows, list(rows[0]))], "goals": goals}
 
     def throughput(self, path: Path, label: str, batches, lengths, steps: int) -> list[dict]:
-        from runtime.sampling import SamplingParams
+        from runtime.core.sampling import SamplingParams
 
         manifest = json.loads((path / "manifest.json").read_text())
         cfg = manifest["model"]["config"] if "config" in manifest.get("model", {}) else {}
@@ -331,7 +331,7 @@ class Check:
         from bench_speculative import run, summary
         from speculative_prompts import CHAT, GROUNDED, VERBATIM
 
-        from runtime.speculative import SpeculativeConfig
+        from runtime.core.speculative import SpeculativeConfig
 
         max_tokens = 48 if self.args.quick else 128
         target, draft = self.small("cuda-bf16"), self.small("cpu-f32")

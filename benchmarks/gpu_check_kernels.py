@@ -176,9 +176,9 @@ def _gemm_cases() -> list[Case]:
 
 def _sampling_cases() -> list[Case]:
     from runtime.backends.cuda.kernels import sampling
-    from runtime.sampler import Sampler, _adjust, race_noise
-    from runtime.sampling import SamplingParams
-    from runtime.sequence import Sequence
+    from runtime.core.sampler import Sampler, _adjust, race_noise
+    from runtime.core.sampling import SamplingParams
+    from runtime.core.sequence import Sequence
 
     def seq(params, prompt, output):
         s = Sequence("s", list(prompt), params)

@@ -11,6 +11,9 @@
 #   ENDPOINT=/v1/chat/completions              or /v1/completions
 #   PORT=8011  OUT=<new temporary directory>   (server.log, benchmarks.json)
 #   GUIDELLM=/tmp/venv-guidellm/bin/guidellm if it exists, else guidellm on PATH
+#   SERVER=kiln            or vllm: the same load against vLLM's CPU build serving the same weights (SmolLM2 as
+#                          float32 safetensors, converted once by benchmarks/bench_serving.py's hf_directory),
+#                          VLLM_PYTHON=/tmp/venv-vllm/bin/python, THREADS=<this process's CPUs>
 #
 # guidellm is a benchmark tool, not a dependency of Kiln: install it in a virtual environment of its own,
 #   python -m venv /tmp/venv-guidellm && /tmp/venv-guidellm/bin/pip install guidellm   # 0.8.1 was used
@@ -45,14 +48,32 @@ fi
 mkdir -p "$OUT"
 echo "guidellm $("$GUIDELLM" --version | sed 's/.*version: //'), engine $ENGINE, output in $OUT" >&2
 
-engine-run serve "$ENGINE" --port "$PORT" "$@" > "$OUT/server.log" 2>&1 &
-SERVER=$!
-trap 'kill -TERM $SERVER 2> /dev/null && wait $SERVER 2> /dev/null || true' EXIT
+SERVER=${SERVER:-kiln}
+if [[ $SERVER == vllm ]]; then
+    VLLM_PYTHON=${VLLM_PYTHON:-/tmp/venv-vllm/bin/python}
+    THREADS=${THREADS:-$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")}
+    if [[ ! -x $VLLM_PYTHON ]]; then
+        echo "guidellm_synthetic: no vLLM at $VLLM_PYTHON (benchmarks/bench_serving.py's header says how to install it)" >&2
+        exit 2
+    fi
+    HF_DIR=$(cd "$(dirname "$0")" && python3 -c "import sys; from pathlib import Path; import bench_serving as b; \
+print(b.hf_directory(b.smollm2_gguf(), Path(sys.argv[1])))" "${TMPDIR:-/tmp}/kiln-bench-smollm2-135m-hf")
+    MODEL=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['model']['name'])" "$ENGINE/manifest.json")
+    VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_KVCACHE_SPACE=4 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
+        --model "$HF_DIR" --served-model-name "$MODEL" --host 127.0.0.1 --port "$PORT" --dtype float32 \
+        --max-model-len 2048 > "$OUT/server.log" 2>&1 &
+    READY=$URL/v1/models
+else
+    engine-run serve "$ENGINE" --port "$PORT" "$@" > "$OUT/server.log" 2>&1 &
+    READY=$URL/health
+fi
+PID=$!
+trap 'kill -TERM $PID 2> /dev/null && wait $PID 2> /dev/null || true' EXIT
 
-healthy() { python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$URL/health" 2> /dev/null; }
+healthy() { python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$READY" 2> /dev/null; }
 until healthy; do
-    if ! kill -0 $SERVER 2> /dev/null; then
-        echo "guidellm_synthetic: engine-run serve exited:" >&2
+    if ! kill -0 $PID 2> /dev/null; then
+        echo "guidellm_synthetic: the $SERVER server exited:" >&2
         cat "$OUT/server.log" >&2
         exit 1
     fi
@@ -68,6 +89,7 @@ done
     --output "kind=json,path=$OUT/benchmarks.json" \
     --disable-progress
 
+[[ $SERVER == kiln ]] || exit 0
 echo "server: requests answered with an HTTP error, by status (none if empty):"
 python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())" "$URL/metrics" |
     grep '^kiln_http_errors_total' || true

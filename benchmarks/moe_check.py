@@ -67,7 +67,7 @@ class MoeCheck(Check):
         return str(random_model(self.work / name, family, config))
 
     def section_agreement(self) -> dict:
-        from runtime.sampling import SamplingParams
+        from runtime.core.sampling import SamplingParams
 
         rows = []
         gen = torch.Generator().manual_seed(1)
@@ -89,7 +89,7 @@ class MoeCheck(Check):
                                                 ["model", "experts", "identical answers"])}
 
     def section_speed(self) -> dict:
-        from runtime.bench import StepReads
+        from runtime.measure.bench import StepReads
 
         rows = []
         runs = [("none", "f32")] if self.args.cpu else [(m, "bf16") for m in self.args.methods.split(",")]

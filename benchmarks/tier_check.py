@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from builder.calibration import shipped_text
+from builder.measure.calibration import shipped_text
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -11,20 +10,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder import emit
-from builder.build_budget import check_host
-from builder.calibration import model_tokenizer
+from builder.planning.build_budget import check_host
+from builder.measure.calibration import model_tokenizer
 from builder.errors import KilnError
-from builder.lazy_tensors import LazyTensors
-from builder.model import load_model
+from builder.sources.lazy_tensors import LazyTensors
+from builder.sources import load_model
 from builder.pipeline import PipelineOptions, build_pipeline
-from builder.plan import Plan
-from builder.planner import load_shape
+from builder.planning.plan import Plan
+from builder.planning.shapes import load_shape
 from builder.targets import target
-from builder.trace import trace
+from builder.graph.trace import trace
 from passes.context import PassContext
 from passes.quant_rewrite import weight_nodes
 from runtime import __version__
-from runtime.engine_format import manifest_header
+from runtime.format.engine_format import manifest_header
 
 
 @dataclass
@@ -114,7 +113,7 @@ def build_engine(model_source: str, plan: Plan, out: Path, *, force: bool = Fals
 
 
 def model_shape(model_source: str):
-    """The model's shape as the planner reads it (builder/build_budget.py prices the build with it), or None for a
+    """The model's shape as the planner reads it (builder/planning/build_budget.py prices the build with it), or None for a
     source planning cannot read (the build then goes on unpriced)."""
     try:
         return load_shape(model_source)
@@ -138,7 +137,7 @@ def _quantization_summary(plan: Plan, graph) -> dict:
         formats[quant if quant == "none" or not a.get("group_size") else f"{quant} g{a['group_size']}"] += 1
     summary = {"method": plan.quant.method, "kv_cache_dtype": plan.kv_cache.dtype,
                "nodes": dict(sorted(formats.items()))}
-    if plan.target == "cpu" and set(formats) != {"none"}:
+    if target(plan.target).KERNELS_WIDEN and set(formats) != {"none"}:
         act_nodes = sum(n.attrs.get("act") == plan.quant.activations for n in weight_nodes(graph))
         summary["compute"] = ("weights stay quantized in memory and are widened inside the kernels; f32 activations"
                               + (f", {plan.quant.activations} per token in {act_nodes} int4/int8 linears"

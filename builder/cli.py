@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from builder.errors import KilnError
+from builder.targets import target
 from runtime import cli_errors
 
 app = typer.Typer(
@@ -90,9 +91,9 @@ def build(
     started = time.perf_counter()
     from builder.build import build_engine
     from builder.engine_summary import tensorrt_lines
-    from builder.model import load_model
+    from builder.sources import load_model
     from builder.pipeline import PipelineOptions
-    from builder.plan import load_plan
+    from builder.planning.plan import load_plan
 
     chosen = load_plan(plan)
     chosen = chosen.with_overrides(tp=tp, pp=pp, ep=ep)
@@ -104,7 +105,7 @@ def build(
         out = Path("engines") / load_model(model).name
     calibration = calib.read_text() if calib else None
     options = PipelineOptions(print_after=print_after, dump_dir=dump_ir, debug=debug, echo=typer.echo)
-    if onnx_only and chosen.target != "tensorrt":
+    if onnx_only and not target(chosen.target).WRITES_ONNX:
         raise KilnError(f"--onnx-only: the {chosen.target} target writes no ONNX; it applies to tensorrt plans")
     result = build_engine(model, chosen, out, force=force, options=options, show_progress=progress,
                           calibration_text=calibration, onnx_only=onnx_only, rank=rank)
@@ -127,8 +128,8 @@ def _peak_memory(model: str, plan, rank: int | None, started: float) -> str:
     """", peak memory X GiB, priced Y GiB; N s, priced about M min": this process's peak resident memory and wall
     time, each beside the build's price."""
     from builder.build import model_shape
-    from builder.build_budget import duration, price_build
-    from runtime.engine_format import GIB
+    from builder.planning.build_budget import duration, price_build
+    from runtime.format.engine_format import GIB
 
     peak, seconds = peak_rss() / GIB, time.perf_counter() - started
     shape = model_shape(model)
@@ -189,8 +190,11 @@ def plan_command(
 ):
     """Choose the device, TP, PP, weight format and KV dtype for a model and a workload before building:
     memory per rank, KV capacity, roofline prefill and decode estimates, replicas and cost."""
-    from builder import planner
-    from builder.plan import load_plan
+    from builder.planning import planner, shapes
+    from builder.planning import report as plan_report
+
+
+    from builder.planning.plan import load_plan
 
     prices = {}
     for item in price or []:
@@ -203,7 +207,7 @@ def plan_command(
             raise KilnError(f"--price {item!r}: expected DEVICE=USD per device-hour, e.g. nvidia-h100-80gb=2.5")
     if max_batch < 1:
         raise KilnError(f"--max-batch {max_batch}: must be >= 1")
-    shape = planner.load_shape(model)
+    shape = shapes.load_shape(model)
     workload = planner.Workload(input_tokens, output_tokens, users, latency, ttft, itl)
     report = planner.plan_candidates(shape, device, tp, pp, weights, kv_dtype, workload, prices, max_batch,
                                      load_plan(plan) if plan else None)
@@ -213,27 +217,27 @@ def plan_command(
     else:
         _print_plan_report(report, show_all)
     if plot_path:
-        planner.plot(report, plot_path)
+        plan_report.plot(report, plot_path)
         typer.echo(f"wrote {plot_path}", err=as_json)
     if out:
         if best is None:
-            raise KilnError(f"--out: nothing written: {planner.no_candidate_message(report)}")
-        out.write_text(planner.plan_toml(best, shape, workload))
+            raise KilnError(f"--out: nothing written: {plan_report.no_candidate_message(report)}")
+        out.write_text(plan_report.plan_toml(best, shape, workload))
         typer.echo(f"wrote {out} (engine-build build --plan {out})", err=as_json)
     if best is None:
-        raise KilnError(planner.no_candidate_message(report))
+        raise KilnError(plan_report.no_candidate_message(report))
 
 
 def _print_plan_report(report, show_all: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from builder import planner
+    from builder.planning import report as plan_report
 
     console = Console() if sys.stdout.isatty() else Console(width=200)  # a pipe or a log keeps whole rows
-    for line in planner.summary_lines(report):
+    for line in plan_report.summary_lines(report):
         console.print(line, highlight=False, markup=False)
-    titles, rows = planner.table_rows(report, show_all)
+    titles, rows = plan_report.table_rows(report, show_all)
     table = Table(show_lines=False, header_style="bold")
     for title in titles:
         table.add_column(title, justify="left" if title in ("device", "weights", "kv", "fits") else "right",
@@ -241,7 +245,7 @@ def _print_plan_report(report, show_all: bool) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    for line in planner.recommendation_lines(report):
+    for line in plan_report.recommendation_lines(report):
         console.print(line, highlight=False, markup=False)
 
 
@@ -283,8 +287,8 @@ def inspect(
         for line in summary_lines(manifest):
             typer.echo(line)
     if rank_file is not None:
-        from builder.ir import Graph
-        from runtime.engine_format import map_rank_file
+        from builder.graph.ir import Graph
+        from runtime.format.engine_format import map_rank_file
 
         program, _ = map_rank_file(rank_file)
         typer.echo(Graph.from_json(program).format())
@@ -295,7 +299,7 @@ def _ir_rank_file(engine: Path, manifest: dict, rank: int) -> Path:
     ranks = manifest["ranks"]
     if not 0 <= rank < len(ranks):
         raise KilnError(f"--rank {rank}: the engine has ranks 0..{len(ranks) - 1}")
-    if manifest["target"]["name"] == "tensorrt":
+    if target(manifest["target"]["name"]).WRITES_ONNX:
         raise KilnError(f"--ir: the ranks of a {manifest['target']['name']} engine hold ONNX segments, not the IR; "
                         f"rank {rank}'s steps are in {ranks[rank].get('onnx', {}).get('dir')}/program.json "
                         "(`engine-build build --dump-ir DIR` writes the IR)")
@@ -323,7 +327,8 @@ def verify(
     manifest lists no ONNX, or with bf16 activations (no ONNX Runtime kernels on the CPU), can only have its file
     hashes checked: it passes when they match, and the report says so."""
     from builder.verify import INTEGER_ACTIVATION_TOLERANCE, verify_engine
-    from runtime.engine_format import EngineError, Manifest, check_files
+    from runtime.format.engine_format import EngineError, Manifest
+    from runtime.backends import check_files
 
     _read_manifest(engine)  # a missing or unreadable manifest, before the reference model loads
     try:
@@ -331,7 +336,7 @@ def verify(
         check_files(engine, manifest)     # every file the manifest lists (rank files, ONNX), by sha256
     except EngineError as exc:
         raise KilnError(str(exc)) from None
-    if manifest.target == "tensorrt":
+    if target(manifest.target).WRITES_ONNX:
         if prompt:
             raise KilnError("verify: --prompt: a tensorrt engine's ONNX is compared on the build's steps (random "
                             "tokens over scattered KV blocks), not on prompts")

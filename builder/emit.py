@@ -18,9 +18,9 @@ from importlib import resources
 from tqdm import tqdm
 
 from builder.errors import KilnError
-from builder.ir import Graph
+from builder.graph.ir import Graph
 from runtime import __version__
-from runtime.engine_format import FORMAT_VERSION, EngineError, Manifest, sha256_file, write_rank_file
+from runtime.format.engine_format import FORMAT_VERSION, EngineError, Manifest, sha256_file, write_rank_file
 
 
 def build_id(model_identity: dict, plan: dict, passes: list[dict]) -> str:

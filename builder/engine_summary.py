@@ -8,10 +8,12 @@ says so and points at `--json` instead of failing the whole command.
 from __future__ import annotations
 
 import math
+from builder.quant import methods
+from builder.targets import target as target_module
 from collections.abc import Callable
 
-from builder.model import ModelConfig, canonical_weight_shapes
-from runtime.engine_format import ENGINE_FORMAT, FORMAT_VERSION, cpu_flags
+from builder.sources.model import ModelConfig, canonical_weight_shapes
+from runtime.format.engine_format import ENGINE_FORMAT, FORMAT_VERSION, cpu_flags
 
 LABEL_WIDTH = 14  # the label column, as wide as the longest label ("quantization") and two spaces
 
@@ -45,7 +47,7 @@ def summary_lines(manifest: dict) -> list[str]:
 
 def tensorrt_lines(manifest: dict) -> list[str]:
     """What a tensorrt build verified and compiled, in a few lines (none for other targets)."""
-    if manifest["target"]["name"] != "tensorrt":
+    if not target_module(manifest["target"]["name"]).WRITES_ONNX:
         return []
     v, trt = manifest["verification"], manifest["tensorrt"]
     lines = [f"not verified: {v['skipped']}" if "skipped" in v else
@@ -111,9 +113,9 @@ def _kv_cache(m: dict) -> list[str]:
 def _quantization(m: dict) -> list[str]:
     q, summary = m["plan"]["quant"], m.get("quantization", {})
     parts = [q["method"]]
-    if q["method"] in ("int4", "int4-awq"):
+    if methods.method(q["method"]).grouped:
         parts.append(f"group size {q['group_size']}")
-    if q["method"] == "int4-awq":
+    if methods.method(q["method"]).calibrated:
         parts.append(f"{q['rounding']} rounding")
     parts.append(f"{q['activations']} activations")
     if q.get("calib"):
@@ -154,7 +156,7 @@ def _accuracy(m: dict) -> list[str]:
     if a.get("awq_alpha"):
         lines.append(f"AWQ scales fitted for {len(a['awq_alpha'])} layers")
     if a.get("awq_rtn_experts"):
-        from builder.experts import MIN_EXPERT_TOKENS
+        from builder.graph.experts import MIN_EXPERT_TOKENS
 
         lines.append(f"{len(a['awq_rtn_experts'])} experts' down projections rounded to nearest: fewer than "
                      f"{MIN_EXPERT_TOKENS} calibration tokens reached them")
@@ -176,7 +178,7 @@ def _activation_choice(m: dict) -> list[str]:
     """activations = "auto": the paths timed on the build host, and why one was taken."""
     c = m.get("activation_choice")
     if not c:
-        return ["set by the plan" + ("" if m["plan"]["target"] != "cpu" else
+        return ["set by the plan" + ("" if "auto" not in target_module(m["plan"]["target"]).ACTIVATIONS else
                                      " (activations = \"auto\" times each cpu path and takes the fastest that "
                                      "keeps the greedy gate)")]
     lines = [f"auto, on the build host's {c['threads']} thread(s): {c['why']}",
@@ -237,13 +239,13 @@ def _memory(m: dict) -> list[str]:
 def _requires(m: dict) -> list[str]:
     target = m["target"]
     requires = target.get("requires", {})
-    if target["name"] == "cpu":
+    if target_module(target["name"]).DEVICE_KIND == "cpu":
         flags = requires.get("cpu_flags", [])
         missing = sorted(set(flags) - cpu_flags())
         here = f"this CPU lacks {', '.join(missing)}" if missing else "this CPU has them"
         return [f"a CPU with {', '.join(flags)} ({here})" if flags else "any CPU"]
     lines = [f"an NVIDIA GPU of compute capability {requires['compute_capability']} ({requires['gpu_arch']})"]
-    if target["name"] == "cuda":
+    if "cuda" in m:  # the cuda target's kernels
         c = m["cuda"]
         lines.append(f"cuda-python, which launches its {c['kernels']} kernels: cubins ({_size(c['cubin_bytes'])}) compiled "
                      f"by Triton {c['triton']} (KILN_CUDA_INTERPRET=1: Triton's interpreter)")

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from builder.calibration import KV_MAX, shipped_text
+from builder.measure.calibration import KV_MAX, shipped_text
 from builder.errors import KilnError
-from builder.ir import Graph, IRError, verify
-from builder.plan import Plan
+from builder.graph.ir import Graph, IRError, verify
+from builder.planning.plan import Plan
+from builder.quant import methods
 from builder.targets import target
 from passes.calibrate_fp8_activations import calibrate_fp8_activations
 from passes.calibrate_kv_scales import calibrate_kv_scales
@@ -60,7 +61,7 @@ class Pass:
 def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass]:
     """The passes `plan` runs, in order. `calibration_text` defaults to the text shipped with Kiln."""
     quant, kv_dtype = plan.quant, plan.kv_cache.dtype
-    awq = quant.method == "int4-awq"
+    awq = methods.method(quant.method).calibrated
     if calibration_text is None:
         calibration_text = shipped_text("calibration")
     calibrated = {"calibration_sha256": _sha256(calibration_text)}
@@ -82,12 +83,12 @@ def build_pipeline(plan: Plan, calibration_text: str | None = None) -> list[Pass
         (awq and quant.rounding != "gptq",
          Pass("clip_awq_weights", clip_awq_weights,
               {"method": quant.method, **calibrated, "rounding": quant.rounding})),
-        (quant.method == "int8", Pass("quantize_int8", quantize_int8, weights)),
+        (methods.REQUANTIZING.get(quant.method) == "int8", Pass("quantize_int8", quantize_int8, weights)),
         (awq and quant.rounding == "gptq",
          Pass("quantize_int4_gptq", quantize_int4_gptq, {**weights, "rounding": quant.rounding, **calibrated})),
         # After GPTQ: rounds what it left (nothing, for llama) or, for int4 and nearest, everything.
-        (quant.method in ("int4", "int4-awq"), Pass("quantize_int4", quantize_int4, weights)),
-        (quant.method == "fp8", Pass("quantize_fp8", quantize_fp8, weights)),
+        (methods.REQUANTIZING.get(quant.method) == "int4", Pass("quantize_int4", quantize_int4, weights)),
+        (methods.REQUANTIZING.get(quant.method) == "fp8", Pass("quantize_fp8", quantize_fp8, weights)),
         # Phase 3: fusion (exact rewrites): fewer, larger kernels per layer.
         (True, Pass("fuse_qkv", fuse_qkv)),
         (True, Pass("fuse_gate_up", fuse_gate_up)),

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from builder.errors import KilnError
-from builder.interpret import Interpreter
-from builder.ir import Graph
-from runtime.activations import INTEGER_ACTIVATIONS
-from runtime.engine_format import EngineError, Manifest, map_rank_file
-from runtime.special_tokens import from_tokenizer
+from builder.graph.interpret import Interpreter
+from builder.graph.ir import Graph
+from builder.targets import target
+from runtime.backends.activations import INTEGER_ACTIVATIONS
+from runtime.format.engine_format import EngineError, Manifest, map_rank_file
+from runtime.format.special_tokens import from_tokenizer
 
 if TYPE_CHECKING:
     from builder.targets.tensorrt.verify_onnx import Verification
@@ -75,12 +76,10 @@ def verify_engine(engine: Path, model_source: str | None, prompts: list[str] | N
         program, tensors = map_rank_file(engine / manifest.ranks[0].file)
     except EngineError as exc:
         raise KilnError(str(exc)) from None
-    if manifest.target == "cuda":  # the engine's own kernels, not the reference interpreter
-        from builder.targets.cuda.verify import cuda_logits, kernel_coverage
-
-        report = VerifyReport(activations=manifest.activations, lines=[kernel_coverage(engine, manifest)])
-        logits, where = cuda_logits(engine, manifest)
-        report.lines.append(f"logits computed by the cuda backend {where}")
+    own = getattr(target(manifest.target), "verify_logits", None)
+    if own is not None:  # the engine's own kernels, not the reference interpreter
+        lines, logits = own(engine, manifest)
+        report = VerifyReport(activations=manifest.activations, lines=lines)
     else:
         interpreter = Interpreter(program, tensors)
         modes = {n["attrs"].get("act", "f32") for n in json.loads(program)["nodes"]}
@@ -127,11 +126,11 @@ def verify_onnx(engine: Path, manifest: Manifest,
 def quantized_program(model_source: str, doc: dict) -> Graph:
     """The whole program before sharding that the engine of manifest `doc` was built from: the model traced again
     and run through the manifest's passes up to sharding (a KilnError when the model or the passes differ)."""
-    from builder.lazy_tensors import LazyTensors
-    from builder.model import load_model
+    from builder.sources.lazy_tensors import LazyTensors
+    from builder.sources import load_model
     from builder.pipeline import build_pipeline, run_pipeline
-    from builder.plan import plan_from_dict
-    from builder.trace import trace
+    from builder.planning.plan import plan_from_dict
+    from builder.graph.trace import trace
     from passes.context import PassContext
 
     model = load_model(model_source)

@@ -2,14 +2,14 @@
 
 With it the ONNX lowering puts a QuantizeLinear / DequantizeLinear pair on the linear's input, which TensorRT
 folds with the weight's DequantizeLinear into an FP8 GEMM on FP8 tensor cores (compute capability 8.9+). The
-runtime's linear reads act_scale too (runtime/program.py), so the build's accuracy measures, which run after
+runtime's linear reads act_scale too (runtime/ops/program.py), so the build's accuracy measures, which run after
 this pass, and the ONNX verification compute what the engine computes.
 """
 
 from __future__ import annotations
 
-from builder.calibration import calibration_windows, sweep_max_abs
-from builder.ir import Graph
+from builder.measure.calibration import calibration_windows, sweep_max_abs
+from builder.graph.ir import Graph
 from passes.context import PassContext
 from runtime.weights.fp8 import MAX
 

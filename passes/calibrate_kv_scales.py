@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from builder.calibration import KV_MAX, calibration_windows, sweep_max_abs
-from builder.ir import Graph
+from builder.measure.calibration import KV_MAX, calibration_windows, sweep_max_abs
+from builder.graph.ir import Graph
 from passes.context import PassContext
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from builder.ir import Graph
+from builder.graph.ir import Graph
 from passes.context import PassContext
 
 # Collectives and sends must run on every rank whether or not this rank reads their result.

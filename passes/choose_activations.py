@@ -1,6 +1,6 @@
 """Choose activations (analysis, cpu target, activations = "auto"): time each activation path of the quantized,
 fused program on this host, measure the accuracy of those that round activations, and record the paths the gate
-allows and the fastest of them here (builder/activation_choice.py) in graph.meta["activation_choice"]. The program
+allows and the fastest of them here (builder/measure/activation_choice.py) in graph.meta["activation_choice"]. The program
 is packed on f32 activations whatever this host found (its bytes do not depend on a timing, and ranks built apart
 agree); measure_accuracy reuses f32's figures."""
 
@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from builder import activation_choice as choice
-from builder.accuracy import answers_path
-from builder.calibration import chat_prompts, evaluation_windows, progress
-from builder.ir import Graph
+from builder.measure import activation_choice as choice
+from builder.measure.accuracy import answers_path
+from builder.measure.calibration import chat_prompts, evaluation_windows, progress
+from builder.graph.ir import Graph
 from passes.context import PassContext
 from passes.measure_accuracy import evaluated, is_exact
 from runtime import __version__
@@ -29,7 +29,7 @@ EXACT = {"greedy_agreement_pct": 100.0, "ppl_increase_pct": 0.0, "kl_mean": 0.0}
 def choose_activations(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     out.meta["activations"] = "f32"  # the program's bytes: the host that serves it picks its path at start-up
-    quant, kv_dtype = ctx.plan.quant, ctx.plan.kv_cache.dtype
+    quant = ctx.plan.quant
     modes = choice.candidates(out)
     if len(modes) == 1 or ctx.only_rank not in (None, 0):  # no choice; or a rank built apart: rank 0 measures
         return out

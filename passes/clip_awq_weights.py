@@ -9,8 +9,8 @@ partial products on the calibration activations are closest to the float ones. W
 
 from __future__ import annotations
 
-from builder.calibration import LayerSweep, calibration_windows
-from builder.ir import Graph
+from builder.measure.calibration import LayerSweep, calibration_windows
+from builder.graph.ir import Graph
 from builder.quant.awq import awq_clip_limits, clip_groups
 from passes.context import PassContext
 from passes.quant_rewrite import requant_targets

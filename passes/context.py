@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from builder.model import ModelSpec
-from builder.plan import Plan
+from builder.sources.model import ModelSpec
+from builder.planning.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from builder.calibration import LayerSweep, calibration_windows
-from builder.experts import MIN_EXPERT_TOKENS, expert_linears
-from builder.ir import Graph, Node
+from builder.measure.calibration import LayerSweep, calibration_windows
+from builder.graph.experts import MIN_EXPERT_TOKENS, expert_linears
+from builder.graph.ir import Graph, Node
 from builder.quant.awq import awq_search
 from passes.context import PassContext
 from passes.quant_rewrite import is_float_weight_node, requant_targets

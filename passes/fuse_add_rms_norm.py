@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from builder.ir import Graph, Node
+from builder.graph.ir import Graph, Node
 from passes.context import PassContext
 from passes.rewrite import consumers
 

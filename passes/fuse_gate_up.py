@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from builder.experts import expert_linears
-from builder.ir import Graph, Node
+from builder.graph.experts import expert_linears
+from builder.graph.ir import Graph, Node
 from passes.context import PassContext
 from passes.rewrite import can_concat, concat_linears, consumers
 

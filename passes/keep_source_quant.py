@@ -1,5 +1,5 @@
 """Keep source quantization: a GGUF's quantized blocks become the logical operands of the Kiln format that
-holds them exactly (builder/gguf_blocks.py: Q4_0 / Q4_1 / Q4_K as int4, Q5_0 / Q5_1 / Q5_K as int5 and
+holds them exactly (builder/sources/gguf_blocks.py: Q4_0 / Q4_1 / Q4_K as int4, Q5_0 / Q5_1 / Q5_K as int5 and
 Q8_0 as int8, group 32; Q6_K as int6, group 16).
 
 Method "source" keeps every weight the file ships quantized; blocks with no exact Kiln format (Q2_K,
@@ -10,9 +10,9 @@ measure_accuracy then evaluates the build. The requantization methods keep the e
 
 from __future__ import annotations
 
-from builder.gguf_blocks import BLOCK, BLOCK_FORMATS, REQUANT_SOURCE_FORMAT
-from builder.gguf_source import FLOAT_TYPES
-from builder.ir import Graph
+from builder.sources.gguf_blocks import BLOCK, BLOCK_FORMATS, REQUANT_SOURCE_FORMAT
+from builder.sources.gguf_source import FLOAT_TYPES
+from builder.graph.ir import Graph
 from passes.context import PassContext
 from passes.quant_rewrite import is_excluded, is_float_weight_node, logical_operands, quantize_node, weight_nodes
 from runtime.weights import FORMATS, int8

@@ -8,14 +8,14 @@ file's blocks exactly, so it is recorded as exact without an evaluation, and "no
 
 from __future__ import annotations
 
-from builder.accuracy import check_gate, evaluate, reference_graph
-from builder.calibration import chat_prompts, evaluation_windows
+from builder.measure.accuracy import check_gate, evaluate, reference_graph
+from builder.measure.calibration import chat_prompts, evaluation_windows
 from builder.errors import KilnError
-from builder.ir import Graph
-from builder.packing import plan_activations
+from builder.graph.ir import Graph
+from builder.quant.packing import plan_activations
 from passes.context import PassContext
 from passes.quant_rewrite import REQUANT_METHODS, weight_nodes
-from runtime.activations import INTEGER_ACTIVATIONS
+from runtime.backends.activations import INTEGER_ACTIVATIONS
 
 
 def is_exact(graph: Graph, ctx: PassContext, activations: str) -> bool:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from builder.ir import Graph
-from builder.packing import pack_graph, plan_activations
+from builder.graph.ir import Graph
+from builder.quant.packing import pack_graph, plan_activations
 from passes.context import PassContext
 from runtime.weights import QUANTIZED_FORMATS
 

@@ -1,6 +1,6 @@
 """Plan memory (analysis only): weights, activation workspace and KV blocks of one rank; fail if it does not fit.
 
-The arithmetic is runtime.memory_plan's, which `engine-build plan` uses too: a plan the planner
+The arithmetic is runtime.format.memory_plan's, which `engine-build plan` uses too: a plan the planner
 says does not fit is refused here with the same message.
 """
 
@@ -9,19 +9,20 @@ from __future__ import annotations
 import math
 
 from builder.errors import KilnError
-from builder.ir import TORCH_DTYPES, Graph
-from builder.plan import load_devices
+from builder.graph.ir import TORCH_DTYPES, Graph
+from builder.targets import target
+from builder.planning.plan import load_devices
 from passes.context import PassContext
-from runtime.engine_format import GIB, kv_bytes_per_token
-from runtime.kv_groups import group_windows
-from runtime.memory_plan import RankMemoryPlan, workspace_bytes
+from runtime.format.engine_format import GIB, kv_bytes_per_token
+from runtime.format.kv_groups import group_windows
+from runtime.format.memory_plan import RankMemoryPlan, workspace_bytes
 
 
 def plan_memory(graph: Graph, ctx: PassContext) -> Graph:
     out = graph.replace()
     out.meta["memory"] = memory_record(rank_memory(graph, ctx.plan, ctx.rank), ctx.rank)
     experts = expert_bytes(graph)
-    if experts:  # a step reads only its tokens' experts: what runtime/bench.py's roofline counts
+    if experts:  # a step reads only its tokens' experts: what runtime/measure/bench.py's roofline counts
         out.meta["memory"]["expert_bytes"] = experts
     return out
 
@@ -50,12 +51,12 @@ def rank_memory(graph: Graph, plan, rank: int, workspace: int | None = None) -> 
     weight_bytes = sum(math.prod(w.shape) * TORCH_DTYPES[w.dtype].itemsize for w in graph.weights.values())
     layers = [n.attrs for n in graph.nodes if n.op == "attention"]
     widest = max((v.shape[-1] for v in graph.values.values() if len(v.shape) == 2 and v.shape[0] == "T"), default=0)
-    # The cpu runtime gives sliding-window layers a pool of their own (runtime/kv_groups.py); the tensorrt
+    # The cpu runtime gives sliding-window layers a pool of their own (runtime/format/kv_groups.py); the tensorrt
     # executors read every layer through one block table, so there they are priced as full layers.
-    windows = group_windows(graph.meta["model"].get("layer_windows") or ()) if plan.target == "cpu" else (0,)
+    windows = group_windows(graph.meta["model"].get("layer_windows") or ()) if target(plan.target).WINDOWED_POOLS else (0,)
     if workspace is None:
         workspace = workspace_bytes(plan.limits.max_num_tokens, widest, plan.limits.max_batch_size,
-                                    graph.meta["model"]["vocab_size"], plan.target)
+                                    graph.meta["model"]["vocab_size"], target(plan.target).LIVE_ACTIVATIONS)
     memory = RankMemoryPlan(
         weight_bytes=weight_bytes, workspace_bytes=workspace,
         kv_bytes_per_token=kv_bytes_per_token(layers, plan.kv_cache.dtype),

@@ -19,15 +19,16 @@ from fnmatch import fnmatchcase
 import torch
 
 from builder.errors import KilnError
-from builder.experts import FLOAT_LINEARS, graph_expert_linears
-from builder.ir import Graph, Node
-from builder.lazy_tensors import PartsMemo
+from builder.graph.experts import FLOAT_LINEARS, graph_expert_linears
+from builder.graph.ir import Graph, Node
+from builder.sources.lazy_tensors import PartsMemo
+from builder.quant import methods
 from runtime.weights import FORMATS
 from runtime.weights.format import Quantized
 
 WEIGHT_OPS = ("linear", "logits", "embedding", "moe_linear")  # moe_linear: a linear inside a moe node
 # plan method -> the weight format it rewrites to (int4-awq is int4 after fold_awq_scales)
-REQUANT_METHODS = {"int8": "int8", "int4": "int4", "int4-awq": "int4", "fp8": "fp8"}
+REQUANT_METHODS = methods.REQUANTIZING
 
 
 def is_float_weight_node(node: Node) -> bool:
@@ -39,7 +40,7 @@ def is_excluded(node: Node, patterns) -> bool:
 
 
 def weight_nodes(graph: Graph) -> list:
-    """The graph's linear/logits/embedding nodes, then the linears inside its moe nodes (builder/experts.py: views
+    """The graph's linear/logits/embedding nodes, then the linears inside its moe nodes (builder/graph/experts.py: views
     with a linear node's interface, whose rewrites land in their moe node)."""
     return [n for n in graph.nodes if n.op in WEIGHT_OPS] + graph_expert_linears(graph)
 
@@ -82,7 +83,7 @@ def quantize_node(graph: Graph, node: Node, quant: str, group_size: int | None,
     `cache` shares one quantized copy between nodes reading the same weight with the same scheme
     (a tied embedding and lm_head). Records the reconstruction error in graph.meta["quant_error"].
     With `memo` (a deterministic `make`: round to nearest) and lazy tensors, the operands are not kept: they are
-    made again from the source weight whenever read (builder/lazy_tensors.py), and this call makes them only for
+    made again from the source weight whenever read (builder/sources/lazy_tensors.py), and this call makes them only for
     the error (`make` then takes measure=False: a format's quantize(..., measure=False), which skips it); without
     `measure` (a rank built alone, whose errors no measure reads) not even that: `make` runs on a meta tensor of the
     weight's shape, for its operands' shapes, and a weight is rounded only if its rank reads it.

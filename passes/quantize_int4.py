@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from builder.ir import Graph
+from builder.graph.ir import Graph
 from passes.context import PassContext
 from passes.quant_rewrite import requantize
 from runtime.weights import int4

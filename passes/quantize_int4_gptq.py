@@ -15,9 +15,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from builder.calibration import MAX_TOKENS, LayerSweep, calibration_windows
+from builder.measure.calibration import MAX_TOKENS, LayerSweep, calibration_windows
 from builder.errors import KilnError
-from builder.ir import Graph, Node
+from builder.graph.ir import Graph, Node
 from builder.quant.gptq import fit_int4_grid, gptq_int4
 from passes.context import PassContext
 from passes.quant_rewrite import quantize_node, requant_targets
@@ -34,7 +34,7 @@ def quantize_int4_gptq(graph: Graph, ctx: PassContext) -> Graph:
              and out.weights[n.inputs[1]].shape[1] % group_size == 0 and len(users[n.inputs[1]]) == 1]
     if not nodes:
         return out
-    # A layer at a time (builder/calibration.py's LayerSweep): a layer's inputs are captured by running its stage
+    # A layer at a time (builder/measure/calibration.py's LayerSweep): a layer's inputs are captured by running its stage
     # with the layers before it rounded and its own weights float; its rounded weights then override the float
     # ones for the run that hands the stage's values on. Two runs a stage, where capturing through the whole graph
     # for every layer ran the model's first half again for each (and held the whole float model).

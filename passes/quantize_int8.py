@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from builder.ir import Graph
+from builder.graph.ir import Graph
 from passes.context import PassContext
 from passes.quant_rewrite import requantize
 from runtime.weights import int8

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from builder.ir import Graph, Node, Value
+from builder.graph.ir import Graph, Node, Value
 
 
 def consumers(graph: Graph) -> dict[str, list[Node]]:
@@ -19,7 +19,7 @@ def consumers(graph: Graph) -> dict[str, list[Node]]:
 
 
 def can_concat(linears: list[Node]) -> bool:
-    """Linears (or linears inside one moe node, builder/experts.py) whose operands can be stacked by output rows:
+    """Linears (or linears inside one moe node, builder/graph/experts.py) whose operands can be stacked by output rows:
     same input, scheme and operand roles."""
     first = linears[0].attrs
     same = ("quant", "group_size", "operands", "in_features")

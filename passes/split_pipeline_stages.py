@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-from builder.cuts import crossing, segments
+from builder.graph.cuts import crossing, segments
 from builder.errors import KilnError
-from builder.ir import TORCH_DTYPES, Graph, Node
-from builder.lazy_tensors import LazyTensors
+from builder.graph.ir import TORCH_DTYPES, Graph, Node
+from builder.sources.lazy_tensors import LazyTensors
 from passes.context import PassContext
-from runtime.mapping import Mapping
+from runtime.format.mapping import Mapping
 
 MATMUL_OPS = ("linear", "logits")
 

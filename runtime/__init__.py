@@ -12,4 +12,4 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from runtime import cli_errors
-from runtime.engine_format import EngineError
+from runtime.format.engine_format import EngineError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -33,8 +33,8 @@ one_line_errors = cli_errors.one_line_errors("engine-run", (EngineError, ValueEr
 def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout=60.0,
                    backend=None, prefill_chunk=None, speculative=None, draft=None, speculative_k=4,
                    adaptive_k=True, activations=None):
-    from runtime.engine import DEFAULT_PREFILL_CHUNK, EngineOptions
-    from runtime.speculative import SpeculativeConfig
+    from runtime.core.engine import DEFAULT_PREFILL_CHUNK, EngineOptions
+    from runtime.core.speculative import SpeculativeConfig
 
     if prefill_chunk is not None and prefill_chunk < 0:
         fail(f"--prefill-chunk must be >= 0 (0: no limit), got {prefill_chunk}")
@@ -54,7 +54,7 @@ def engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, th
 
 def echo_activations(llm) -> None:
     """The activation path this host runs the engine with, and why (stderr), where it had a choice."""
-    from runtime.activations import describe
+    from runtime.backends.activations import describe
 
     line = describe(llm.engine)
     if line:
@@ -128,7 +128,7 @@ def generate(
 ):
     """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
     from runtime.launcher import open_llm_engine
-    from runtime.sampling import SamplingParams
+    from runtime.core.sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()))
@@ -227,7 +227,7 @@ def serve(
     """Serve engines over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     import dataclasses
 
-    from runtime.engine_format import open_engine
+    from runtime.backends import open_engine
     from runtime.launcher import open_llm_engine
     from runtime.serving.app import serve as run_server
     from runtime.serving.auth import ApiKeys, KeyFileError
@@ -268,7 +268,7 @@ def serve(
             fail(f"replicas and --disaggregate run on Ray Serve ({exc}): pip install 'kiln[serve]'")
         raise typer.Exit(serve_replicas(fleet, options, host=host, port=port, drain_timeout=drain_timeout,
                                         ray_address=ray_address, keys=keys if keys.enabled else None, **server))
-    from runtime.cpus import usable_cpus
+    from runtime.backends.cpu.cpus import usable_cpus
     from runtime.serving.fleet import model_options
 
     # several engines and no --threads: the host's cores shared between their ranks
@@ -330,9 +330,9 @@ def bench(
     beside other processes' busy loops: how much speed survives a busy host."""
     import torch
 
-    from runtime import bench as b
+    from runtime.measure import bench as b
     from runtime.launcher import open_llm_engine
-    from runtime.roofline import linear_parameters, measure_peaks
+    from runtime.measure.roofline import linear_parameters, measure_peaks
 
     if plot_out is not None:  # before minutes of benchmarking, not after
         b.require_matplotlib()

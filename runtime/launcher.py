@@ -11,9 +11,10 @@ import contextlib
 import gc
 from pathlib import Path
 
-from runtime.backend import for_host
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import EngineError, check_target, open_engine
+from runtime.backends.base import for_host
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.format.engine_format import EngineError
+from runtime.backends import open_engine
 
 
 @contextlib.contextmanager
@@ -31,8 +32,7 @@ def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
             yield settled(LLMEngine(engine_dir, options))
             return
         if options.activations is not None:  # refused here, before any rank starts
-            for_host(engine_dir, check_target(engine_dir.path, engine_dir.manifest, options.backend),
-                     options.activations)
+            for_host(engine_dir, engine_dir.backend, options.activations)
         world_size = engine_dir.manifest.world_size
     else:
         world_size = rdzv.world_size

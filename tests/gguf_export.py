@@ -15,11 +15,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from builder.gguf_source import EXPERT_STACKS, GLOBAL_NAMES, layer_names
+from builder.sources.gguf_source import EXPERT_STACKS, GLOBAL_NAMES, layer_names
 
 
 def gguf_name(name: str, architecture: str = "llama") -> str:
-    """The llama.cpp tensor name of a Kiln weight name (the inverse of builder.gguf_source.canonical_name)."""
+    """The llama.cpp tensor name of a Kiln weight name (the inverse of builder.sources.gguf_source.canonical_name)."""
     by_kiln = {kiln: g for g, kiln in GLOBAL_NAMES.items()}
     if name in by_kiln:
         return by_kiln[name]

@@ -102,7 +102,7 @@ typedef struct {
 /* A row count of a recorded call that follows a step's size (tokens, or logits rows after their gather; tokens x
  * rows per token, as rms_norm over heads has), rewritten for a size of `to` instead of the recorded `from`.
  * A tape that follows the tokens is recorded on a step with more tokens than sequences and logits rows
- * (runtime/executor.py), so a count at or above `from` that it divides is size-proportional; smaller counts stay. */
+ * (runtime/backends/cpu/executor.py), so a count at or above `from` that it divides is size-proportional; smaller counts stay. */
 static inline Py_ssize_t tape_rows(Py_ssize_t count, Py_ssize_t from, Py_ssize_t to) {
     return count >= from && from > 0 && count % from == 0 ? count / from * to : count;
 }
@@ -129,7 +129,7 @@ static inline int tape_import(void) {
 }
 
 /* The threads a kernel runs on now: the count its call asked for (recorded with it on a tape), at
- * most the process-wide cap that runtime.cpus.ThreadGovernor lowers while other processes hold
+ * most the process-wide cap that runtime.backends.cpu.cpus.ThreadGovernor lowers while other processes hold
  * cores. Read when the kernel runs, so a replayed tape follows the cap too. */
 static inline int live_threads(int requested) {
     const int cap = tape_state ? __atomic_load_n(&tape_state->thread_cap, __ATOMIC_RELAXED) : 0;

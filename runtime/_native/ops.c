@@ -403,7 +403,7 @@ static PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 /* ----------------------------------------------------------------------------------------
- * The exponential race (runtime/sampler.py): token = argmax(p / e), e ~ Exp(1) per token
+ * The exponential race (runtime/core/sampler.py): token = argmax(p / e), e ~ Exp(1) per token
  *
  * A row's noise is a function of its stream key (the sequence's seed and output position, mixed in
  * Python) and the token id only: two rounds of a 32-bit integer hash (lowbias32's constants) over
@@ -701,7 +701,7 @@ static PyObject *py_live_threads(PyObject *Py_UNUSED(self), PyObject *arg) {
 
 /* Pins the OpenMP workers that this thread's parallel regions of `count` threads use (libgomp keeps one
  * pool of them per calling thread) to one CPU each: worker i to cpus[i]. The calling thread itself is
- * left as it is (runtime.cpus pins it around each step). Returns the native thread ids of the team,
+ * left as it is (runtime.backends.cpu.cpus pins it around each step). Returns the native thread ids of the team,
  * the caller's first. */
 static PyObject *py_pin_team(PyObject *Py_UNUSED(self), PyObject *arg) {
     PyObject *seq = PySequence_Fast(arg, "pin_team: cpus must be a sequence of CPU numbers");

@@ -107,7 +107,7 @@ class StepArrays:
 
     @staticmethod
     def of(meta, group: int = 0) -> StepArrays:
-        """The arrays of the layers of one KV group (runtime/kv_groups.py): its own slots and block tables."""
+        """The arrays of the layers of one KV group (runtime/format/kv_groups.py): its own slots and block tables."""
         slot_mapping, block_tables = meta.groups[group]
         return StepArrays(meta.positions.numpy(), slot_mapping.numpy(), block_tables.numpy(),
                           meta.context_lens.numpy(), meta.query_start_loc.numpy())

@@ -51,5 +51,5 @@ def buffer(t: torch.Tensor | None):
 
 def threads(num_threads: int | None = None) -> int:
     """The threads a kernel call asks for (and a step tape records): its own argument, else torch's count.
-    The C side runs on fewer while runtime.cpus.ThreadGovernor caps them."""
+    The C side runs on fewer while runtime.backends.cpu.cpus.ThreadGovernor caps them."""
     return torch.get_num_threads() if num_threads is None else int(num_threads)

@@ -97,7 +97,7 @@ def linear_bf16(x, packed, out_features, in_features, bias=None, *, out=None, nu
 
 
 # ---------------------------------------------------------------------------------------------
-# Node binders (runtime/program.py): bind once per linear/logits/embedding node
+# Node binders (runtime/ops/program.py): bind once per linear/logits/embedding node
 
 def operands_of(node_inputs: list[str], attrs: dict, tensors: dict) -> dict[str, torch.Tensor]:
     """Role -> tensor for a linear/logits/embedding node whose inputs[1:] are weights."""
@@ -154,7 +154,7 @@ def bind_embedding(attrs: dict, operands: dict[str, torch.Tensor], reuse: bool =
 
     def sharded(tokens):
         # another rank's ids read row 0 here and are zeroed in place: the rows' buffer is what the node
-        # returns (a kept Outputs that runtime.program.Program may share between nodes must hold the value)
+        # returns (a kept Outputs that runtime.ops.program.Program may share between nodes must hold the value)
         local = tokens - start
         outside = (local < 0) | (local >= vocab)
         return rows(local.clamp(0, vocab - 1)).masked_fill_(outside[:, None], 0.0)

@@ -10,7 +10,7 @@ tokens, or the logits rows on the calls after their gather, and attention's sequ
 The buffers must hold the rows, so kept outputs are allocated for REUSE_ROWS rows whatever the step's
 count: every tape of an executor shares them, and a step of up to REUSE_ROWS tokens finds its rows where
 any tape points. Nodes whose values never live at the same time share one buffer (`Slot`, assigned by
-runtime.program.Program from the order of its calls), so that the buffers cost a few values' rows rather
+runtime.ops.program.Program from the order of its calls), so that the buffers cost a few values' rows rather
 than every node's.
 """
 

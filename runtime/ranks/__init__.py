@@ -6,7 +6,7 @@ broadcasts the step metadata on the control group (collectives.py), runs its own
 the logits. Every other rank loops (rank.py): receive a step, run it, and send the logits to rank 0
 if it is the last stage's first rank.
 
-Ranks are numbered stage-major, rank = pp_rank * tp + tp_rank (runtime.mapping.Mapping). Groups: one
+Ranks are numbered stage-major, rank = pp_rank * tp + tp_rank (runtime.format.mapping.Mapping). Groups: one
 per pipeline stage (its tp ranks' all_reduce and all_gather), the default group (send/recv between
 stages, the logits to rank 0), and a gloo control group (the step broadcast).
 
@@ -17,7 +17,7 @@ waits until all have (rendezvous.py): a missing rank file, another world size or
 one line naming the rank. A rank that dies or hangs later is named by the watchdog (watchdog.py).
 """
 
-from runtime.engine_format import EngineError
+from runtime.format.engine_format import EngineError
 
 
 class RankError(EngineError):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from runtime.step import StepMetadata
+from runtime.backends.step import StepMetadata
 
 STOP, STEP = 0, 1
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i64": torch.int64}

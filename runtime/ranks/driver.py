@@ -19,12 +19,12 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from runtime.backend import Executor
+from runtime.backends.base import Executor
 from runtime.ranks import RankError
 from runtime.ranks.collectives import broadcast_step
 from runtime.ranks.rank import Rank
 from runtime.ranks.rendezvous import is_peer_loss
-from runtime.step import StepMetadata
+from runtime.backends.step import StepMetadata
 
 
 @dataclass

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.cpus import usable_cpus
-from runtime.engine_format import EngineError
+from runtime.backends.cpu.cpus import usable_cpus
+from runtime.format.engine_format import EngineError
 from runtime.ranks.rank import Rank
 from runtime.ranks.rendezvous import Rendezvous, is_peer_loss
 from runtime.ranks.watchdog import PEER_LOST

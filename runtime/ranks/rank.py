@@ -12,16 +12,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime import activations as host_activations
-from runtime.backend import create_executor, kv_groups
+from runtime.backends import activations as host_activations
+from runtime.backends.base import create_executor, kv_groups
 from runtime.backends import backend as backend_module
 from runtime.backends.gpus import rank_device
-from runtime.engine_format import EngineDir, EngineError, check_target, open_engine
-from runtime.mapping import Mapping
+from runtime.format.engine_format import EngineDir, EngineError
+from runtime.backends import open_engine
+from runtime.format.mapping import Mapping
 from runtime.ranks.collectives import Collectives, broadcast_step, receive_step
 from runtime.ranks.rendezvous import Rendezvous, is_peer_loss
 from runtime.ranks.watchdog import PEER_LOST, Watchdog
-from runtime.step import StepMetadata
+from runtime.backends.step import StepMetadata
 
 FOREVER = datetime.timedelta(days=365)
 
@@ -37,7 +38,7 @@ class Rank:
         self.children = children or {}
         self.watchdog: Watchdog | None = None
         self.engine = self._open(path, rdzv, check_hashes, backend)
-        self.backend = check_target(path, self.engine.manifest, backend)
+        self.backend = self.engine.backend
         self.store = store or rdzv.store(rdzv.host_store)
         rdzv.join(self.store, self.engine.manifest.build_id, self.children)
         try:
@@ -59,7 +60,7 @@ class Rank:
             raise EngineError(str(exc)) from None
 
     def _build(self, kv_cache_gib: float | None, activations: str | None) -> None:
-        """activations: rank 0's --activations; rank 0 chooses the path (runtime/activations.py) and every rank
+        """activations: rank 0's --activations; rank 0 chooses the path (runtime/backends/activations.py) and every rank
         runs it."""
         manifest = self.engine.manifest
         mapping = Mapping(manifest.group, manifest.pp, self.rank)

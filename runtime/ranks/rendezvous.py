@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from runtime.engine_format import EngineError
+from runtime.format.engine_format import EngineError
 from runtime.ranks import RankError
 
 STARTUP_TIMEOUT = 120.0  # seconds ranks get to start (import torch, map their file), at least

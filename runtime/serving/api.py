@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from runtime.engine import LLMEngine, RequestOutput
-from runtime.sampling import SamplingParams
+from runtime.core.engine import LLMEngine, RequestOutput
+from runtime.core.sampling import SamplingParams
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
 from runtime.serving.fleet import TierSpec
 from runtime.serving.metrics import FrontMetrics

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.engine import LLMEngine
+from runtime.core.engine import LLMEngine
 from runtime.serving.api import ClientGone, add_openai_routes
 from runtime.serving.auth import ApiKeys, RequireApiKey, loopback
 from runtime.serving.engine_loop import EngineLoop
@@ -33,7 +33,7 @@ def create_app(models: dict[str, EngineLoop], tiers: Sequence[TierSpec] = (),
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, keys: ApiKeys | None = None,
                metrics_open: bool = False) -> FastAPI:
     """The HTTP API over `models` (model name -> an EngineLoop started on the loop that serves the app, or a
-    replicas.ReplicaPool) and `tiers` (fleet.TierSpec). keys: the API keys /v1 (and, unless metrics_open,
+    replica_pool.ReplicaPool) and `tiers` (fleet.TierSpec). keys: the API keys /v1 (and, unless metrics_open,
     /metrics) require (runtime/serving/auth.py), with their limits (quotas.py); None or none configured: open."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
-from runtime.activations import describe
-from runtime.engine import LLMEngine, RequestOutput
-from runtime.engine_format import EngineError
-from runtime.sampling import SamplingParams
+from runtime.backends.activations import describe
+from runtime.core.engine import LLMEngine, RequestOutput
+from runtime.format.engine_format import EngineError
+from runtime.core.sampling import SamplingParams
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import APIError
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.engine import EngineOptions
+    from runtime.core.engine import EngineOptions
 
 ROUTING_POLICIES = ("prefix", "round-robin")
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -156,7 +156,7 @@ def model_options(model: ModelSpec, options: EngineOptions) -> EngineOptions:
 
 
 def model_name_of(engine: Path) -> str:
-    from runtime.engine_format import open_engine
+    from runtime.backends import open_engine
 
     return open_engine(engine, check_hashes=False).manifest.model_name
 

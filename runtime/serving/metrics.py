@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from runtime.engine import EngineStats
+from runtime.core.engine import EngineStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -66,7 +66,7 @@ class ServerMetrics:
         self._last = stats
 
     def refresh(self) -> None:
-        """Bring gauges that are read on demand up to date before a scrape (replicas.ReplicaMetrics)."""
+        """Bring gauges that are read on demand up to date before a scrape (replica_metrics.ReplicaMetrics)."""
 
 
 class FrontMetrics:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from runtime.chat import ChatTemplateError
-from runtime.engine import LLMEngine
+from runtime.core.chat import ChatTemplateError
+from runtime.core.engine import LLMEngine
 from runtime.serving.protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest
 
 # Pre-tokenizers that split a text without dropping any of it (Whitespace, Bert drop spaces).

@@ -88,7 +88,7 @@ class _SamplingRequest(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    # Extensions, as in vLLM (what benchmark clients send): see runtime.sampling.SamplingParams.
+    # Extensions, as in vLLM (what benchmark clients send): see runtime.core.sampling.SamplingParams.
     top_k: int | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)

@@ -1,7 +1,7 @@
 """Cache-aware routing across engine replicas: send a request where its prompt prefix is likely cached.
 
 Each replica's BlockManager keeps the K/V of full prompt blocks under chained hashes
-(runtime/kv_cache.py hash_block_tokens: a block's hash covers every token before it), so a block
+(runtime/core/kv_cache.py hash_block_tokens: a block's hash covers every token before it), so a block
 hash names a whole prefix. The router cannot see the replicas' caches; it remembers instead which
 block hashes it sent to each replica, in a least-recently-used record as large as the replica's KV
 pool, and that is what a replica's cache holds unless other traffic evicted it sooner.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from runtime.kv_cache import hash_block_tokens
+from runtime.core.kv_cache import hash_block_tokens
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:

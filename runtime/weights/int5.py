@@ -1,7 +1,7 @@
 """INT5 with mins: w[n,k] = fma(q[n,k], scale[n, k//G], min[n, k//G]), q in 0..31, G in {32, 64, 128}.
 
 The min is the value of code 0, and each weight is rounded once (an f32 fma), which is how GGUF's
-Q5_0, Q5_1 and Q5_K blocks dequantize: builder/gguf_blocks.py maps them here exactly. The math, the
+Q5_0, Q5_1 and Q5_K blocks dequantize: builder/sources/gguf_blocks.py maps them here exactly. The math, the
 packing into the kernels' panel layout (codes uint8 [P, K/8, 80]: int4's 64 bytes of low nibbles, then
 16 bytes of bit 4) and the packed checks the kernel binds. Only f32 activations compute with it.
 """

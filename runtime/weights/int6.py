@@ -1,6 +1,6 @@
 """INT6: w[n,k] = (q[n,k] - 32) * scale[n, k//G], q in 0..63, G in {16, 32, 64, 128}.
 
-GGUF's Q6_K blocks (16-weight sub-blocks) are this format with G = 16, exactly (builder/gguf_blocks.py).
+GGUF's Q6_K blocks (16-weight sub-blocks) are this format with G = 16, exactly (builder/sources/gguf_blocks.py).
 The math, the packing into the kernels' panel layout (codes uint8 [P, K/8, 96]: int4's 64 bytes of low
 nibbles, then 32 bytes of bits 4-5) and the packed checks the kernel binds. Only f32 activations
 compute with it.

@@ -9,14 +9,12 @@ import sys
 import pytest
 import torch
 
-from builder.build import build_engine
-from builder.interpret import Interpreter
-from builder.plan import load_plan
-from runtime.activations import CANDIDATES, MIN_GAIN, worth_timing
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import EngineError, map_rank_file
+from builder.graph.interpret import Interpreter
+from runtime.backends.activations import CANDIDATES, MIN_GAIN, worth_timing
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.format.engine_format import EngineError, map_rank_file
 from runtime.ops import linear
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 
 
 def test_int8_activations_are_recorded_and_stay_close(tiny_llama_dir, build_tiny_engine):

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builder.build import build_engine
-from builder.interpret import Interpreter
+from builder.graph.interpret import Interpreter
 from builder.verify import load_transformers_model
 from conftest import exact_plan
-from runtime.engine_format import map_rank_file
+from runtime.format.engine_format import map_rank_file
 
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 40))]
 
@@ -81,7 +81,8 @@ def test_manifest_records_identity_plan_passes_and_hashes(tiny_llama_dir, tmp_pa
 
 
 def test_an_engine_of_another_format_version_is_refused_in_one_line(tiny_llama_dir, tmp_path):
-    from runtime.engine_format import FORMAT_VERSION, EngineError, open_engine
+    from runtime.format.engine_format import FORMAT_VERSION, EngineError
+    from runtime.backends import open_engine
 
     engine = tmp_path / "engine"
     build(tiny_llama_dir, engine)

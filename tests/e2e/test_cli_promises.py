@@ -110,7 +110,7 @@ def test_generate_lifts_the_prefill_cap_for_a_batch_it_does_not_stream(tiny_engi
 
     import runtime.launcher as launcher
     from runtime import cli as engine_run
-    from runtime.engine import DEFAULT_PREFILL_CHUNK
+    from runtime.core.engine import DEFAULT_PREFILL_CHUNK
 
     chunks, real = [], launcher.open_llm_engine
 
@@ -148,19 +148,42 @@ def test_serve_refuses_a_taken_port_before_loading(tiny_engine_dir):
     assert_one_line_error(proc, "engine-run", rf"cannot listen on 127\.0\.0\.1:{port}: .*--port")
 
 
-# ------------------------------------------------------------------------- README against --help
+# --------------------------------------------------------------- README and docs against --help and the tree
 
-def readme_commands() -> list[tuple[str, str | None, set[str]]]:
-    """(program, subcommand or None, flags) for every engine-build / engine-run line in the README's
-    indented code blocks."""
-    found = []
-    for line in README.read_text().splitlines():
-        if not line.startswith("    ") or "──▶" in line:  # code, not the overview's diagram
+DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
+SCRIPTS = README.parent / "benchmarks"
+
+
+def console_lines(page: Path) -> list[str]:
+    """The commands of a page's ```console blocks, continuation lines joined, comments dropped."""
+    lines, inside, held = [], False, ""
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            inside = line.strip() == "```console"
             continue
-        for match in re.finditer(r"\b(engine-build|engine-run)\b([^&#|]*)", line):
-            words = match.group(2).split()
-            sub = words[0] if words and re.fullmatch(r"[a-z]+", words[0]) else None
-            found.append((match.group(1), sub, set(re.findall(r"(--[a-z][a-z0-9-]*)", match.group(2)))))
+        if not inside:
+            continue
+        held += line.rstrip()
+        if held.endswith("\\"):
+            held = held[:-1] + " "
+            continue
+        command = " ".join(re.sub(r"(^|\s)#.*$", "", held).split())
+        held = ""
+        if command:
+            lines.append(command)
+    return lines
+
+
+def doc_commands(pages=DOCS) -> list[tuple[str, str, str | None, set[str]]]:
+    """(page, program, subcommand or None, flags) for every engine-build / engine-run command in console blocks."""
+    found = []
+    for page in pages:
+        for line in console_lines(page):
+            for match in re.finditer(r"(?:^|&&\s*|\|\s*)(engine-build|engine-run)\b([^&|]*)", line):
+                words = match.group(2).split()
+                sub = words[0] if words and re.fullmatch(r"[a-z]+", words[0]) else None
+                flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", match.group(2)))
+                found.append((page.name, match.group(1), sub, flags))
     return found
 
 
@@ -170,15 +193,78 @@ def help_text(program: str, sub: str | None) -> str:
     return proc.stdout
 
 
-def test_the_readmes_commands_and_flags_are_in_help():
-    commands = readme_commands()
+def test_every_command_the_docs_show_names_a_real_subcommand_and_flags():
+    commands = doc_commands()
     assert {("engine-build", "build"), ("engine-run", "serve"), ("engine-run", "bench")} <= \
-        {(p, s) for p, s, _ in commands}
+        {(program, sub) for page, program, sub, _ in commands if page == "README.md"}
     helps: dict[tuple, str] = {}
-    for program, sub, flags in commands:
+    missing = []
+    for page, program, sub, flags in commands:
         text = helps.setdefault((program, sub), help_text(program, sub))
-        for flag in flags:
-            assert re.search(rf"{flag}\b", text), f"README: `{program} {sub or ''} {flag}` is not in its --help"
+        missing += [f"{page}: `{program} {sub or ''} {flag}`" for flag in sorted(flags)
+                    if not re.search(rf"{flag}\b", text)]
+    assert not missing, f"flags no --help has: {missing}"
+
+
+def test_every_benchmark_command_the_docs_show_takes_its_flags():
+    scripts: dict[str, set[str]] = {}
+    for page in DOCS:
+        for line in console_lines(page):
+            for match in re.finditer(r"python3? (benchmarks/\w+\.py)([^&|]*)", line):
+                scripts.setdefault(match.group(1), set()).update(
+                    re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", match.group(2)))
+    assert "benchmarks/bench_runtime.py" in scripts
+    missing = []
+    for script, flags in sorted(scripts.items()):
+        assert (README.parent / script).is_file(), f"the docs run {script}, which does not exist"
+        if not flags:
+            continue
+        proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,
+                              cwd=README.parent)
+        assert proc.returncode == 0, f"{script} --help: {proc.stderr[-500:]}"
+        missing += [f"{script} {flag}" for flag in sorted(flags) if not re.search(rf"{flag}\b", proc.stdout)]
+    assert not missing, f"flags the scripts do not take: {missing}"
+
+
+def slug(heading: str) -> str:
+    """The anchor a Markdown renderer (GitHub's rule) gives a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    broken = []
+    for page in DOCS:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links inside code are not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http:, https:, mailto:
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and resolved.suffix == ".md":
+                headings = re.findall(r"^#+\s+(.+)$", resolved.read_text(), flags=re.M)
+                if anchor not in {slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, f"links that lead nowhere: {broken}"
+
+
+def test_the_readme_is_a_guide():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 400
+    for page in DOCS:
+        narrative = re.findall(r"(?i)\b(this release|releases? before|the previous release)\b", page.read_text())
+        assert not narrative, f"{page.name} narrates releases ({narrative}): history belongs in CHANGELOG.md"
+
+
+def test_the_checks_above_can_fail(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("See [x](missing.md) and [y](#nowhere).\n\n## Real heading\n\n```console\n"
+                    "engine-run serve --no-such-flag \\\n  --port 1   # a comment --ignored\n```\n")
+    assert console_lines(page) == ["engine-run serve --no-such-flag --port 1"]
+    assert doc_commands([page]) == [("page.md", "engine-run", "serve", {"--no-such-flag", "--port"})]
+    assert slug("Real heading") == "real-heading" and slug("`--rank`: one rank, alone") == "--rank-one-rank-alone"
 
 
 def test_every_flag_the_readme_names_exists_somewhere():

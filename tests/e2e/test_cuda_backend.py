@@ -13,10 +13,11 @@ import pytest
 from conftest import exact_plan
 
 from builder.build import build_engine
-from builder.plan import plan_from_dict
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import EngineError, Manifest, check_files
-from runtime.sampling import SamplingParams
+from builder.planning.plan import plan_from_dict
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.format.engine_format import EngineError, Manifest
+from runtime.backends import check_files
+from runtime.core.sampling import SamplingParams
 
 ARCHES = {"nvidia-a100-80gb": "sm_80", "nvidia-l40s": "sm_89", "nvidia-h100-80gb": "sm_90a"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -177,7 +178,7 @@ def cpu_logits(path):
     """ids -> the last position's logits of a cpu engine (its own kernels and KV cache, one prefill step)."""
     import torch
 
-    from runtime.step import StepMetadata
+    from runtime.backends.step import StepMetadata
 
     executor = LLMEngine.from_dir(path).executor
 

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from runtime.disaggregation import _slots
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.disaggregation import _slots
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

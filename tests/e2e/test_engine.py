@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -167,7 +167,7 @@ def test_a_pipelined_executor_keeps_two_batches_in_flight_and_a_failed_batch_end
 
 
 def test_limits_can_be_lowered_not_raised(tiny_engine_dir):
-    from runtime.engine_format import EngineError
+    from runtime.format.engine_format import EngineError
 
     assert engine(tiny_engine_dir, max_batch_size=4).scheduler.config.max_batch_size == 4
     with pytest.raises(EngineError, match="max_batch_size=999"):
@@ -204,10 +204,10 @@ def test_smollm2_greedy_matches_transformers(smollm2_exact_engine, smollm2_gguf)
 def test_executor_fuses_attention_chains_and_matches_the_reference_interpreter(tiny_engine_dir):
     """The executor binds each layer's split -> rope -> attention as one C call (qkv_attention); its
     logits over a paged prefill equal the reference interpreter's (op by op, dense attention)."""
-    from builder.interpret import Interpreter
-    from runtime.engine_format import open_engine
-    from runtime.executor import CpuExecutor
-    from runtime.step import StepMetadata
+    from builder.graph.interpret import Interpreter
+    from runtime.backends import open_engine
+    from runtime.backends.cpu.executor import CpuExecutor
+    from runtime.backends.step import StepMetadata
 
     rank = open_engine(tiny_engine_dir).load_rank(0)
     executor = CpuExecutor(rank, pools=8, block_size=16)

@@ -14,12 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builder.build import build_engine
-from builder.interpret import Interpreter
-from builder.model import load_model
+from builder.graph.interpret import Interpreter
+from builder.sources import load_model
 from conftest import assert_logits_match, exact_plan, make_tiny_llama, transformers_greedy
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import map_rank_file
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.format.engine_format import map_rank_file
+from runtime.core.sampling import SamplingParams
 
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 60))]
 FAMILIES = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_mistral_dir", "tiny_mistral_uneven_dir",

@@ -15,8 +15,8 @@ import torch
 from openai import OpenAI
 from test_server import ServerProcess, metric_value
 
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 VOCAB = 320
 

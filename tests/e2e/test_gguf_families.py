@@ -16,15 +16,16 @@ from conftest import assert_logits_match, exact_plan, make_tiny_llama, transform
 from gguf_export import write_gguf
 
 from builder.build import build_engine
-from builder.gguf_blocks import BLOCK_FORMATS
-from builder.interpret import Interpreter
-from builder.model import load_model
-from builder.plan import load_plan
-from builder.planner import Workload, load_shape, plan_candidates
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import map_rank_file
+from builder.sources.gguf_blocks import BLOCK_FORMATS
+from builder.graph.interpret import Interpreter
+from builder.sources import load_model
+from builder.planning.plan import load_plan
+from builder.planning.planner import Workload, plan_candidates
+from builder.planning.shapes import load_shape
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.format.engine_format import map_rank_file
 from runtime.ops.linear import bind_embedding
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 from runtime.weights import FORMATS
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"

@@ -5,12 +5,12 @@ import json
 import pytest
 from conftest import exact_plan
 
-from builder.accuracy import GREEDY_TOKENS, reference_graph
+from builder.measure.accuracy import GREEDY_TOKENS, reference_graph
 from builder.build import build_engine
-from builder.calibration import GraphRunner, chat_prompts, shipped_text
+from builder.measure.calibration import GraphRunner, chat_prompts, shipped_text
 from builder.errors import KilnError
-from builder.model import load_model
-from runtime.engine_format import map_rank_file
+from builder.sources import load_model
+from runtime.format.engine_format import map_rank_file
 
 # int8 weights on a tiny random model: about a third of its answers stay the float model's (int4
 # weights change nearly all), so both the agreeing and the diverging cases are counted.

@@ -13,7 +13,7 @@ import pytest
 
 from builder.build import build_engine
 from conftest import exact_plan
-from runtime.engine_format import FORMAT_VERSION
+from runtime.format.engine_format import FORMAT_VERSION
 from test_build import assert_one_line_error, engine_build
 from test_tensorrt import tensorrt_plan
 
@@ -157,7 +157,7 @@ def test_verify_runs_a_tensorrt_engines_onnx_against_the_cpu_engine(tensorrt_eng
 
 
 def test_verify_refuses_a_tensorrt_engines_missing_corrupt_or_wrong_onnx(tensorrt_engine, tmp_path):
-    from runtime.engine_format import sha256_file
+    from runtime.format.engine_format import sha256_file
 
     flipped = tmp_path / "flipped"
     shutil.copytree(tensorrt_engine, flipped)

@@ -13,8 +13,9 @@ from gguf_export import write_gguf
 from safetensors import safe_open
 
 from builder.errors import KilnError
-from builder.gguf_blocks import gguf_blocks_to_int4, gguf_blocks_to_int8
-from builder.model import ModelConfig, load_model
+from builder.sources.gguf_blocks import gguf_blocks_to_int4, gguf_blocks_to_int8
+from builder.sources import load_model
+from builder.sources.model import ModelConfig
 
 TEXTS = ["Hello world!", "The year 2024, x = 3.14;  two  spaces\tand a tab\n\nnew lines",
          "<|im_start|>user\nWhat is a kiln?<|im_end|>\n", "naïve café — 日本語 🙂"]

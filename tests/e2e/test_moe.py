@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from builder.build import build_engine
 from builder.errors import KilnError
-from builder.model import load_model
+from builder.sources import load_model
 from conftest import assert_logits_match, exact_plan, make_tiny_llama, transformers_greedy
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import map_rank_file
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.format.engine_format import map_rank_file
 from runtime.ops import moe, reference
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 60))]
 # family -> the config fields of its tiny checkpoint (on TINY_LLAMA: 4 layers, hidden 64, 4 query / 2 KV heads)
@@ -223,7 +223,7 @@ def test_expert_parallel_rank_processes_give_the_one_rank_tokens(family, tp, ep,
 
 
 def test_ep_is_refused_for_a_model_without_experts_and_beside_another_tp(tiny_llama_dir, tmp_path):
-    from builder.plan import PlanError
+    from builder.planning.plan import PlanError
 
     with pytest.raises(KilnError, match="ep=2, but the model has no mixture of experts to split"):
         build_engine(str(tiny_llama_dir), exact_plan(method="none").with_overrides(ep=2), tmp_path / "e",
@@ -238,7 +238,7 @@ def test_the_tensorrt_targets_onnx_gives_the_cpu_engines_logits(family, tp, ep, 
     against the cpu engine: prefill, decode and mixed steps, every rank stitched through its exchanges."""
     import onnx
 
-    from builder.plan import load_plan
+    from builder.planning.plan import load_plan
 
     plans = Path(__file__).resolve().parents[2] / "plans"
     plan = load_plan(plans / "a100-tp2-int4.toml").with_overrides(tp=tp, ep=ep)
@@ -258,7 +258,7 @@ def test_the_tensorrt_targets_onnx_gives_the_cpu_engines_logits(family, tp, ep, 
 def test_tensorrt_compiles_the_mixture_through_its_function_body(moe_dirs, tmp_path):
     """TensorRT for RTX parses kiln::MoEShared by inlining its body (no plugin of that name) and builds the rank's
     engine for sm_80. Nothing here can run it: TensorRT for RTX refuses this workplace's only GPUs (Hopper)."""
-    from builder.plan import load_plan
+    from builder.planning.plan import load_plan
 
     plans = Path(__file__).resolve().parents[2] / "plans"
     plan = load_plan(plans / "a100-tp2-int4.toml").with_overrides(tp=1)
@@ -292,9 +292,9 @@ def test_awq_scales_a_mixture_and_keeps_its_float_function(moe_dirs, monkeypatch
     """int4-awq: one set of scales for the router, the experts' and shared expert's gate and up (into the norm),
     scales of its own for each expert's down projection (into its up rows); an expert that too few calibration
     tokens reach keeps round to nearest. The float function is unchanged."""
-    from builder.calibration import GraphRunner
-    from builder.ir import verify
-    from builder.trace import trace
+    from builder.measure.calibration import GraphRunner
+    from builder.graph.ir import verify
+    from builder.graph.trace import trace
     from passes import fold_awq_scales as awq
     from passes.context import PassContext
 
@@ -302,7 +302,7 @@ def test_awq_scales_a_mixture_and_keeps_its_float_function(moe_dirs, monkeypatch
     graph = trace(model)
     graph.tensors = {name: model.load(name) for name in graph.weights}
     plan = exact_plan(method="int4-awq", group_size=32)
-    monkeypatch.setattr(awq, "MIN_EXPERT_TOKENS", 200)  # the pass's own binding of builder.experts' constant  # some of the 6 experts see fewer of the calibration tokens
+    monkeypatch.setattr(awq, "MIN_EXPERT_TOKENS", 200)  # the pass's own binding of builder.graph.experts' constant  # some of the 6 experts see fewer of the calibration tokens
     folded = awq.fold_awq_scales(graph, PassContext(plan=plan, model=model))
     verify(folded)
     norm = "layers.1.post_attention_layernorm.weight"

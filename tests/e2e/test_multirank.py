@@ -14,11 +14,11 @@ import torch
 
 from builder.build import build_engine
 from conftest import exact_plan
-from runtime.engine import EngineOptions, LLMEngine
+from runtime.core.engine import EngineOptions, LLMEngine
 from runtime.launcher import open_llm_engine
 from runtime.ranks import RankError
-from runtime.sampling import SamplingParams
-from runtime.step import StepMetadata
+from runtime.core.sampling import SamplingParams
+from runtime.backends.step import StepMetadata
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 2, 77, 31], [3], list(range(10, 40))]

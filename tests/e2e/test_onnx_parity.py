@@ -17,7 +17,7 @@ import onnx
 import pytest
 
 from builder.build import build_engine
-from builder.plan import load_plan
+from builder.planning.plan import load_plan
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 # f32 activations and an f32 KV cache: the same math in another order (an f16 cache adds its
@@ -89,7 +89,7 @@ def test_onnx_runtime_dequantizes_the_weights_once_at_load(family, tmp_path):
     weights at load, and takes the block-INT4 ones into its n-bit kernel, which keeps them 4-bit."""
     import onnxruntime
 
-    from runtime.onnx_executor import session_options
+    from runtime.backends.onnxruntime.executor import session_options
 
     method, _, engine = family
     ops, weight_dequantizers = set(), []

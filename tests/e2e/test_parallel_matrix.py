@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from builder.build import build_engine
-from builder.plan import load_plan
+from builder.planning.plan import load_plan
 from conftest import make_tiny_llama
 
 CHAT = ["Write one sentence about the sea.", "What is the capital of France?", "List three colors."]

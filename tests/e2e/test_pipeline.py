@@ -8,7 +8,7 @@ from conftest import canonical_graph, exact_plan
 
 from builder.build import build_engine
 from builder.pipeline import build_pipeline
-from builder.plan import Plan, load_plan
+from builder.planning.plan import Plan, load_plan
 from passes.calibrate_kv_scales import calibrate_kv_scales
 from passes.clip_awq_weights import clip_awq_weights
 from passes.context import PassContext

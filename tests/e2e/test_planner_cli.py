@@ -13,8 +13,9 @@ import pytest
 
 from builder.build import build_engine
 from builder.errors import KilnError
-from builder.plan import load_plan
-from builder.planner import Workload, load_shape, plan_candidates
+from builder.planning.plan import load_plan
+from builder.planning.planner import Workload, plan_candidates
+from builder.planning.shapes import load_shape
 from conftest import exact_plan
 
 

@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from builder.build import build_engine
-from builder.calibration import GraphRunner, shipped_text, windows
+from builder.measure.calibration import GraphRunner, shipped_text, windows
 from builder.errors import KilnError
-from builder.interpret import Interpreter
-from builder.ir import verify
-from builder.model import load_model
-from builder.packing import pack_graph
-from builder.trace import trace
+from builder.graph.interpret import Interpreter
+from builder.graph.ir import verify
+from builder.sources import load_model
+from builder.quant.packing import pack_graph
+from builder.graph.trace import trace
 from conftest import exact_plan, make_tiny_llama
 from passes.context import PassContext
 from passes.fold_awq_scales import fold_awq_scales
 from passes.quantize_int4 import quantize_int4
 from passes.quantize_int8 import quantize_int8 as quantize_int8_pass
-from runtime.engine_format import map_rank_file
+from runtime.format.engine_format import map_rank_file
 from runtime.weights import int8
 
 
@@ -201,8 +201,8 @@ def test_bad_quantization_input_writes_nothing(tiny_llama_dir, tmp_path, method,
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_cache_uses_the_calibrated_scales(tiny_llama_dir, tmp_path, kv_dtype):
-    from runtime.executor import CpuExecutor
-    from runtime.step import StepMetadata
+    from runtime.backends.cpu.executor import CpuExecutor
+    from runtime.backends.step import StepMetadata
 
     plan = plan_for("none").with_overrides("kv_cache", dtype=kv_dtype)
     manifest = build_engine(str(tiny_llama_dir), plan, tmp_path / "e", show_progress=False).manifest

@@ -16,8 +16,8 @@ import torch
 from conftest import CHAT_TEMPLATE, SPECIAL_TOKENS, make_tiny_llama
 from test_server import REPO, ServerProcess
 
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8

@@ -10,10 +10,10 @@ from builder.build import build_engine
 from runtime.ops import linear as ql
 from runtime.ops import rowops, tape
 from runtime.weights import int8
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.engine_format import open_engine
-from runtime.executor import CpuExecutor
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.backends import open_engine
+from runtime.backends.cpu.executor import CpuExecutor
+from runtime.core.sampling import SamplingParams
 
 
 def test_a_tape_replays_its_calls_on_what_the_buffers_hold_now():
@@ -341,7 +341,7 @@ def test_a_step_past_the_kept_buffers_holds_only_the_values_still_to_be_read(rep
 def test_a_binder_that_returns_another_buffer_fails_the_first_step(replay_engine_dir, monkeypatch, replay):
     """Program checks, on its first step, that every kept value is in the buffer its node was given, whether the
     step keeps its values (a recording) or drops each after its last reader (op by op, replay off)."""
-    from runtime import program as program_module
+    from runtime.ops import program as program_module
 
     original = program_module.BINDERS["silu_mul"]
 
@@ -388,7 +388,7 @@ def test_a_gemma3_gguf_whose_q_k_and_v_differ_in_format_replays(tiny_gemma3_dir,
     attention call reads them as they are, and the source build's decode steps replay like the rest."""
     from gguf_export import write_gguf
 
-    from builder.model import load_model
+    from builder.sources import load_model
 
     types = {"*.attn_q.weight": "Q5_0", "*.attn_k.weight": "Q5_0", "*.weight": "Q8_0"}
     gguf = write_gguf(tmp_path / "mixed.gguf", load_model(str(tiny_gemma3_dir)), "gemma3", types,

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import torch
 
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 from tests.e2e.test_server import MODEL, ServerProcess
 

@@ -15,11 +15,11 @@ import torch
 from conftest import exact_plan, make_tiny_llama
 from safetensors.torch import load_file
 
-from builder import accuracy
+from builder.measure import accuracy
 from builder.build import build_engine
 from builder.errors import KilnError
-from builder.lazy_tensors import LazyTensors
-from builder.plan import plan_from_dict
+from builder.sources.lazy_tensors import LazyTensors
+from builder.planning.plan import plan_from_dict
 from runtime.weights import int8
 
 PLAN = exact_plan(method="int8").with_overrides(tp=2, pp=2)

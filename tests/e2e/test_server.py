@@ -16,8 +16,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 MODEL = "tiny"
 REPO = Path(__file__).resolve().parents[2]

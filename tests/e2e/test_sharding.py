@@ -11,13 +11,13 @@ import torch
 
 from builder.build import build_engine
 from builder.errors import KilnError
-from builder.ir import verify
-from builder.lazy_tensors import LazyTensors
-from runtime.mapping import Mapping, Span, balanced_stages
-from builder.model import load_model
+from builder.graph.ir import verify
+from builder.sources.lazy_tensors import LazyTensors
+from runtime.format.mapping import Mapping, Span, balanced_stages
+from builder.sources import load_model
 from builder.pipeline import build_pipeline, run_pipeline
-from builder.plan import Plan
-from builder.trace import trace
+from builder.planning.plan import Plan
+from builder.graph.trace import trace
 from conftest import exact_plan
 from passes.canonicalize import canonicalize
 from passes.context import PassContext
@@ -27,7 +27,7 @@ from passes.quantize_int4 import quantize_int4
 from passes.shard_tensor_parallel import shard_tensor_parallel
 from passes.split_pipeline_stages import split_pipeline_stages
 from runtime.ops import reference
-from runtime.program import Hooks, Program
+from runtime.ops.program import Hooks, Program
 
 IDS = [1, 5, 9, 2, 77, 31, 100, 200, 3, 41]
 

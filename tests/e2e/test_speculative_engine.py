@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
-from runtime.speculative import SpeculativeConfig
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
+from runtime.core.speculative import SpeculativeConfig
 
 from tests.e2e.test_engine import run_staggered
 from tests.e2e.test_server import MODEL, ServerProcess
@@ -172,9 +172,9 @@ def test_sampled_tokens_keep_the_target_distribution(target_dir, draft_dir, prop
 
 def reference_logits(llm: LLMEngine, ids: list[int]) -> torch.Tensor:
     """The target's logits after ids, straight from its executor (one prefill step of a fresh sequence)."""
-    from runtime.scheduler import ScheduledBatch
-    from runtime.sequence import Sequence
-    from runtime.step import build_step_metadata
+    from runtime.core.scheduler import ScheduledBatch
+    from runtime.core.sequence import Sequence
+    from runtime.backends.step import build_step_metadata
 
     seq = Sequence("reference", ids)
     bm = llm.scheduler.block_manager

@@ -14,11 +14,11 @@ import pytest
 
 from builder.build import build_engine
 from builder.errors import KilnError
-from builder.plan import load_plan
-from runtime.engine import EngineOptions
-from runtime.engine_format import map_rank_file
+from builder.planning.plan import load_plan
+from runtime.core.engine import EngineOptions
+from runtime.format.engine_format import map_rank_file
 from runtime.launcher import open_llm_engine
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 from test_build import assert_one_line_error, engine_build
 from test_server import ServerProcess
 
@@ -47,7 +47,7 @@ def cpu_twin(plan):
     doc.update(target="cpu", device="cpu", tp=1, pp=1)
     doc["quant"]["activations"] = "f32"
     doc["kv_cache"]["memory_fraction"] = 0.5
-    from builder.plan import plan_from_dict
+    from builder.planning.plan import plan_from_dict
 
     return plan_from_dict(doc, "cpu twin")
 
@@ -171,14 +171,14 @@ def test_smollm2_builds_one_engine_a_rank_within_its_memory_plan(tmp_path):
 
 @needs_tensorrt
 def test_the_executor_binds_each_pool_and_its_output_to_one_buffer(built):
-    """pool_bindings is what the tensorrt executor binds (runtime/tensorrt_executor.py), here over a real
+    """pool_bindings is what the tensorrt executor binds (runtime/backends/tensorrt/executor.py), here over a real
     engine's I/O and pools of every planned block: an output pool that got its own buffer would fail this."""
     import json
 
-    from runtime.engine_format import EngineError
-    from runtime.executor import KVCacheStorage
-    from runtime.kv_groups import KVGroups
-    from runtime.tensorrt_executor import pool_bindings, pool_layers
+    from runtime.format.engine_format import EngineError
+    from runtime.backends.cpu.executor import KVCacheStorage
+    from runtime.format.kv_groups import KVGroups
+    from runtime.backends.tensorrt.executor import pool_bindings, pool_layers
 
     engine = built(2, 1, onnx_only=False)
     manifest = json.loads((engine / "manifest.json").read_text())

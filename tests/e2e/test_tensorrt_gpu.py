@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from builder.build import build_engine
-from builder.plan import load_devices
+from builder.planning.plan import load_devices
 from test_tensorrt import greedy, tensorrt_plan
 
 
@@ -51,14 +51,14 @@ def test_tensorrt_backend_gives_the_onnxruntime_backends_greedy_text(tiny_llama_
 
 
 def test_the_executor_binds_every_planned_block_in_place(tiny_llama_dir, tmp_path):
-    from runtime.engine import EngineOptions
+    from runtime.core.engine import EngineOptions
     from runtime.launcher import open_llm_engine
 
     plan = tensorrt_plan().with_overrides(device=DEVICE)
     engine = tmp_path / "engine"
     build_engine(str(tiny_llama_dir), plan, engine, show_progress=False)
-    from runtime.backend import kv_groups
-    from runtime.engine_format import Manifest
+    from runtime.backends.base import kv_groups
+    from runtime.format.engine_format import Manifest
 
     planned = kv_groups(Manifest.read(engine), "tensorrt", 0.02).num_blocks[0]
     with open_llm_engine(engine, EngineOptions(backend="tensorrt", kv_cache_gib=0.02)) as llm:

@@ -13,8 +13,8 @@ import torch
 from conftest import exact_plan, transformers_greedy
 
 from builder.build import build_engine
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import EngineOptions, LLMEngine
+from runtime.core.sampling import SamplingParams
 
 BLOCK = 4
 WINDOW = 8  # both tiny checkpoints' sliding window

@@ -1,4 +1,4 @@
-"""runtime/activations.py: a program's activation paths, and the path a serving host picks among those the build
+"""runtime/backends/activations.py: a program's activation paths, and the path a serving host picks among those the build
 allowed (timed once, then read from Kiln's cache)."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from runtime import activations
-from runtime.engine_format import RankFile
+from runtime.backends import activations
+from runtime.format.engine_format import RankFile
 from runtime.weights import int8
 
 

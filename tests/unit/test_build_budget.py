@@ -1,4 +1,4 @@
-"""A build's peak memory, priced from the model's shape before a weight is read (builder/build_budget.py), and the
+"""A build's peak memory, priced from the model's shape before a weight is read (builder/planning/build_budget.py), and the
 one-line refusal of a build the host cannot hold."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from builder import build_budget
-from builder.build_budget import check_host, price_build
+from builder.planning import build_budget
+from builder.planning.build_budget import check_host, price_build
 from builder.errors import KilnError
-from builder.plan import load_plan
-from builder.planner import load_shape
-from runtime.engine_format import GIB
+from builder.planning.plan import load_plan
+from builder.planning.shapes import load_shape
+from runtime.format.engine_format import GIB
 
 
 def plan(**quant):
@@ -69,7 +69,7 @@ def test_a_build_the_host_cannot_hold_is_refused_in_one_line(monkeypatch):
 
 def test_the_refusal_comes_before_any_weight_is_read(tiny_llama_dir, tmp_path, monkeypatch):
     from builder.build import build_engine
-    from builder.model import ModelSpec
+    from builder.sources.model import ModelSpec
 
     monkeypatch.setattr(build_budget, "available_memory", lambda: 1)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime._native import _ops
-from runtime.cpus import (
+from runtime.backends.cpu.cpus import (
     CpuTimes,
     ThreadGovernor,
     cgroup_cpu_limit,
@@ -175,7 +175,7 @@ def contend(governor: ThreadGovernor, free: float) -> None:
 
 
 def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster(caplog):
-    caplog.set_level(logging.INFO, logger="runtime.cpus")
+    caplog.set_level(logging.INFO, logger="runtime.backends.cpu.cpus")
     clock = Clock()
     governor = contended_governor(clock)
     try:
@@ -209,7 +209,7 @@ def test_while_contended_the_governor_keeps_the_count_whose_steps_run_faster(cap
     finally:
         governor.close()
     # each change says why, so a server's log tells contention, tries and their outcomes apart
-    assert [r.getMessage() for r in caplog.records if r.name == "runtime.cpus"][:7] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "runtime.backends.cpu.cpus"][:7] == [
         "kernel threads at most 1 of 2: other processes hold CPUs (1.0 of 2 free)",
         "kernel threads at most 2 of 2: trying it against 1",
         "kernel threads at most 1 of 2: the try of 2 lost (its steps took x4.00 the time of 1's)",
@@ -321,7 +321,7 @@ def test_a_governor_of_one_thread_or_turned_off_never_acts(monkeypatch):
 BUSY_CPU_ROUND_TRIP = """
 import os, subprocess, sys, time
 import torch
-from runtime.cpus import ThreadGovernor
+from runtime.backends.cpu.cpus import ThreadGovernor
 from runtime.ops import linear
 from runtime.weights import int4
 

@@ -6,9 +6,9 @@ import torch
 
 from runtime.backends.cuda.kernels import sampling
 from runtime.backends.cuda.launch import InterpreterLauncher, RecordingLauncher
-from runtime.sampler import Sampler, _adjust, filter_top_k_top_p, race_noise
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
+from runtime.core.sampler import Sampler, _adjust, filter_top_k_top_p, race_noise
+from runtime.core.sampling import SamplingParams
+from runtime.core.sequence import Sequence
 
 TILE = 128
 

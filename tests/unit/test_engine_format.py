@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runtime.backends.tensorrt import gpu_mismatch
-from runtime.engine_format import TENSORRT_RTX_TARGETS
+from runtime.format.engine_format import TENSORRT_RTX_TARGETS
 
 
 def test_an_engine_runs_on_the_compute_capability_it_was_compiled_for():

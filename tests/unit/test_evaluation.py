@@ -1,4 +1,4 @@
-"""The build's measures run as the cpu engine runs a graph (builder/evaluation.py): whole, or a layer at a time.
+"""The build's measures run as the cpu engine runs a graph (builder/measure/evaluation.py): whole, or a layer at a time.
 Both must give the token-by-token reference decoder's greedy tokens and logits over chunked prefills, a
 layer-at-a-time run must hold one layer's float weights at a time, and the reference's answers come back from
 Kiln's cache only for the model, prompts and kernels that decided them."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 from conftest import exact_plan, make_tiny_llama
 
-from builder import accuracy
-from builder.calibration import GraphRunner
-from builder.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
-from builder.lazy_tensors import LazyTensors
-from builder.model import load_model
-from builder.plan import Plan
-from builder.trace import trace
+from builder.measure import accuracy
+from builder.measure.calibration import GraphRunner
+from builder.measure.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
+from builder.sources.lazy_tensors import LazyTensors
+from builder.sources import load_model
+from builder.planning.plan import Plan
+from builder.graph.trace import trace
 from passes.canonicalize import canonicalize
 from passes.context import PassContext
 from passes.quantize_int4 import quantize_int4

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import canonical_graph
 
-from builder.interpret import Interpreter
-from builder.ir import verify
-from builder.plan import Plan
+from builder.graph.interpret import Interpreter
+from builder.graph.ir import verify
+from builder.planning.plan import Plan
 from passes.context import PassContext
 from passes.fuse_add_rms_norm import fuse_add_rms_norm
 from passes.fuse_gate_up import fuse_gate_up

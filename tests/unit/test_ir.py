@@ -5,11 +5,11 @@ import json
 import pytest
 
 from builder.errors import KilnError
-from builder.ir import Graph, IRError, Node, Value, verify
-from builder.model import load_model
+from builder.graph.ir import Graph, IRError, Node, Value, verify
+from builder.sources import load_model
 from builder.pipeline import Pass, build_pipeline, run_pipeline
-from builder.plan import Plan
-from builder.trace import trace
+from builder.planning.plan import Plan
+from builder.graph.trace import trace
 from passes.context import PassContext
 
 

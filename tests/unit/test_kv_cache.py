@@ -3,9 +3,9 @@
 import hashlib
 import struct
 
-from runtime.kv_cache import BlockManager, hash_block_tokens
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
+from runtime.core.kv_cache import BlockManager, hash_block_tokens
+from runtime.core.sampling import SamplingParams
+from runtime.core.sequence import Sequence
 
 
 def make_seq(token_ids, request_id="r"):

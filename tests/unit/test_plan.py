@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.plan import (
+from builder.planning.plan import (
     FP8_MIN_CC,
     Plan,
     PlanError,
@@ -155,7 +155,7 @@ def test_the_cuda_plan_and_what_the_cuda_target_takes():
 
 
 def test_auto_activations_choose_the_fastest_path_the_gate_allows(monkeypatch):
-    from builder.activation_choice import Speed, allowed, choose
+    from builder.measure.activation_choice import Speed, allowed, choose
     from runtime.ops import linear
 
     exact = {"greedy_agreement_pct": 100.0, "ppl_increase_pct": 0.0}

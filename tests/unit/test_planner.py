@@ -5,9 +5,11 @@ import math
 
 import pytest
 
-from builder.plan import load_devices
-from builder.planner import PlanningError, Workload, load_shape, plan_candidates, plan_toml
-from runtime.engine_format import GIB
+from builder.planning.plan import load_devices
+from builder.planning.planner import Workload, plan_candidates
+from builder.planning.report import plan_toml
+from builder.planning.shapes import PlanningError, load_shape
+from runtime.format.engine_format import GIB
 
 # Llama 3.1 70B by hand: per layer q and o (8192 x 8192 each), k and v (1024 x 8192 each), gate, up, down.
 LAYER_70B = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672
@@ -118,7 +120,7 @@ def test_tensor_parallelism_speeds_decode_and_the_all_reduce_costs_something():
 
 
 def test_the_recommended_plan_is_a_valid_plan_file(tmp_path):
-    from builder.plan import load_plan
+    from builder.planning.plan import load_plan
 
     shape = load_shape("qwen2.5-7b")
     report = plan_candidates(shape, devices=["nvidia-l40s"], workload=Workload(users=64))

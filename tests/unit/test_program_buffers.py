@@ -1,5 +1,5 @@
 """Kept output buffers (runtime.ops.tape.Outputs): a binder that makes one returns its values in it, since
-runtime.program.Program gives that buffer to other nodes' values once this one is read."""
+runtime.ops.program.Program gives that buffer to other nodes' values once this one is read."""
 
 import torch
 

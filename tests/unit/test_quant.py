@@ -8,10 +8,10 @@ mantissa bits, so a normal value moves by at most 2^-4 of itself and a subnormal
 import pytest
 import torch
 
-from builder.ir import Graph, Node, Value, verify
-from builder.packing import pack_graph
-from runtime.activations import with_activations
-from builder.plan import load_plan
+from builder.graph.ir import Graph, Node, Value, verify
+from builder.quant.packing import pack_graph
+from runtime.backends.activations import with_activations
+from builder.planning.plan import load_plan
 from builder.quant.awq import awq_clip, awq_search
 from builder.quant.gptq import fit_int4_grid, gptq_int4
 from passes.context import PassContext

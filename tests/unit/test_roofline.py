@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from runtime.bench import LevelResult, annotate, table
-from runtime.roofline import Peaks, linear_parameters, measure_peaks, roofline
+from runtime.measure.bench import LevelResult, annotate, table
+from runtime.measure.roofline import Peaks, linear_parameters, measure_peaks, roofline
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3,
            "head_dim": 64, "vocab_size": 49152}

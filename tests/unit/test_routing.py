@@ -2,8 +2,8 @@
 
 import pytest
 
-from runtime.kv_cache import BlockManager
-from runtime.sequence import Sequence
+from runtime.core.kv_cache import BlockManager
+from runtime.core.sequence import Sequence
 from runtime.serving.routing import PrefixAwareRouter, ReplicaRecord, prompt_block_hashes
 
 SYSTEM = list(range(100, 164))  # a 64-token system prompt: four blocks of 16

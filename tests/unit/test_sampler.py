@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.sampler import Sampler
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
+from runtime.core.sampler import Sampler
+from runtime.core.sampling import SamplingParams
+from runtime.core.sequence import Sequence
 
 VOCAB = 64
 
@@ -144,7 +144,7 @@ def test_greedy_picks_in_c_are_torch_argmax_ties_and_nans_included():
     """argmax_rows: the first of equal largest values, a NaN counting as largest (the first NaN), over rows
     split among threads (a tie across the split goes to the lower index)."""
     from runtime._native import _ops
-    from runtime.sampler import argmax_rows
+    from runtime.core.sampler import argmax_rows
 
     g = torch.Generator().manual_seed(3)
     for n in (1, 7, 8, 33, 4096, 49157):
@@ -168,7 +168,7 @@ def test_greedy_picks_in_c_are_torch_argmax_ties_and_nans_included():
 @pytest.mark.parametrize("vocab, lead", [(13, 0.0), (64, 0.0), (1001, 0.0), (49157, 14.0)])
 def test_the_race_in_c_is_argmax_of_probs_over_its_noise(vocab, lead):
     """sample_random (C, _ops.race_rows) against its definition in torch: softmax(logits / T) / race_noise."""
-    from runtime.sampler import race_noise
+    from runtime.core.sampler import race_noise
 
     logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
     logits[:, 1:9] += lead
@@ -191,7 +191,7 @@ def test_the_race_in_c_is_argmax_of_probs_over_its_noise(vocab, lead):
 
 
 def test_race_noise_is_exponential_and_a_function_of_the_key_alone():
-    from runtime.sampler import race_noise
+    from runtime.core.sampler import race_noise
 
     seq = Sequence("s", [1], SamplingParams(seed=7))
     noise = race_noise(seq, 3, 1 << 16)

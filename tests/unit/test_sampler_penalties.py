@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from runtime.sampler import Sampler
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
+from runtime.core.sampler import Sampler
+from runtime.core.sampling import SamplingParams
+from runtime.core.sequence import Sequence
 
 VOCAB = 8
 EOS = 7

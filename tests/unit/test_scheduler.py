@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.sampler import Sampler
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Sequence, SequenceStatus
-from runtime.step import build_step_metadata
+from runtime.core.sampler import Sampler
+from runtime.core.sampling import SamplingParams
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import Sequence, SequenceStatus
+from runtime.backends.step import build_step_metadata
 
 VOCAB = 50
 
@@ -427,7 +427,7 @@ class OracleProposer:
         self.made = 0
 
     def propose(self, seqs, ks):
-        from runtime.speculative import Proposal
+        from runtime.core.speculative import Proposal
 
         proposals = []
         for seq, k in zip(seqs, ks):
@@ -445,7 +445,7 @@ class OracleProposer:
 
 
 def test_speculative_steps_keep_outputs_and_release_the_blocks_of_rejected_guesses():
-    from runtime.speculative import SpeculativeConfig, Speculator
+    from runtime.core.speculative import SpeculativeConfig, Speculator
 
     scheduler, model = make_scheduler(max_batch_size=3, max_num_tokens=16, num_blocks=24, block_size=2)
     scheduler.speculator = Speculator(SpeculativeConfig(max_k=3, adaptive=False), OracleProposer())
@@ -474,7 +474,7 @@ def test_speculative_steps_keep_outputs_and_release_the_blocks_of_rejected_guess
 def test_step_metadata_keeps_its_numpy_arrays_in_the_executors_order():
     """build_step_metadata hands the executor the numpy arrays behind its tensors (so a replayed step copies
     them without converting again) and the largest position: both must be what the tensors say."""
-    from runtime.executor import _step_arrays
+    from runtime.backends.cpu.executor import _step_arrays
 
     scheduler, model = make_scheduler(max_num_tokens=12)
     for i, n in enumerate([3, 9, 5]):

@@ -1,9 +1,9 @@
-"""runtime/special_tokens.py: what a tokenizer puts around a raw text, read as transformers reads it."""
+"""runtime/format/special_tokens.py: what a tokenizer puts around a raw text, read as transformers reads it."""
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from runtime.special_tokens import SpecialTokens, from_flags, from_tokenizer
+from runtime.format.special_tokens import SpecialTokens, from_flags, from_tokenizer
 
 VOCAB = {"<bos>": 0, "<eos>": 1, "[CLS]": 2, "[SEP]": 3, "Kiln": 4, "a": 5, "b": 6}
 

@@ -1,12 +1,12 @@
-"""Speculative decoding's proposer and acceptance rules (runtime/speculative.py), before any engine runs them."""
+"""Speculative decoding's proposer and acceptance rules (runtime/core/speculative.py), before any engine runs them."""
 
 import pytest
 import torch
 
-from runtime.sampler import Sampler
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
-from runtime.speculative import (AdaptiveK, NgramIndex, NgramProposer, Proposal, SpeculativeConfig, Speculator,
+from runtime.core.sampler import Sampler
+from runtime.core.sampling import SamplingParams
+from runtime.core.sequence import Sequence
+from runtime.core.speculative import (AdaptiveK, NgramIndex, NgramProposer, Proposal, SpeculativeConfig, Speculator,
                                   accept_greedy)
 
 # The chi-square statistic of N draws over 5 tokens against their expected counts has 4 degrees of

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from runtime.engine_format import KV_CACHE_DTYPES
+from builder.quant import methods
+from runtime.format import memory_plan
+from runtime.format.engine_format import KV_CACHE_DTYPES
 
 DEVICE_KIND = "cpu"
 RANKS_ALONE = True
+WRITES_ONNX = False        # its ranks hold Kiln programs (the IR), not ONNX
+WINDOWED_POOLS = True      # the cpu backend gives sliding-window layers a KV pool of their own
+KERNELS_WIDEN = True       # quantized weights stay quantized in memory and are widened inside the C kernels
+FP8_ACTIVATION_SCALES = False  # fp8 weights take no calibrated activation scales
+LIVE_ACTIVATIONS = memory_plan.LIVE_ACTIVATIONS
 # auto (the default): every path measured at build, the serving host runs the fastest of those the accuracy gate
-# allows (builder/activation_choice.py, runtime/activations.py); f32, or int16 / int12 / int8 (integer activations
+# allows (builder/measure/activation_choice.py, runtime/backends/activations.py); f32, or int16 / int12 / int8 (integer activations
 # per token and block in int4/int8 linears): that path alone
 ACTIVATIONS = ("auto", "f32", "int16", "int12", "int8")
 KV_DTYPES = tuple(KV_CACHE_DTYPES)
-QUANT_METHODS = ("none", "source", "int8", "int4", "int4-awq", "fp8")
+QUANT_METHODS = methods.taking({"int8", "int4", "fp8"})
 
 
 def check_plan(plan, device, fail) -> None:

@@ -4,15 +4,22 @@ compute capability, Hopper included)."""
 
 from __future__ import annotations
 
+from builder.quant import methods
+from builder.targets.cuda.arches import ARCHES
+from runtime.format import memory_plan
+
 DEVICE_KIND = "gpu"
 RANKS_ALONE = True  # the kernels are compiled when the ranks are assembled
+WRITES_ONNX = False
+WINDOWED_POOLS = False     # one pool: windowed layers read the full block table and mask by position
+KERNELS_WIDEN = False
+FP8_ACTIVATION_SCALES = False
+LIVE_ACTIVATIONS = memory_plan.LIVE_ACTIVATIONS
 ACTIVATIONS = ("bf16", "f16", "f32")
 KV_DTYPES = ("bf16", "f16", "f32", "fp8")
 # int5/int6/int8 blocks (a GGUF's, under "source") have no GPU kernel: the layout pass widens them to the
 # activation dtype and the report says so.
-QUANT_METHODS = ("none", "source", "int4", "int4-awq", "fp8")
-# What Triton compiles for: compute capability -> the architecture its cubins name
-ARCHES = {"8.0": "sm_80", "8.6": "sm_86", "8.9": "sm_89", "9.0": "sm_90a", "10.0": "sm_100a", "12.0": "sm_120"}
+QUANT_METHODS = methods.taking({"int4", "fp8"})  # no int8 GPU kernel
 
 
 def check_plan(plan, device, fail) -> None:
@@ -59,7 +66,17 @@ def assemble(plan, show_progress: bool):
 
 
 def requirements(plan) -> dict:
-    from builder.plan import load_devices
+    from builder.planning.plan import load_devices
 
     cc = load_devices()[plan.device].compute_capability
     return {"name": "cuda", "requires": {"gpu_arch": ARCHES[cc], "compute_capability": cc}}
+
+
+def verify_logits(engine, manifest):
+    """`engine-build verify`'s logits through the cuda backend's own kernels (on this host's GPU, else in Triton's
+    interpreter), after checking the cubins cover every variant the program launches: (report lines, logits)."""
+    from builder.targets.cuda.verify import cuda_logits, kernel_coverage
+
+    coverage = kernel_coverage(engine, manifest)
+    logits, where = cuda_logits(engine, manifest)
+    return [coverage, f"logits computed by the cuda backend {where}"], logits

@@ -18,11 +18,11 @@ import torch
 from tqdm import tqdm
 
 from builder.errors import KilnError
-from builder.ir import TORCH_DTYPES, Graph
-from builder.plan import Plan, load_devices
-from runtime.engine_format import RankFile
-from runtime.kv_groups import KVGroups
-from runtime.step import StepMetadata
+from builder.graph.ir import TORCH_DTYPES, Graph
+from builder.planning.plan import Plan, load_devices
+from runtime.format.engine_format import RankFile
+from runtime.format.kv_groups import KVGroups
+from runtime.backends.step import StepMetadata
 
 
 def find_triton():
@@ -67,7 +67,7 @@ def shared_writer(plan: Plan, show_progress: bool):
     kernels every rank launches are found from those files' programs and compiled once, as a whole build does."""
 
     def write_shared(out: Path, rank_files: list[Path]) -> dict:
-        from runtime.engine_format import map_rank_file
+        from runtime.format.engine_format import map_rank_file
 
         graphs = [Graph.from_json(map_rank_file(path).program) for path in rank_files]
         return write_kernels(out, plan, graphs, show_progress)
@@ -78,7 +78,7 @@ def shared_writer(plan: Plan, show_progress: bool):
 def write_kernels(directory: Path, plan: Plan, graphs: list[Graph], show_progress: bool) -> dict:
     """The kernels the ranks' programs launch, compiled for the plan's device into `directory`; the manifest's
     "cuda" section."""
-    from builder.targets.cuda import ARCHES
+    from builder.targets.cuda.arches import ARCHES
     from runtime.backends.cuda.kernel_index import INDEX, write_index
 
     triton = find_triton()

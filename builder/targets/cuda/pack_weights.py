@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from builder.errors import KilnError
-from builder.experts import graph_expert_linears
-from builder.ir import DTYPE_NAMES, Graph
+from builder.graph.experts import graph_expert_linears
+from builder.graph.ir import DTYPE_NAMES, Graph
 from passes.context import PassContext
 from runtime.backends.cuda.kernels.gemm import GROUP_SIZES, INT4_LAYOUT, pack_int4
 from runtime.weights import fp8, int4, int5, int6, int8

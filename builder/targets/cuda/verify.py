@@ -11,18 +11,18 @@ from pathlib import Path
 import torch
 
 from builder.errors import KilnError
-from builder.ir import Graph
-from builder.plan import plan_from_dict
-from runtime.engine_format import EngineDir, Manifest
-from runtime.kv_groups import KVGroups
-from runtime.step import StepMetadata
+from builder.graph.ir import Graph
+from builder.planning.plan import plan_from_dict
+from runtime.format.engine_format import EngineDir, Manifest
+from runtime.format.kv_groups import KVGroups
+from runtime.backends.step import StepMetadata
 
 
 def kernel_coverage(engine: Path, manifest: Manifest) -> str:
     """One line: every variant each rank's executor launches is among the engine's cubins (KilnError if not)."""
     from builder.targets.cuda.compile import record_variants
     from runtime.backends.cuda.kernel_index import read_entries
-    from runtime.engine_format import map_rank_file
+    from runtime.format.engine_format import map_rank_file
 
     index = read_entries(engine)
     plan = plan_from_dict(json.loads((engine / "manifest.json").read_text())["plan"], f"{engine}/manifest.json")

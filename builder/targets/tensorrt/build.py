@@ -24,14 +24,14 @@ import onnx
 import torch
 
 from builder.errors import KilnError
-from builder.ir import Graph
-from builder.plan import Plan, load_devices
+from builder.graph.ir import Graph
+from builder.planning.plan import Plan, load_devices
 from builder.targets.tensorrt.compile import RTX_TARGETS, CompiledRank, Profile, Toolchain, compile_rank, find_toolchain
 from builder.targets.tensorrt.lower_onnx import PROGRAM_FILE, lower_rank
 from builder.targets.tensorrt.onnx_attention import DOMAIN, OP, PLUGIN_VERSION
 from builder.targets.tensorrt.onnx_lint import lint_model, load_op_table
 from builder.targets.tensorrt.verify_onnx import cpu_reference, verify_ranks
-from runtime.engine_format import GIB, EngineError, sha256_file, write_rank_file
+from runtime.format.engine_format import GIB, EngineError, sha256_file, write_rank_file
 
 # |logit difference| a build accepts against the cpu engine: f32 activations compute the same math
 # in another order; f16/bf16 activations round every activation (then: share of the largest logit).
@@ -252,14 +252,15 @@ def compile_engine(engine: Path) -> dict:
     """`engine-build compile`: compile an --onnx-only tensorrt engine's ONNX in place; the new manifest.
     The rank files are written beside the engine's files first; the manifest is replaced last."""
     from builder.emit import render_report
-    from runtime.engine_format import EngineError, Manifest, check_files
+    from runtime.format.engine_format import EngineError, Manifest
+    from runtime.backends import check_files
 
     try:
         manifest = Manifest.read(engine)
     except EngineError as exc:
         raise KilnError(str(exc)) from None
     doc = json.loads((engine / "manifest.json").read_text())
-    if doc["target"]["name"] != "tensorrt":
+    if "tensorrt" not in doc:  # the manifest section only tensorrt builds write
         raise KilnError(f"compile: {engine} is a {doc['target']['name']} engine; only tensorrt engines compile")
     if doc["tensorrt"].get("compiled"):
         raise KilnError(f"compile: {engine} is compiled already ({doc['tensorrt']['flavour']} "
@@ -297,7 +298,7 @@ def compile_engine(engine: Path) -> dict:
 
 def _refit(doc: dict, rank: int, needed: int) -> int:
     """compile_ranks' fit for an engine compiled after its build: its manifest's memory plan re-priced."""
-    from runtime.memory_plan import RankMemoryPlan
+    from runtime.format.memory_plan import RankMemoryPlan
 
     entry, plan = doc["memory"]["ranks"][rank], doc["plan"]
     if needed <= entry["workspace_bytes"]:
@@ -346,7 +347,7 @@ def _io_contract(program: list[dict]) -> dict:
 
 
 def _pool_blocks(plan: Plan, graph: Graph) -> int:
-    """Most KV blocks a pool may hold: the rank's memory plan (plan_memory, runtime.memory_plan)."""
+    """Most KV blocks a pool may hold: the rank's memory plan (plan_memory, runtime.format.memory_plan)."""
     return max(1, int(graph.meta["memory"]["kv_blocks"]))
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import onnx
 
 from builder.errors import KilnError
-from runtime.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
+from runtime.format.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
 
 
 @dataclass(frozen=True)

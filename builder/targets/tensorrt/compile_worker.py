@@ -14,7 +14,7 @@ from pathlib import Path
 from builder.errors import KilnError
 from builder.targets.tensorrt.compile import Profile, find_toolchain, logger, model_dims, rank_model
 from builder.targets.tensorrt.onnx_attention import OP
-from runtime.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
+from runtime.format.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
 
 _KEEP: list = []  # arrays behind the network's constants, alive until the engine is built
 

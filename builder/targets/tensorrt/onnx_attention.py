@@ -5,7 +5,7 @@ local ONNX function of standard operators, so ONNX Runtime runs the node as it i
 parser inlines the body when no plugin of that name is registered (correct, and slow: it gathers
 every token's keys through the block table).
 
-Inputs, packed token-major like the cpu target's step (runtime/step.py):
+Inputs, packed token-major like the cpu target's step (runtime/backends/step.py):
 
     q [T, nh*hd], k [T, nkv*hd], v [T, nkv*hd]         activations (the plan's dtype)
     positions [T] i64, rope_table [R, hd] f32         the rotary table by position: cos | sin of the first half

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from builder.errors import KilnError
-from builder.ir import TORCH_DTYPES
+from builder.graph.ir import TORCH_DTYPES
 
 KV_TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 PLUGIN_ARGS = {

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from builder.errors import KilnError
-from builder.ir import Graph
-from builder.packing import pack_graph
-from runtime.engine_format import RankFile
-from runtime.executor import CpuExecutor
-from runtime.mapping import Mapping
-from runtime.onnx_executor import OnnxRank
-from runtime.step import StepMetadata
+from builder.graph.ir import Graph
+from builder.quant.packing import pack_graph
+from runtime.format.engine_format import RankFile
+from runtime.backends.cpu.executor import CpuExecutor
+from runtime.format.mapping import Mapping
+from runtime.backends.onnxruntime.executor import OnnxRank
+from runtime.backends.step import StepMetadata
 
 NUM_BLOCKS = 64
 

@@ -149,7 +149,7 @@ void dequantize_rows(const Weight *w, const int64_t *ids, int64_t count, float *
  * i adds x[i], x[i + 16], ... in turn, then lanes i and i + w are added for w = 8, 4, 2, 1. */
 float lane_sum(const float *x, int64_t len);
 
-/* Peak micro-benchmarks (runtime/roofline.py): one thread's `iters` rounds of PEAK_CHAINS independent
+/* Peak micro-benchmarks (runtime/measure/roofline.py): one thread's `iters` rounds of PEAK_CHAINS independent
  * chains of the path's multiply-add instruction on registers alone; each returns the operations
  * done (a multiply-add counts two). */
 enum { PEAK_F32 = 0, PEAK_INT8 = 1, PEAK_INT16 = 2 };

@@ -27,7 +27,7 @@
  *
  * Dequantized weight of (n, k), g = k / G, each rounded once to f32:
  *   q4 (q - 8) * s + z,   q5 fma(q, s, m),   q6 (q - 32) * s,   q8 q * s,   f8 e4m3(q) * s,   bf16 as is.
- * The q5 and q6 codes hold GGUF's Q5_0, Q5_1, Q5_K and Q6_K blocks exactly (builder/gguf_blocks.py).
+ * The q5 and q6 codes hold GGUF's Q5_0, Q5_1, Q5_K and Q6_K blocks exactly (builder/sources/gguf_blocks.py).
  */
 #ifndef KILN_QLINEAR_LAYOUT_H
 #define KILN_QLINEAR_LAYOUT_H

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine_format import EngineError
+from runtime.format.engine_format import EngineError
 
 TARGETS = ("cuda",)
 WINDOWED_POOLS = False   # one pool: windowed layers read the full block table and mask by position
 GRAPH_BATCH = int(os.environ.get("KILN_CUDA_GRAPH_BATCH", "256"))  # decode steps up to this size replay graphs
-ACTIVATION_PATHS = False  # computes as the engine was built (runtime/activations.py: cpu paths)
+DRAFTS = False
+ACTIVATION_PATHS = False  # computes as the engine was built (runtime/backends/activations.py: cpu paths)
 
 
 def __getattr__(name: str):

@@ -9,49 +9,25 @@ sampler.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import torch
 
-from runtime.backend import Executor
+from runtime.backends.base import Executor
 from runtime.backends.cuda.graphs import DecodeGraphs
 from runtime.backends.cuda.kernels import attention, rows, sampling
 from runtime.backends.cuda.launch import ALIGNMENT, Launcher
 from runtime.backends.cuda.ops import OpContext, make_binders
 from runtime.backends.cuda.sampler import DeviceSampler
-from runtime.engine_format import RankFile
-from runtime.executor import KVCacheStorage
-from runtime.kv_groups import KVGroups
+from runtime.backends.cuda.step import DeviceStep
+from runtime.format.engine_format import RankFile
+from runtime.backends.cpu.executor import KVCacheStorage
+from runtime.format.kv_groups import KVGroups
 from runtime.ops import reference
-from runtime.program import Hooks, Program, attention_layers
-from runtime.step import StepMetadata
+from runtime.ops.program import Hooks, Program, attention_layers
+from runtime.backends.step import StepMetadata
 
 ACTIVATION_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = ("f32", "f16", "bf16", "fp8")
-
-
-@dataclass
-class DeviceStep:
-    """A step's inputs on the device, in the types the kernels take."""
-
-    token_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int32
-    slot_mapping: torch.Tensor     # [T] int32, -1: write nothing (a padded row)
-    block_tables: torch.Tensor     # [S, W] int32
-    context_lens: torch.Tensor     # [S] int32
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    logits_indices: torch.Tensor   # [N] int64
-    max_query_len: int             # host-side: the attention grid's second dimension
-
-    @staticmethod
-    def of(meta: StepMetadata, device: torch.device) -> DeviceStep:
-        qsl = meta.query_start_loc
-        longest = int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0
-        to = lambda t, dtype: t.to(device=device, dtype=dtype, non_blocking=True)  # noqa: E731
-        return DeviceStep(to(meta.token_ids, torch.int64), to(meta.positions, torch.int32),
-                          to(meta.slot_mapping, torch.int32), to(meta.block_tables, torch.int32),
-                          to(meta.context_lens, torch.int32), to(qsl, torch.int32),
-                          to(meta.logits_indices, torch.int64), longest)
 
 
 def _placed(t: torch.Tensor, device: torch.device) -> torch.Tensor:

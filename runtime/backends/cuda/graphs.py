@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.step import StepMetadata
+from runtime.backends.cuda.step import DeviceStep
+from runtime.backends.step import StepMetadata
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -69,7 +70,6 @@ class DecodeGraphs:
         return entry.output[:s]
 
     def _make(self, size: int) -> Captured:
-        from runtime.backends.cuda.executor import DeviceStep
 
         device = self.executor.device
         ints = lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype, device=device)  # noqa: E731

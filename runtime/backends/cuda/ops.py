@@ -1,4 +1,4 @@
-"""The cuda backend's kernel for each IR op: Program binders over device tensors (runtime/program.py).
+"""The cuda backend's kernel for each IR op: Program binders over device tensors (runtime/ops/program.py).
 
 Norms, RoPE, gated activations and attention run Kiln's Triton kernels (runtime/backends/cuda/kernels/) through
 the executor's launcher; int4 and fp8 linears run the weight-only GEMV/GEMM kernels; float linears, the
@@ -37,7 +37,7 @@ class OpContext:
 
 
 def make_binders(ctx: OpContext) -> dict:
-    """op -> binder (Site -> callable), as runtime.program.BINDERS, for device tensors."""
+    """op -> binder (Site -> callable), as runtime.ops.program.BINDERS, for device tensors."""
     launcher = ctx.launcher
 
     def bind_linear(site):

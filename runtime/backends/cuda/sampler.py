@@ -11,8 +11,8 @@ import torch
 
 from runtime.backends.cuda.kernels import sampling
 from runtime.backends.cuda.launch import Launcher
-from runtime.sampler import Sampler
-from runtime.sequence import Sequence
+from runtime.core.sampler import Sampler
+from runtime.core.sequence import Sequence
 
 
 class DeviceSampler(Sampler):

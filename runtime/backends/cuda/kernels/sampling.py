@@ -1,6 +1,6 @@
 """Sampling on the device: penalties, greedy and the exponential race over logits [R, V], one program per row.
 
-The same rules as runtime/sampler.py (the CPU sampler, which says why they are what they are), with one
+The same rules as runtime/core/sampler.py (the CPU sampler, which says why they are what they are), with one
 program per row looping over the vocabulary in tiles of TILE, so any V works with one compiled variant:
 - apply_penalties / hold_back: the repetition, frequency and presence penalties and min_tokens' held-back ids,
   in place, over the few ids the host lists per row (two kernels: held-back ids are not penalised ids);
