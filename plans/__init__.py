@@ -1,1 +1,1 @@
-"""Build plans (TOML) and the device catalog; read by builder.plan."""
+"""Build plans (TOML) and the device catalog; read by builder.planning.plan."""
