@@ -121,7 +121,11 @@ typedef struct {
 
 #define TAPE_STATE_CAPSULE "runtime._native._ops._tape_state"
 
+#ifdef KILN_TAPE_STATE_EXTERN
+extern TapeState *tape_state;  /* a module of several files: one pointer, defined in one of them */
+#else
 static TapeState *tape_state;  /* each module's pointer to _ops' state (set at module init) */
+#endif
 
 static inline int tape_import(void) {
     tape_state = PyCapsule_Import(TAPE_STATE_CAPSULE, 0);

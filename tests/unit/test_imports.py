@@ -238,3 +238,11 @@ def test_each_root_holds_its_entry_points_only():
     for package in ("builder", "runtime"):
         modules = sorted(p.name for p in (ROOT / package).glob("*.py"))
         assert len(modules) <= 8, f"{package}/ holds {len(modules)} modules: {modules}"
+
+
+def test_files_stay_within_the_limits():
+    """450 lines of Python, 700 of C, in the code's folders: a longer file is split by concern."""
+    limits = {".py": 450, ".c": 700, ".h": 700}
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for package in PACKAGES for p in sorted((ROOT / package).rglob("*"))
+            if p.suffix in limits and (n := len(p.read_text().splitlines())) > limits[p.suffix]]
+    assert not long, "\n".join(long)
