@@ -168,7 +168,7 @@ def serve(
     fleet_file: Optional[Path] = typer.Option(None, "--fleet", metavar="FILE",
                                               help="A fleet file (TOML): models by name with their engines, "
                                                    "replicas and threads, and tiers (\"model\": \"auto\") that "
-                                                   "escalate from a cheap model to a stronger one. See README."),
+                                                   "escalate from a cheap model to a stronger one. See docs/fleets.md."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: all interfaces)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=1,

@@ -36,7 +36,7 @@ REQUANT = tuple(methods.REQUANTIZING)
 
 
 # Seconds a parameter (of the whole model) costs each part of a build on the host Kiln is developed on (2 cores),
-# fitted to benchmarks/bench_builds.py's builds there (README, "How long builds take"); like the planner's
+# fitted to benchmarks/bench_builds.py's builds there (docs/building.md, "Memory and time"); like the planner's
 # efficiencies, a calibration of one machine: expect them within a factor of about 1.5 on another 2-core host, and
 # fewer seconds with more cores.
 START_SECONDS = 5.0   # the interpreter, torch, the trace and the tokenizer

@@ -4,7 +4,7 @@ whose KV pools are bound in place, every planned block of them.
 
 Skipped, with the reason, on a host without a CUDA GPU, a CUDA build of torch, and a TensorRT that
 builds for that GPU's compute capability. Kiln's development machines have none of these: this file
-has not yet run (README, "What has been run").
+has not yet run (docs/validation.md).
 """
 
 from __future__ import annotations
