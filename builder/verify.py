@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,10 +16,12 @@ import torch
 from builder.errors import KilnError
 from builder.graph.interpret import Interpreter
 from builder.graph.ir import Graph
+from builder.quant import methods
 from builder.targets import target
 from runtime.backends.activations import INTEGER_ACTIVATIONS
 from runtime.format.engine_format import EngineError, Manifest, map_rank_file
 from runtime.format.special_tokens import from_tokenizer
+from runtime.backends.step import StepMetadata
 
 if TYPE_CHECKING:
     from builder.targets.tensorrt.verify_onnx import Verification
@@ -85,12 +88,13 @@ def verify_engine(engine: Path, model_source: str | None, prompts: list[str] | N
         modes = {n["attrs"].get("act", "f32") for n in json.loads(program)["nodes"]}
         report = VerifyReport(activations=next((m for m in INTEGER_ACTIVATIONS if m in modes), "f32"))
         logits = lambda ids: interpreter.logits(ids)[-1]  # noqa: E731
-    reference = load_transformers_model(model_source or manifest.model_source)
+    reference, line = reference_logits(engine, model_source or manifest.model_source)
+    report.lines.append(line)
     tokenizer, special = load_tokenizer(engine, manifest)
     for text in prompts or DEFAULT_PROMPTS:
         ids = special.apply(tokenizer.encode(text, add_special_tokens=False).ids)
         ours = logits(ids)
-        theirs = reference(torch.tensor([ids])).logits[0, -1].float()
+        theirs = reference(ids)
         diff = (ours - theirs).abs().max().item()
         same_top = int(ours.argmax()) == int(theirs.argmax())
         report.max_abs_diff = max(report.max_abs_diff, diff)
@@ -98,6 +102,41 @@ def verify_engine(engine: Path, model_source: str | None, prompts: list[str] | N
         report.top1_same &= same_top
         report.lines.append(f"{len(ids):4d} tokens  max|Δ| {diff:.3g}  top-1 {'same' if same_top else 'DIFFERS'}  {text!r}")
     return report
+
+
+def reference_logits(engine: Path, model_source: str) -> tuple[Callable[[list[int]], torch.Tensor], str]:
+    """ids -> the last position's reference logits, and a line naming the reference. An engine whose plan keeps
+    the source's weights is compared with transformers on the model; one whose weights the build rounded itself
+    (int8, int4, fp8: their cost against the float model is what the build measured, in its manifest) with its
+    own quantized program, rebuilt from the model and run in f32 by the cpu target's kernels."""
+    doc = json.loads((engine / "manifest.json").read_text(encoding="utf-8"))
+    quant = doc["plan"]["quant"]
+    if not methods.method(quant["method"]).requantizes:
+        model = load_transformers_model(model_source)
+        return (lambda ids: model(torch.tensor([ids])).logits[0, -1].float()), "reference: transformers, f32"
+    from builder.targets.tensorrt.verify_onnx import cpu_reference
+
+    executor = cpu_reference(quantized_program(model_source, doc), "f32", "f32", doc["plan"]["kv_cache"]["block_size"])
+    measured = doc.get("accuracy") or {}
+    cost = (f"; against the float model the build measured perplexity {measured['ppl_increase_pct']:+.2f}%, greedy "
+            f"agreement {measured['greedy_agreement_pct']:.1f}%" if "ppl_increase_pct" in measured
+            and "greedy_agreement_pct" in measured else "")
+    return (lambda ids: executor_logits(executor, ids)), (
+        f"reference: the engine's quantized program ({quant['method']} weights as the build rounded them) in f32 on "
+        f"this CPU{cost}")
+
+
+def executor_logits(executor, ids: list[int]) -> torch.Tensor:
+    """The last position's logits of one prefill of ids through an executor (blocks 0, 1, ... of its pool)."""
+    n = len(ids)
+    blocks = -(-n // executor.cache.block_size)
+    if blocks > executor.cache.num_blocks:
+        raise KilnError(f"verify: a prompt of {n} tokens is longer than the {executor.cache.num_blocks} KV blocks of "
+                        f"{executor.cache.block_size} tokens verify keeps; give a shorter --prompt")
+    meta = StepMetadata(torch.tensor(ids), torch.arange(n), torch.arange(n),
+                        torch.arange(blocks, dtype=torch.int32).unsqueeze(0), torch.tensor([n], dtype=torch.int32),
+                        torch.tensor([0, n], dtype=torch.int32), torch.tensor([n - 1]))
+    return executor.execute(meta)[0].float().clone()
 
 
 def verify_onnx(engine: Path, manifest: Manifest,

@@ -304,3 +304,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if e2e in Path(item.fspath).parents:
             item.add_marker(pytest.mark.slow)
+
+
+def mutated(k, old: str, new: str):
+    """A cuda Kernel with one expression of its source changed (same module and name: the same variant key)."""
+    import inspect
+    import linecache
+    import textwrap
+
+    from runtime.backends.cuda.launch import Kernel
+
+    source = textwrap.dedent(inspect.getsource(k.fn))
+    source = source[source.index("def "):]
+    assert old in source
+    source = source.replace(old, new)
+    filename = f"<mutated {k.name}>"  # Triton's interpreter reads a kernel's source back through linecache
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace = dict(vars(inspect.getmodule(k.fn)))
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102
+    return Kernel(namespace[k.name], k.num_warps, k.num_stages)

@@ -154,28 +154,27 @@ def test_quantized_weights_give_the_cpu_engines_greedy_tokens(method, tiny_llama
     assert {f"{method}_gemv", f"{method}_gemm"} <= kernels, kernels
 
 
-def test_bf16_activations_and_an_fp8_cache_stay_near_the_f32_engine(tiny_llama_dir, tmp_path):
+def test_bf16_activations_and_an_fp8_cache_stay_near_the_f32_engine(tiny_llama_dir, tmp_path, monkeypatch):
     """bf16 activations, int4 weights and an fp8 KV cache (scales calibrated at build) against the cpu engine with
     the same int4 weights and fp8 cache in f32: the same top token, logits within 10% of the largest (measured:
     3.4% for bf16 with a bf16 cache, 6.7% with fp8, where a key bf16 moved can round to the next fp8 step; an
     f32 cuda engine with the fp8 cache agrees to 1e-5, as the interpreter's conversions round as the GPU's)."""
-    from builder.targets.cuda.verify import cuda_logits
-
     plan = exact_plan(method="int4").with_overrides("kv_cache", dtype="fp8")
     cpu = build_engine(str(tiny_llama_dir), plan, tmp_path / "cpu", show_progress=False)
     cuda = build_engine(str(tiny_llama_dir), cuda_plan(method="int4", group_size=32, activations="bf16",
                                                        kv_dtype="fp8"), tmp_path / "cuda", show_progress=False)
     assert cuda.manifest["cuda"]["kernels"] >= 8
-    reference = cpu_logits(cpu.out)
-    logits, _ = cuda_logits(cuda.out, Manifest.read(cuda.out))
+    reference = engine_logits(cpu.out)
+    monkeypatch.setenv("KILN_CUDA_INTERPRET", "1")  # the backend's kernels in Triton's interpreter
+    logits = engine_logits(cuda.out)
     for ids in PROMPTS:
         ours, theirs = logits(ids), reference(ids)
         assert (ours - theirs).abs().max() <= 0.10 * theirs.abs().max(), ids
         assert int(ours.argmax()) == int(theirs.argmax()), ids
 
 
-def cpu_logits(path):
-    """ids -> the last position's logits of a cpu engine (its own kernels and KV cache, one prefill step)."""
+def engine_logits(path):
+    """ids -> the last position's logits of an engine (its own kernels and KV cache, one prefill step)."""
     import torch
 
     from runtime.backends.step import StepMetadata
@@ -187,7 +186,7 @@ def cpu_logits(path):
         meta = StepMetadata(torch.tensor(ids), torch.arange(n), torch.arange(n),
                             torch.arange(8, dtype=torch.int32).unsqueeze(0), torch.tensor([n], dtype=torch.int32),
                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([n - 1]))
-        return executor.execute(meta)[0].clone()
+        return executor.execute(meta)[0].float().cpu().clone()
 
     return logits
 

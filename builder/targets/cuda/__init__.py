@@ -73,10 +73,11 @@ def requirements(plan) -> dict:
 
 
 def verify_logits(engine, manifest):
-    """`engine-build verify`'s logits through the cuda backend's own kernels (on this host's GPU, else in Triton's
-    interpreter), after checking the cubins cover every variant the program launches: (report lines, logits)."""
+    """`engine-build verify`'s logits through the cuda backend (its cubins on this host's GPU; elsewhere each kernel's
+    torch reference, every variant first checked against it in Triton's interpreter), after checking the cubins
+    cover every variant the program launches: (report lines, logits)."""
     from builder.targets.cuda.verify import cuda_logits, kernel_coverage
 
     coverage = kernel_coverage(engine, manifest)
-    logits, where = cuda_logits(engine, manifest)
-    return [coverage, f"logits computed by the cuda backend {where}"], logits
+    logits, lines = cuda_logits(engine, manifest)
+    return [coverage, *lines], logits

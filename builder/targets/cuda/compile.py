@@ -114,11 +114,17 @@ def record_variants(graph: Graph, plan: Plan) -> dict:
     executor = CudaExecutor(RankFile(graph.to_json(), tensors), KVGroups((0,), (4,)), plan.kv_cache.block_size,
                             plan.kv_cache.dtype, plan.quant.activations, limits.max_seq_len, launcher,
                             collectives=_meta_collectives(sizes), device_logits=plan.world_size == 1)
-    chunk = max(1, min(64, limits.max_num_tokens - 1, limits.max_seq_len - 1))
+    chunk = step_chunk(limits.max_num_tokens, limits.max_seq_len)
     for lens in ([chunk, 1], [1]):
         sizes.update(T=sum(lens), N=len(lens))
         executor.run_meta(_step(lens, plan.kv_cache.block_size))
     return {key: (launcher.kernels[key], v) for key, v in launcher.seen.items()}
+
+
+def step_chunk(max_num_tokens: int, max_seq_len: int) -> int:
+    """The prefill chunk of the step shapes the build records (and verify checks): long enough for the GEMM
+    kernels, within the plan's limits."""
+    return max(1, min(64, max_num_tokens - 1, max_seq_len - 1))
 
 
 def _step(query_lens: list[int], block_size: int) -> StepMetadata:

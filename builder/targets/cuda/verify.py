@@ -38,11 +38,15 @@ def kernel_coverage(engine: Path, manifest: Manifest) -> str:
             "the program launches among them")
 
 
-def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]], torch.Tensor], str]:
-    """ids -> the last position's logits [V] through the cuda backend, and where it ran."""
+def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]], torch.Tensor], list[str]]:
+    """ids -> the last position's logits [V] through the cuda backend, and lines saying how it ran. On a GPU of the
+    engine's kind: its cubins. Elsewhere: every kernel variant the engine holds is first run once in Triton's
+    interpreter on the first layer of the build's step shapes and compared with its torch reference (check_kernels);
+    then the whole program runs with those references, each launch checked against the engine's variants."""
+    from runtime.backends.cuda.checking import CheckingLauncher
     from runtime.backends.cuda.executor import CudaExecutor
     from runtime.backends.cuda.kernel_index import load
-    from runtime.backends.cuda.launch import CubinLauncher, InterpreterLauncher
+    from runtime.backends.cuda.launch import CubinLauncher
 
     if manifest.world_size != 1:
         raise KilnError("verify: a cuda engine is verified on one rank; this one has "
@@ -50,11 +54,18 @@ def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]],
     compiled = load(engine)
     gpu = torch.cuda.is_available() and "{}.{}".format(*torch.cuda.get_device_capability()) == \
         manifest.cuda["compute_capability"]
-    launcher = CubinLauncher(compiled, torch.device("cuda", 0)) if gpu else InterpreterLauncher(allowed=set(compiled))
+    launcher = CubinLauncher(compiled, torch.device("cuda", 0)) if gpu else CheckingLauncher(allowed=set(compiled))
     block = manifest.block_size
     blocks = -(-manifest.limits.max_seq_len // block)
-    executor = CudaExecutor(EngineDir(engine, manifest).load_rank(0), KVGroups((0,), (blocks,)), block,
-                            manifest.kv_dtype, manifest.activations, manifest.limits.max_seq_len, launcher)
+    executor = CudaExecutor(EngineDir(engine, manifest).load_rank(0), KVGroups((0,), (2 * blocks,)), block,
+                            manifest.kv_dtype, manifest.activations, manifest.limits.max_seq_len, launcher,
+                            device_logits=True)
+    if gpu:
+        lines = [f"logits computed by the cuda backend on this GPU ({manifest.cuda['arch']} cubins)"]
+    else:
+        lines = [check_kernels(executor, launcher, set(compiled), manifest),
+                 "logits computed by the cuda backend's program with each kernel's torch reference (no GPU of its "
+                 "kind here)"]
 
     def logits(ids: list[int]) -> torch.Tensor:
         n = len(ids)
@@ -63,6 +74,42 @@ def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]],
                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([n - 1]))
         return executor.execute(meta)[0].cpu()
 
-    where = (f"on this GPU ({manifest.cuda['arch']} cubins)" if gpu
-             else "in Triton's interpreter (no GPU of its kind here)")
-    return logits, where
+    return logits, lines
+
+
+def check_kernels(executor, launcher, variants: set[str], manifest: Manifest) -> str:
+    """Runs the build's two step shapes (a prefill chunk beside a one-token query, then a decode of the chunk's
+    sequence, each with its greedy tokens) with real tokens through `launcher`, a CheckingLauncher: the first
+    launch of each variant, in the first layer, runs in the interpreter and against its reference. One line, or a
+    KilnError naming a kernel that differs or a variant no step launched."""
+    from builder.targets.cuda.compile import step_chunk
+    from runtime.backends.cuda.checking import KernelMismatch
+    from runtime.backends.cuda.kernels import sampling
+    from runtime.backends.cuda.step import DeviceStep
+
+    block = manifest.block_size
+    chunk = step_chunk(manifest.limits.max_num_tokens, manifest.limits.max_seq_len)
+    tokens = torch.randint(manifest.vocab_size, (chunk + 2,), generator=torch.Generator().manual_seed(0))
+    first, second = -(-(chunk + 1) // block), -(-manifest.limits.max_seq_len // block)
+    tables = torch.tensor([list(range(first)), [second] + [-1] * (first - 1)], dtype=torch.int32)
+    steps = [StepMetadata(tokens[:chunk + 1], torch.cat([torch.arange(chunk), torch.zeros(1, dtype=torch.int64)]),
+                          torch.cat([torch.arange(chunk), second * block + torch.zeros(1, dtype=torch.int64)]), tables,
+                          torch.tensor([chunk, 1], dtype=torch.int32), torch.tensor([0, chunk, chunk + 1],
+                                                                                   dtype=torch.int32),
+                          torch.tensor([chunk - 1, chunk])),
+             StepMetadata(tokens[chunk + 1:], torch.tensor([chunk]), torch.tensor([chunk]), tables[:1],
+                          torch.tensor([chunk + 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                          torch.tensor([0]))]
+    try:
+        for meta in steps:
+            sampling.greedy(launcher, executor.run(DeviceStep.of(meta, executor.device)))
+    except KernelMismatch as exc:
+        raise KilnError(f"verify: {exc}") from None
+    missing = sorted(variants - set(launcher.checked))
+    if missing:
+        raise KilnError(f"verify: {len(missing)} kernel variant(s) of the engine were not launched by verify's steps "
+                        f"({', '.join(missing[:3])}), so they could not be checked; rebuild the engine with this Kiln")
+    worst = max(launcher.checked.values(), default=0.0)
+    return (f"kernels: all {len(variants)} variants run in Triton's interpreter on the first layer of a "
+            f"{chunk}-token prefill beside a decode, then a decode, each within {worst:.2g} of its torch reference "
+            "(relative to the largest value)")
