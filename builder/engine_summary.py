@@ -8,11 +8,12 @@ says so and points at `--json` instead of failing the whole command.
 from __future__ import annotations
 
 import math
-from builder.quant import methods
-from builder.targets import target as target_module
 from collections.abc import Callable
 
+from builder.graph.experts import MIN_EXPERT_TOKENS
+from builder.quant import methods
 from builder.sources.model import ModelConfig, canonical_weight_shapes
+from builder.targets import target as target_module
 from runtime.format.engine_format import ENGINE_FORMAT, FORMAT_VERSION, cpu_flags
 
 LABEL_WIDTH = 14  # the label column, as wide as the longest label ("quantization") and two spaces
@@ -156,8 +157,6 @@ def _accuracy(m: dict) -> list[str]:
     if a.get("awq_alpha"):
         lines.append(f"AWQ scales fitted for {len(a['awq_alpha'])} layers")
     if a.get("awq_rtn_experts"):
-        from builder.graph.experts import MIN_EXPERT_TOKENS
-
         lines.append(f"{len(a['awq_rtn_experts'])} experts' down projections rounded to nearest: fewer than "
                      f"{MIN_EXPERT_TOKENS} calibration tokens reached them")
     if a.get("kv_scale"):

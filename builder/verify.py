@@ -9,22 +9,25 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from builder.errors import KilnError
 from builder.graph.interpret import Interpreter
 from builder.graph.ir import Graph
+from builder.graph.trace import trace
+from builder.pipeline import build_pipeline, run_pipeline
+from builder.planning.plan import plan_from_dict
 from builder.quant import methods
+from builder.sources import load_model
+from builder.sources.lazy_tensors import LazyTensors
 from builder.targets import target
+from builder.targets.tensorrt.verify_onnx import Verification, cpu_reference, verify_ranks
+from passes.context import PassContext
 from runtime.backends.activations import INTEGER_ACTIVATIONS
+from runtime.backends.step import StepMetadata
 from runtime.format.engine_format import EngineError, Manifest, map_rank_file
 from runtime.format.special_tokens import from_tokenizer
-from runtime.backends.step import StepMetadata
-
-if TYPE_CHECKING:
-    from builder.targets.tensorrt.verify_onnx import Verification
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -114,7 +117,6 @@ def reference_logits(engine: Path, model_source: str) -> tuple[Callable[[list[in
     if not methods.method(quant["method"]).requantizes:
         model = load_transformers_model(model_source)
         return (lambda ids: model(torch.tensor([ids])).logits[0, -1].float()), "reference: transformers, f32"
-    from builder.targets.tensorrt.verify_onnx import cpu_reference
 
     executor = cpu_reference(quantized_program(model_source, doc), "f32", "f32", doc["plan"]["kv_cache"]["block_size"])
     measured = doc.get("accuracy") or {}
@@ -145,8 +147,6 @@ def verify_onnx(engine: Path, manifest: Manifest,
     the quantized program it was lowered from, on the build's steps (builder/targets/tensorrt/verify_onnx.py).
     Returns (the Verification, None), or (None, why nothing can run here) for an engine without ONNX or with bf16
     activations."""
-    from builder.targets.tensorrt.verify_onnx import cpu_reference, verify_ranks
-
     missing = [r.rank for r in manifest.ranks if not r.onnx_dir]
     if missing:
         return None, f"the manifest lists no ONNX for rank(s) {', '.join(map(str, missing))}"
@@ -165,13 +165,6 @@ def verify_onnx(engine: Path, manifest: Manifest,
 def quantized_program(model_source: str, doc: dict) -> Graph:
     """The whole program before sharding that the engine of manifest `doc` was built from: the model traced again
     and run through the manifest's passes up to sharding (a KilnError when the model or the passes differ)."""
-    from builder.sources.lazy_tensors import LazyTensors
-    from builder.sources import load_model
-    from builder.pipeline import build_pipeline, run_pipeline
-    from builder.planning.plan import plan_from_dict
-    from builder.graph.trace import trace
-    from passes.context import PassContext
-
     model = load_model(model_source)
     if model.weights_sha256() != doc["model"]["weights_sha256"]:
         raise KilnError(f"verify: {model_source} is not the model this engine was built from (its weights' sha256 "

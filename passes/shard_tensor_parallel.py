@@ -19,11 +19,13 @@ from __future__ import annotations
 import torch
 
 from builder.errors import KilnError
+from builder.graph.experts import expert_linears
 from builder.graph.ir import Graph, Node, Value
 from builder.sources.lazy_tensors import LazyTensors
 from passes.context import PassContext
 from passes.rewrite import consumers
 from runtime.format.mapping import HeadShare, Mapping, Span
+from runtime.ops.moe import held_linears
 
 
 def shard_tensor_parallel(graph: Graph, ctx: PassContext) -> Graph:
@@ -135,9 +137,6 @@ class _Sharder:
 
     def _experts(self, node: Node) -> None:
         """Keep this rank's experts (and, on tp rank 0, the shared expert) of a moe node; all_reduce its output."""
-        from builder.graph.experts import expert_linears
-        from runtime.ops.moe import held_linears
-
         count, ranks, rank = node.attrs["num_experts"], self.mapping.tp, self.mapping.tp_rank
         mine = list(range(rank * count // ranks, (rank + 1) * count // ranks))
         kept = {e["name"] for e in held_linears({**node.attrs, "experts": mine})}
@@ -155,8 +154,6 @@ class _Sharder:
         """Split every expert of a moe node (and its shared expert) by intermediate columns, as a dense MLP: gate
         and up keep this rank's rows, down its input columns; the router stays whole. The partial outputs are
         summed by an all_reduce (the shared expert's scale, sigmoid of its gate, multiplies each rank's part)."""
-        from builder.graph.experts import expert_linears
-
         for view in expert_linears(node):
             name = view.base
             if not name.startswith(("experts.", "shared_expert.")):

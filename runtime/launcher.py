@@ -11,16 +11,17 @@ import contextlib
 import gc
 from pathlib import Path
 
+from runtime.backends import open_engine
 from runtime.backends.base import for_host
 from runtime.core.engine import EngineOptions, LLMEngine
 from runtime.format.engine_format import EngineError
-from runtime.backends import open_engine
+from runtime.ranks.driver import RankDriver
+from runtime.ranks.launch import start_ranks
+from runtime.ranks.rendezvous import Rendezvous
 
 
 @contextlib.contextmanager
 def open_llm_engine(path: str | Path, options: EngineOptions = EngineOptions()):
-    from runtime.ranks.rendezvous import Rendezvous
-
     if options.rank_timeout <= 0:
         raise EngineError(f"--rank-timeout {options.rank_timeout:g}: must be a positive number of seconds")
     rdzv = Rendezvous.from_env(options.rank_timeout)
@@ -49,9 +50,6 @@ def settled(engine):
 
 
 def _multi_rank(path: Path, world_size: int, options: EngineOptions, rdzv):
-    from runtime.ranks.driver import RankDriver
-    from runtime.ranks.launch import start_ranks
-
     worker = rdzv is not None and rdzv.rank != 0
     try:
         with start_ranks(path, world_size, options.rank_timeout, kv_cache_gib=options.kv_cache_gib,

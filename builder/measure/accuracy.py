@@ -30,12 +30,14 @@ from pathlib import Path
 
 import torch
 
-from builder.planning.build_budget import freed_memory_given_back
-from builder.measure.calibration import progress
 from builder.errors import KilnError
-from builder.measure.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
 from builder.graph.ir import TORCH_DTYPES, Graph
+from builder.graph.trace import trace
+from builder.measure.calibration import progress
+from builder.measure.evaluation import LayerRunner, Sequences, WholeRunner, forced_logits, greedy
+from builder.planning.build_budget import freed_memory_given_back
 from builder.sources.lazy_tensors import LazyTensors
+from runtime import _native
 from runtime.format.cache import cache_path
 
 ROWS = 32  # positions per float64 chunk of the [T, vocab] distributions
@@ -48,8 +50,6 @@ STREAM_BYTES = 1 << 30
 def reference_graph(model) -> Graph:
     """The model as traced, with float32 weights read from the source when used: what every quantized build is
     measured against."""
-    from builder.graph.trace import trace
-
     graph = trace(model)
     graph.tensors = LazyTensors({name: functools.partial(model.load, name) for name in graph.weights})
     return graph
@@ -192,8 +192,6 @@ def answers_path(key: dict, kind: str = "reference-answers") -> Path:
 
 def kernels_digest() -> str:
     """sha256 of Kiln's compiled C kernels: other kernels may decode other answers."""
-    from runtime import _native
-
     digest = hashlib.sha256()
     for path in sorted(Path(_native.__file__).parent.glob("_*.so")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())

@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
-from builder.graph.cuts import layer_stages
 from builder.errors import KilnError
+from builder.graph.cuts import layer_stages
 from builder.graph.ir import Graph
 from builder.quant.packing import pack_graph
 from runtime.backends.activations import with_activations
+from runtime.core.chat import render_chat
+from runtime.format.special_tokens import SpecialTokens
 from runtime.ops import reference
 from runtime.ops.program import Program, dense_hooks
-from runtime.format.special_tokens import SpecialTokens
 
 WINDOW = 512
 MAX_TOKENS = 1024          # calibration and evaluation read at most this many tokens
@@ -68,8 +69,6 @@ def chat_prompts(model) -> tuple[list[list[int]], bool]:
     """The shipped chat prompts as the server sends them (each one user message through the model's chat
     template, with the special tokens the server adds), and whether there was a template to use; without
     one, the bare messages as raw prompts."""
-    from runtime.core.chat import render_chat
-
     tokenizer, config, special = model_tokenizer(model)
     messages = [line for line in shipped_text("chat_prompts").splitlines() if line.strip()]
     templated = bool(config.get("chat_template"))

@@ -4,11 +4,13 @@ of a candidate, and the picture (--plot)."""
 from __future__ import annotations
 
 import json
-from builder.targets import target
 from pathlib import Path
 
+from builder.planning.build_budget import price_build
 from builder.planning.planner import Candidate, Report, Workload
 from builder.planning.shapes import WEIGHT_FORMATS, ModelShape, PlanningError
+from builder.targets import target
+from runtime.measure.bench import require_matplotlib
 
 
 def plan_toml(c: Candidate, model: ModelShape, workload: Workload) -> str:
@@ -140,8 +142,6 @@ def recommendation_lines(report: Report) -> list[str]:
 
 def build_line(model: ModelShape, plan) -> str:
     """What building the plan holds on the build host (builder/planning/build_budget.py)."""
-    from builder.planning.build_budget import price_build
-
     whole = price_build(model, plan)
     line = f"build: {whole.describe()} on the build host"
     if plan.world_size > 1 and target(plan.target).RANKS_ALONE:
@@ -162,8 +162,6 @@ def no_candidate_message(report: Report) -> str:
 def plot(report: Report, path: Path, count: int = 6) -> None:
     """PNG: memory per rank of the top candidates (weights, workspace, KV cache) and their decode
     tokens/s against batch size."""
-    from runtime.measure.bench import require_matplotlib
-
     try:
         plt = require_matplotlib()
     except ValueError as exc:

@@ -5,14 +5,17 @@ each format."""
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-import tomllib
-
 from builder.errors import KilnError
 from builder.planning.plan import Device
+from builder.sources import presets
+from builder.sources.gguf_blocks import engine_bytes
+from builder.sources.gguf_source import FLOAT_TYPES, load_gguf
+from builder.sources.hf import layer_windows as hf_layer_windows
 from runtime.format.engine_format import KV_CACHE_DTYPES
 
 WEIGHT_FORMATS = ("none", "fp8", "int8", "int4")  # [quant] methods the planner prices
@@ -183,8 +186,6 @@ def _moe_fields(fields: dict, where: str) -> dict:
 def _layer_windows(fields: dict, where: str) -> tuple[int, ...]:
     """Each layer's sliding window, as a build reads it: Kiln's own layer_windows (a GGUF's), a window on all
     but every sliding_window_pattern-th layer (the presets' Gemma 3), else as from a Hugging Face config."""
-    from builder.sources.hf import layer_windows as hf_layer_windows
-
     layers, window, pattern = fields["num_layers"], fields.get("sliding_window"), fields.get("sliding_window_pattern")
     if fields.get("layer_windows") is not None:
         return tuple(int(w) for w in fields["layer_windows"])
@@ -203,8 +204,6 @@ def model_presets() -> dict[str, dict]:
 def load_shape(source: str) -> ModelShape:
     """A preset of plans/models.toml, a config.json, a Hugging Face directory, a .gguf file, or a
     buildable preset (its GGUF: the bytes it stores are what `[quant] method = "source"` keeps)."""
-    from builder.sources import presets
-
     if source in presets.PRESETS:
         try:
             return _gguf_shape(presets.resolve_preset(source), source)
@@ -233,9 +232,6 @@ def load_shape(source: str) -> ModelShape:
 
 
 def _gguf_shape(path: Path, name: str) -> ModelShape:
-    from builder.sources.gguf_blocks import engine_bytes
-    from builder.sources.gguf_source import FLOAT_TYPES, load_gguf
-
     model = load_gguf(path, name=name)  # its reader is the build's (parsed once a file: seconds)
     config = model.config
     # quantized blocks at the bytes of the Kiln format that keeps (or requantizes) them

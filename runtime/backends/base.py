@@ -7,8 +7,9 @@ from typing import Protocol
 import torch
 
 from runtime.backends import activations
-from runtime.format.kv_groups import KVGroups
+from runtime.backends import backend as backend_module
 from runtime.backends.step import StepMetadata
+from runtime.format.kv_groups import KVGroups
 
 
 class KVCache(Protocol):
@@ -43,8 +44,6 @@ class Executor(Protocol):
 def kv_groups(manifest, backend: str, kv_cache_gib: float | None) -> KVGroups:
     """The KV pools an engine runs with on this backend (runtime/backends: its default budget and whether it
     gives sliding-window layers a pool of their own)."""
-    from runtime.backends import backend as backend_module
-
     module = backend_module(backend)
     budget = module.DEFAULT_KV_GIB if kv_cache_gib is None else kv_cache_gib
     return manifest.kv_groups(budget, windowed=module.WINDOWED_POOLS)
@@ -53,14 +52,10 @@ def kv_groups(manifest, backend: str, kv_cache_gib: float | None) -> KVGroups:
 def create_executor(engine, rank: int, pools: KVGroups, backend: str, num_threads: int | None = None,
                     collectives: dict | None = None) -> Executor:
     """The executor of one rank of `engine` (an EngineDir) for a backend check_target accepted."""
-    from runtime.backends import backend as backend_module
-
     return backend_module(backend).create_executor(engine, rank, pools, num_threads, collectives)
 
 
 def for_host(engine, backend: str, requested: str | None = None):
     """`engine` (an EngineDir) with the activation path this host runs it with on `backend`
     (runtime/backends/activations.py: the fastest the build allowed, or `requested`)."""
-    from runtime.backends import backend as backend_module
-
     return activations.for_host(engine, backend_module(backend), requested)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.backends.cpu.executor import KVCacheStorage
 from runtime.format.engine_format import KV_CACHE_DTYPES, EngineError
 
 DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
@@ -61,8 +62,6 @@ class KVHandoff:
 
 def cache_layout(cache, block_size: int) -> KVLayout:
     """The layout of an executor's KV cache; EngineError for a cache K/V cannot be handed over from."""
-    from runtime.backends.cpu.executor import KVCacheStorage
-
     if not isinstance(cache, KVCacheStorage):
         raise EngineError("prefill/decode disaggregation needs a one-rank engine with a CPU KV cache "
                           f"(this one keeps its cache in {type(cache).__name__})")

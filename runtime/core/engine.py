@@ -21,18 +21,21 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from runtime.core.detokenizer import IncrementalDetokenizer
+from runtime.backends import check_target, open_engine
 from runtime.backends.base import Executor, create_executor, for_host, kv_groups
 from runtime.backends.cpu.cpus import usable_cpus
-from runtime.format.engine_format import EngineDir, EngineError, PlanLimits
-from runtime.backends import check_target, open_engine
+from runtime.backends.step import build_step_metadata
+from runtime.core.chat import render_chat
+from runtime.core.detokenizer import IncrementalDetokenizer
+from runtime.core.disaggregation import KVHandoff, cache_layout, check_handoff, layer_tables, read_kv, write_kv
+from runtime.core.draft import DraftProposer
 from runtime.core.sampler import Sampler
 from runtime.core.sampling import SamplingParams
 from runtime.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence
-from runtime.format.special_tokens import from_tokenizer
 from runtime.core.speculative import NgramProposer, SpeculativeConfig, Speculator
-from runtime.backends.step import build_step_metadata
+from runtime.format.engine_format import EngineDir, EngineError, PlanLimits
+from runtime.format.special_tokens import from_tokenizer
 
 log = logging.getLogger("kiln.engine")
 
@@ -159,7 +162,6 @@ class LLMEngine:
             return None
         if config.proposer == "ngram":
             return Speculator(config, NgramProposer(config.ngram_min, config.ngram_max))
-        from runtime.core.draft import DraftProposer
 
         return Speculator(config, DraftProposer(config.draft_engine, self.engine, num_threads=options.num_threads))
 
@@ -200,8 +202,6 @@ class LLMEngine:
         token on; ValueError if the handoff does not fit this engine or nothing is left to decode. Its
         outputs' token_ids and text include the first token; their deltas start after it (the prefill
         engine's output gave it)."""
-        from runtime.core.disaggregation import check_handoff, write_kv
-
         params = self._params(params)
         layout = self.kv_layout
         check_handoff(handoff, layout, self.engine.manifest.vocab_size)
@@ -225,13 +225,9 @@ class LLMEngine:
     @functools.cached_property
     def kv_layout(self):
         """How this engine's cache holds K/V (runtime/core/disaggregation.py); EngineError if it cannot hand it over."""
-        from runtime.core.disaggregation import cache_layout
-
         return cache_layout(self.executor.cache, self.block_size)
 
     def _read_handoff(self, seq: Sequence) -> None:
-        from runtime.core.disaggregation import KVHandoff, read_kv
-
         k, v = read_kv(self.executor.cache, self.kv_layout, self._layer_tables(seq), seq.num_prompt_tokens)
         blocks = self.scheduler.block_manager.blocks_needed(seq.num_prompt_tokens)
         seq.kv_handoff = KVHandoff(list(seq.prompt_token_ids), seq.output_token_ids[0],
@@ -239,8 +235,6 @@ class LLMEngine:
                                    tuple(seq.block_table[:blocks]))
 
     def _layer_tables(self, seq: Sequence) -> list[list[int]]:
-        from runtime.core.disaggregation import layer_tables
-
         return layer_tables(self.executor.cache, self.kv_layout, self.scheduler.block_manager.tables(seq))
 
     def abort(self, request_id: str) -> bool:
@@ -363,8 +357,6 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from runtime.core.chat import render_chat
-
         return render_chat(self.tokenizer_config, messages, add_generation_prompt)
 
     def stats(self) -> EngineStats:

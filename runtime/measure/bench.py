@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from runtime.core.engine import LLMEngine
-from runtime.measure.roofline import Peaks, roofline
 from runtime.core.sampling import SamplingParams
+from runtime.measure.roofline import Peaks, roofline
+from runtime.ops.moe import ExpertReads
 
 
 @dataclass
@@ -99,14 +100,10 @@ class StepReads:
         self.counted = 0
 
     def start(self) -> None:
-        from runtime.ops.moe import ExpertReads
-
         self.counted = ExpertReads.bytes
 
     def per_step(self, steps: int, tokens_per_step: float) -> float:
         """Mean bytes a step read over the `steps` steps since start()."""
-        from runtime.ops.moe import ExpertReads
-
         if not self.experts:
             return self.weights
         dense = self.weights - self.experts

@@ -31,6 +31,8 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.backends import open_engine
+
 if TYPE_CHECKING:
     from runtime.core.engine import EngineOptions
 
@@ -156,8 +158,6 @@ def model_options(model: ModelSpec, options: EngineOptions) -> EngineOptions:
 
 
 def model_name_of(engine: Path) -> str:
-    from runtime.backends import open_engine
-
     return open_engine(engine, check_hashes=False).manifest.model_name
 
 

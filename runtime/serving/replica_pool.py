@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.core.engine import EngineOptions, RequestOutput
 from runtime.backends import open_engine
+from runtime.core.chat import render_chat
+from runtime.core.engine import EngineOptions, RequestOutput, _read_json
 from runtime.core.sampling import SamplingParams
+from runtime.format.special_tokens import from_tokenizer
+from runtime.serving.app import create_app
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import APIError
 
@@ -55,9 +58,6 @@ class ModelFrontend:
 
         from tokenizers import Tokenizer
 
-        from runtime.core.engine import _read_json
-        from runtime.format.special_tokens import from_tokenizer
-
         self.engine = open_engine(engine, check_hashes=False, backend=options.backend)
         path = Path(engine)
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -71,8 +71,6 @@ class ModelFrontend:
         self.limits = SimpleNamespace(max_seq_len=described["context_len"])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from runtime.core.chat import render_chat
-
         return render_chat(self.tokenizer_config, messages, add_generation_prompt)
 
 
@@ -255,8 +253,6 @@ class KilnIngress:
         return len(self.keys.keys)
 
     def __serve_build_asgi_app__(self):
-        from runtime.serving.app import create_app
-
         return create_app(self.pools, self.tiers, self.max_request_bytes, self.keys, self.metrics_open)
 
 

@@ -31,12 +31,23 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.core.engine import EngineOptions
 from runtime.backends import open_engine
+from runtime.backends.base import kv_groups
+from runtime.backends.cpu.cpus import usable_cpus
+from runtime.core.engine import EngineOptions, _lowered
 from runtime.core.sampling import SamplingParams
+from runtime.format.engine_format import EngineError
+from runtime.launcher import open_llm_engine
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
-from runtime.serving.fleet import ReplicaPlan  # noqa: F401 (where it was)
-from runtime.serving.fleet import Fleet, ModelSpec, model_options
+from runtime.serving.fleet import (
+    Fleet,
+    ModelSpec,
+    ReplicaPlan,  # noqa: F401 (where it was)
+    from_arguments,
+    load_fleet,
+    model_options,
+)
+from runtime.serving.prompts import context_len
 from runtime.serving.protocol import APIError
 
 if TYPE_CHECKING:
@@ -57,8 +68,6 @@ class KilnReplica:
     """One engine (its EngineLoop, LLMEngine and rank processes) as a Ray Serve replica."""
 
     async def __init__(self, engine: str, options: EngineOptions, max_waiting: int):
-        from runtime.launcher import open_llm_engine
-
         self.engine_loop = EngineLoop(lambda: open_llm_engine(engine, options), max_waiting)
         loop = asyncio.get_running_loop()
         settled = loop.create_future()
@@ -76,8 +85,6 @@ class KilnReplica:
 
     def describe(self) -> dict:
         """What the ingress needs to read prompts for this engine."""
-        from runtime.serving.prompts import context_len
-
         llm = self.engine_loop.llm
         return {"context_len": context_len(llm), "num_blocks": llm.num_blocks, "block_size": llm.block_size}
 
@@ -192,11 +199,6 @@ def application(fleet: Fleet, options: EngineOptions, **server):
     """The Serve application for a fleet, each engine checked first; every model gets `options` with its own
     threads, KV size and backend where the fleet gives them, and the host's cores shared between all ranks
     where neither says. server: build_app's keywords."""
-    from runtime.backends.base import kv_groups
-    from runtime.backends.cpu.cpus import usable_cpus
-    from runtime.core.engine import _lowered
-    from runtime.format.engine_format import EngineError
-
     opened = {m.name: open_engine(m.engine, check_hashes=False, backend=m.backend or options.backend)
               for m in fleet.models}
     manifests = {name: engine.manifest for name, engine in opened.items()}
@@ -231,14 +233,11 @@ def app_builder(args: dict[str, str]):
                             kv_cache_gib=float(args["kv_cache_gib"]) if "kv_cache_gib" in args else None,
                             check_hashes=False)
     if "fleet" in args:
-        from runtime.serving.fleet import load_fleet
-
         return application(load_fleet(Path(args["fleet"])), options)
     fields = {"max_replicas": int(args["max_replicas"]) if "max_replicas" in args else None,
               "routing": args.get("routing", "prefix")}
     plan = (ReplicaPlan.disaggregated(args["disaggregate"], **fields) if "disaggregate" in args
             else ReplicaPlan(replicas=int(args.get("replicas", 2)), **fields))
-    from runtime.serving.fleet import from_arguments
 
     return application(from_arguments([args["engine"]], None, plan), options)
 
@@ -253,9 +252,6 @@ def serve_replicas(fleet: Fleet, options: EngineOptions, *, host: str = "127.0.0
 
     import ray
     from ray import serve
-
-    from runtime.backends.cpu.cpus import usable_cpus
-    from runtime.format.engine_format import EngineError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     app = application(fleet, options, drain_timeout=drain_timeout, **server)

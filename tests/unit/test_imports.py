@@ -10,11 +10,22 @@ under `if TYPE_CHECKING:` are annotations and run nothing):
              passes.
 
 And no import cycle anywhere: a module never reaches itself through the modules it imports.
+
+An import of a Kiln module sits at the top of its file, where a reader and these checks see it, except for three
+reasons (test_imports_inside_functions_have_a_reason):
+  1. the imported module needs an optional dependency (an extra in pyproject.toml, OPTIONAL_DEPENDENCIES) when
+     it is imported, itself or through the modules it imports at their top;
+  2. the importer is an entry point (a cli module): `engine-build --help` imports only what it prints;
+  3. a package's __init__ imports its own submodules when they are used: a target's or backend's package is its
+     registry entry (capabilities as attributes, read without loading an executor), and runtime/_native loads
+     its extension modules in order.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -38,6 +49,11 @@ BUILDER_LAYERS = (("=builder", "builder.errors"),
                   ("builder.pipeline", "builder.emit", "builder.engine_summary", "builder.targets", "builder.build",
                    "builder.verify", "builder.cli"))
 DRIVERS = BUILDER_LAYERS[-1]
+# pyproject.toml's optional dependencies (extras) -> the module each is imported as
+OPTIONAL_DEPENDENCIES = {"triton": "triton", "cuda-bindings": "cuda", "onnx": "onnx", "onnxruntime": "onnxruntime",
+                         "tensorrt-rtx-cu13-libs": "tensorrt_rtx", "tensorrt-rtx-cu13-bindings": "tensorrt_rtx",
+                         "ray": "ray", "nvidia-ml-py": "pynvml", "matplotlib": "matplotlib",
+                         "llama-cpp-python": "llama_cpp"}
 
 
 def module_name(path: Path) -> str:
@@ -246,3 +262,79 @@ def test_files_stay_within_the_limits():
     long = [f"{p.relative_to(ROOT)}: {n} lines" for package in PACKAGES for p in sorted((ROOT / package).rglob("*"))
             if p.suffix in limits and (n := len(p.read_text().splitlines())) > limits[p.suffix]]
     assert not long, "\n".join(long)
+
+
+def top_level_imports(source: str, module: str, is_package: bool = False) -> tuple[set[str], list[tuple[int, set[str]]]]:
+    """(the modules `source` imports at its top, [(line, modules) of each import statement inside a function])."""
+    top: set[str] = set()
+    inside: list[tuple[int, set[str]]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _annotation_only(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                names = imported_modules(ast.unparse(child), module, is_package)
+                (inside.append((child.lineno, names)) if in_function else top.update(names))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return top, inside
+
+
+def lazy_import_offences(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Imports of Kiln modules inside functions without one of the module doc's three reasons, in `sources`
+    (module -> (source, is_package))."""
+    parsed = {m: top_level_imports(src, m, package) for m, (src, package) in sources.items()}
+    optional = set(OPTIONAL_DEPENDENCIES.values())
+
+    def needs_optional(module: str) -> bool:
+        """Importing `module` imports an optional dependency (through the tops of the modules, and the packages
+        above them, it reaches)."""
+        seen, todo = {module}, [module]
+        while todo:
+            here = todo.pop()
+            parents = [".".join(here.split(".")[:i]) for i in range(1, here.count(".") + 1)]
+            for name in (*parsed.get(here, ((), ()))[0], *parents):
+                if name.split(".")[0] in optional:
+                    return True
+                if name in parsed and name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+        return False
+
+    offences = []
+    for module, (_, inside) in parsed.items():
+        if module.split(".")[-1] == "cli":
+            continue
+        package = module if sources[module][1] else None
+        for line, names in inside:
+            for name in sorted(n for n in names if n in parsed and n != module):
+                if needs_optional(name) or package and name.startswith(package + "."):
+                    continue
+                offences.append(f"{module}:{line} imports {name} inside a function: move it to the top (it needs no "
+                                "optional dependency)")
+    return offences
+
+
+def test_imports_inside_functions_have_a_reason():
+    sources = {module_name(p): (p.read_text(), p.name == "__init__.py") for p in all_modules()}
+    assert not lazy_import_offences(sources), "\n".join(lazy_import_offences(sources))
+
+
+def test_the_reasons_are_checked():
+    sources = {"runtime.a": ("import triton\n", False), "runtime.b": ("import runtime.a\n", False),
+               "runtime.c": ("def f():\n    import runtime.b\n    from runtime.d import x\n", False),
+               "runtime.d": ("x = 1\n", False), "runtime.cli": ("def f():\n    import runtime.d\n", False),
+               "runtime.e": ("def f():\n    from runtime.e import inner\n", True),
+               "runtime.e.inner": ("", False)}
+    assert lazy_import_offences(sources) == [
+        "runtime.c:3 imports runtime.d inside a function: move it to the top (it needs no optional dependency)"]
+
+
+def test_the_optional_dependencies_are_the_extras():
+    """Every distribution an extra of pyproject.toml names (bar the test tools and Kiln's own extras) is in
+    OPTIONAL_DEPENDENCIES, and nothing else is."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = {re.split(r"[\[<>=~! ]", spec)[0] for name, specs in extras.items() if name != "test" for spec in specs}
+    assert named == set(OPTIONAL_DEPENDENCIES)

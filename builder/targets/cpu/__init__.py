@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from builder.pipeline import Pass, run_pipeline
 from builder.quant import methods
+from passes.pack_weights import LAYOUTS, pack_weights
+from runtime._native import required_cpu_flags
 from runtime.format import memory_plan
 from runtime.format.engine_format import KV_CACHE_DTYPES
 
@@ -28,9 +31,6 @@ def check_plan(plan, device, fail) -> None:
 
 
 def layout_passes(plan) -> list:
-    from builder.pipeline import Pass
-    from passes.pack_weights import LAYOUTS, pack_weights
-
     # After sharding, which slices the logical [N, K] operands; before plan_memory, which counts packed bytes.
     return [Pass("pack_weights", pack_weights, {"layouts": dict(LAYOUTS)}, per_rank=True)]
 
@@ -40,12 +40,8 @@ def prepare(plan, onnx_only: bool) -> None:
 
 
 def run(pipeline, graph, ctx, options, onnx_only: bool):
-    from builder.pipeline import run_pipeline
-
     return run_pipeline(graph, ctx, pipeline, options), None
 
 
 def requirements(plan) -> dict:
-    from runtime._native import required_cpu_flags
-
     return {"name": "cpu", "requires": {"cpu_flags": required_cpu_flags()}}

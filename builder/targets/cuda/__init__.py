@@ -4,6 +4,9 @@ compute capability, Hopper included)."""
 
 from __future__ import annotations
 
+from builder.errors import KilnError
+from builder.pipeline import Pass, run_pipeline
+from builder.planning.plan import load_devices
 from builder.quant import methods
 from builder.targets.cuda.arches import ARCHES
 from runtime.format import memory_plan
@@ -29,7 +32,6 @@ def check_plan(plan, device, fail) -> None:
 
 
 def layout_passes(plan) -> list:
-    from builder.pipeline import Pass
     from builder.targets.cuda.compile import kernel_fingerprint
     from builder.targets.cuda.pack_weights import LAYOUTS, pack_cuda_weights
 
@@ -42,8 +44,6 @@ def layout_passes(plan) -> list:
 
 def prepare(plan, onnx_only: bool) -> None:
     if onnx_only:
-        from builder.errors import KilnError
-
         raise KilnError("--onnx-only: the cuda target writes no ONNX; it applies to tensorrt plans")
     from builder.targets.cuda.compile import find_triton
 
@@ -51,7 +51,6 @@ def prepare(plan, onnx_only: bool) -> None:
 
 
 def run(pipeline, graph, ctx, options, onnx_only: bool):
-    from builder.pipeline import run_pipeline
     from builder.targets.cuda.compile import kernel_writer
 
     graphs = run_pipeline(graph, ctx, pipeline, options)
@@ -66,8 +65,6 @@ def assemble(plan, show_progress: bool):
 
 
 def requirements(plan) -> dict:
-    from builder.planning.plan import load_devices
-
     cc = load_devices()[plan.device].compute_capability
     return {"name": "cuda", "requires": {"gpu_arch": ARCHES[cc], "compute_capability": cc}}
 

@@ -17,12 +17,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import runtime.backends.cuda as backend
+from builder.emit import write_rank_files
 from builder.errors import KilnError
 from builder.graph.ir import TORCH_DTYPES, Graph
 from builder.planning.plan import Plan, load_devices
-from runtime.format.engine_format import RankFile
-from runtime.format.kv_groups import KVGroups
+from builder.targets.cuda.arches import ARCHES
+from runtime.backends.cuda.kernel_index import INDEX, write_index
+from runtime.backends.cuda.launch import CompiledKernel, RecordingLauncher
 from runtime.backends.step import StepMetadata
+from runtime.format.engine_format import RankFile, map_rank_file
+from runtime.format.kv_groups import KVGroups
+from runtime.ranks.collectives import DTYPES
 
 
 def find_triton():
@@ -41,8 +47,6 @@ def kernel_fingerprint() -> str:
     executor asks for follow from them) and Triton's version."""
     import hashlib
 
-    import runtime.backends.cuda as backend
-
     root = Path(backend.__file__).parent
     digest = hashlib.sha256(find_triton().__version__.encode())
     for path in sorted(root.rglob("*.py")):
@@ -54,8 +58,6 @@ def kernel_writer(plan: Plan, show_progress: bool):
     """emit's write_ranks for the cuda target: each rank's file, then the kernels every rank launches."""
 
     def write_ranks(tmp: Path, graphs: list[Graph]) -> tuple[list[dict], dict]:
-        from builder.emit import write_rank_files
-
         ranks = write_rank_files(tmp, graphs, show_progress)
         return ranks, write_kernels(tmp, plan, graphs, show_progress)
 
@@ -67,8 +69,6 @@ def shared_writer(plan: Plan, show_progress: bool):
     kernels every rank launches are found from those files' programs and compiled once, as a whole build does."""
 
     def write_shared(out: Path, rank_files: list[Path]) -> dict:
-        from runtime.format.engine_format import map_rank_file
-
         graphs = [Graph.from_json(map_rank_file(path).program) for path in rank_files]
         return write_kernels(out, plan, graphs, show_progress)
 
@@ -78,9 +78,6 @@ def shared_writer(plan: Plan, show_progress: bool):
 def write_kernels(directory: Path, plan: Plan, graphs: list[Graph], show_progress: bool) -> dict:
     """The kernels the ranks' programs launch, compiled for the plan's device into `directory`; the manifest's
     "cuda" section."""
-    from builder.targets.cuda.arches import ARCHES
-    from runtime.backends.cuda.kernel_index import INDEX, write_index
-
     triton = find_triton()
     cc = load_devices()[plan.device].compute_capability
     variants = {}
@@ -104,7 +101,6 @@ def write_kernels(directory: Path, plan: Plan, graphs: list[Graph], show_progres
 def record_variants(graph: Graph, plan: Plan) -> dict:
     """variant key -> (Kernel, Variant) of every kernel one rank's executor launches."""
     from runtime.backends.cuda.executor import CudaExecutor
-    from runtime.backends.cuda.launch import RecordingLauncher
 
     tensors = {name: torch.empty(w.shape, dtype=TORCH_DTYPES[w.dtype], device="meta")
                for name, w in graph.weights.items()}
@@ -142,8 +138,6 @@ def _step(query_lens: list[int], block_size: int) -> StepMetadata:
 
 def _meta_collectives(sizes: dict) -> dict:
     """Shape-only stand-ins for the collectives of a dry run (the values are never read)."""
-    from runtime.ranks.collectives import DTYPES
-
     return {"all_reduce": lambda x, attrs: x, "all_gather": lambda x, attrs: x,
             "send": lambda x, attrs: None,
             "recv": lambda attrs: torch.empty([sizes.get(d, d) for d in attrs["shape"]], dtype=DTYPES[attrs["dtype"]],
@@ -155,8 +149,6 @@ def compile_variant(kernel, variant, compute_capability: str):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
-
-    from runtime.backends.cuda.launch import CompiledKernel
 
     major, minor = (int(x) for x in compute_capability.split("."))
     runtime = dict(variant.signature)

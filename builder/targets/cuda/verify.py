@@ -13,17 +13,18 @@ import torch
 from builder.errors import KilnError
 from builder.graph.ir import Graph
 from builder.planning.plan import plan_from_dict
-from runtime.format.engine_format import EngineDir, Manifest
-from runtime.format.kv_groups import KVGroups
+from builder.targets.cuda.compile import record_variants, step_chunk
+from runtime.backends.cuda.checking import CheckingLauncher, KernelMismatch
+from runtime.backends.cuda.kernel_index import load, read_entries
+from runtime.backends.cuda.launch import CubinLauncher
+from runtime.backends.cuda.step import DeviceStep
 from runtime.backends.step import StepMetadata
+from runtime.format.engine_format import EngineDir, Manifest, map_rank_file
+from runtime.format.kv_groups import KVGroups
 
 
 def kernel_coverage(engine: Path, manifest: Manifest) -> str:
     """One line: every variant each rank's executor launches is among the engine's cubins (KilnError if not)."""
-    from builder.targets.cuda.compile import record_variants
-    from runtime.backends.cuda.kernel_index import read_entries
-    from runtime.format.engine_format import map_rank_file
-
     index = read_entries(engine)
     plan = plan_from_dict(json.loads((engine / "manifest.json").read_text())["plan"], f"{engine}/manifest.json")
     needed = {}
@@ -43,10 +44,7 @@ def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]],
     engine's kind: its cubins. Elsewhere: every kernel variant the engine holds is first run once in Triton's
     interpreter on the first layer of the build's step shapes and compared with its torch reference (check_kernels);
     then the whole program runs with those references, each launch checked against the engine's variants."""
-    from runtime.backends.cuda.checking import CheckingLauncher
     from runtime.backends.cuda.executor import CudaExecutor
-    from runtime.backends.cuda.kernel_index import load
-    from runtime.backends.cuda.launch import CubinLauncher
 
     if manifest.world_size != 1:
         raise KilnError("verify: a cuda engine is verified on one rank; this one has "
@@ -82,10 +80,7 @@ def check_kernels(executor, launcher, variants: set[str], manifest: Manifest) ->
     sequence, each with its greedy tokens) with real tokens through `launcher`, a CheckingLauncher: the first
     launch of each variant, in the first layer, runs in the interpreter and against its reference. One line, or a
     KilnError naming a kernel that differs or a variant no step launched."""
-    from builder.targets.cuda.compile import step_chunk
-    from runtime.backends.cuda.checking import KernelMismatch
     from runtime.backends.cuda.kernels import sampling
-    from runtime.backends.cuda.step import DeviceStep
 
     block = manifest.block_size
     chunk = step_chunk(manifest.limits.max_num_tokens, manifest.limits.max_seq_len)

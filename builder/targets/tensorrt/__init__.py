@@ -3,7 +3,12 @@ TensorRT for RTX) into one engine file per rank for the plan's GPU (docs/tensorr
 
 from __future__ import annotations
 
+from builder.pipeline import Pass, run_pipeline
+from builder.planning.plan import load_devices
 from builder.quant import methods
+from builder.targets.cuda.arches import ARCHES
+from builder.targets.cuda.compile import kernel_fingerprint
+from runtime.trt_plugin import source_digest
 
 DEVICE_KIND = "gpu"
 RANKS_ALONE = False  # its ranks' engines are checked against each other (the ONNX across ranks)
@@ -28,8 +33,6 @@ FP8_ACTIVATIONS = True
 
 
 def check_plan(plan, device, fail) -> None:
-    from builder.targets.cuda.arches import ARCHES
-
     if device.compute_capability not in ARCHES:
         fail("device", f"{plan.device} is compute capability {device.compute_capability}; the tensorrt target's "
                        f"PagedAttention plugin runs Kiln's kernels, which compile for {', '.join(ARCHES)}")
@@ -38,10 +41,6 @@ def check_plan(plan, device, fail) -> None:
 def layout_passes(plan) -> list:
     """None that changes the graph (the ONNX lowering reads the logical weights); one that records what decides
     the plugin's binary and kernels, so another plugin or kernel source means another build id."""
-    from builder.pipeline import Pass
-    from builder.targets.cuda.compile import kernel_fingerprint
-    from runtime.trt_plugin import source_digest
-
     return [Pass("tensorrt_plugin", _unchanged, {"plugin": source_digest(), "kernels": kernel_fingerprint()},
                  per_rank=True)]
 
@@ -52,14 +51,12 @@ def _unchanged(graph, ctx):
 
 def prepare(plan, onnx_only: bool) -> None:
     if not onnx_only:  # before any work: can it be compiled here?
-        from builder.planning.plan import load_devices
         from builder.targets.tensorrt.compile import find_toolchain
 
         find_toolchain(load_devices()[plan.device].compute_capability)
 
 
 def run(pipeline, graph, ctx, options, onnx_only: bool):
-    from builder.pipeline import run_pipeline
     from builder.targets.tensorrt.build import TensorRTBuild
 
     # The whole program before sharding is the reference each rank's ONNX is verified against.

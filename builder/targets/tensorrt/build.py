@@ -23,15 +23,24 @@ from pathlib import Path
 import onnx
 import torch
 
+from builder.emit import render_report
 from builder.errors import KilnError
 from builder.graph.ir import Graph
 from builder.planning.plan import Plan, load_devices
+from builder.targets.cuda import ARCHES
+from builder.targets.cuda.compile import compile_variant, find_triton
 from builder.targets.tensorrt.compile import RTX_TARGETS, CompiledRank, Profile, Toolchain, compile_rank, find_toolchain
 from builder.targets.tensorrt.lower_onnx import PROGRAM_FILE, lower_rank
 from builder.targets.tensorrt.onnx_attention import DOMAIN, OP, PLUGIN_VERSION
 from builder.targets.tensorrt.onnx_lint import lint_model, load_op_table
+from builder.targets.tensorrt.plugin_kernels import sampler_kernels
 from builder.targets.tensorrt.verify_onnx import cpu_reference, verify_ranks
-from runtime.format.engine_format import GIB, EngineError, sha256_file, write_rank_file
+from passes.plan_memory import memory_record, rank_memory
+from runtime.backends import check_files
+from runtime.backends.cuda.kernel_index import INDEX, write_index
+from runtime.format.engine_format import GIB, EngineError, Manifest, sha256_file, write_rank_file
+from runtime.format.memory_plan import RankMemoryPlan
+from runtime.trt_plugin import LIBRARY, PluginError, build_library, source_digest
 
 # |logit difference| a build accepts against the cpu engine: f32 activations compute the same math
 # in another order; f16/bf16 activations round every activation (then: share of the largest logit).
@@ -135,8 +144,6 @@ class TensorRTBuild:
 
     def _compile(self, tmp: Path, lowered, chain: Toolchain, ranks: list[dict], graphs: list[Graph],
                  plugin: dict) -> dict:
-        from passes.plan_memory import memory_record, rank_memory
-
         blocks = max(1, min(_pool_blocks(self.plan, g) for g in graphs))
 
         def fit(rank: int, needed: int) -> int:
@@ -217,11 +224,6 @@ def engine_program(doc: dict, compiled: CompiledRank) -> dict:
 def write_kernels(out: Path, lowered, cc: str, vocab_size: int | None) -> dict:
     """The plugin's kernels, and with vocab_size (a one-rank engine) the greedy sampler's, compiled by Triton for
     compute capability cc, as kernels/ (the cuda target's index)."""
-    from builder.targets.cuda import ARCHES
-    from builder.targets.cuda.compile import compile_variant, find_triton
-    from builder.targets.tensorrt.plugin_kernels import sampler_kernels
-    from runtime.backends.cuda.kernel_index import INDEX, write_index
-
     triton = find_triton()
     variants = sampler_kernels(vocab_size) if vocab_size else {}
     for rank in lowered:
@@ -239,8 +241,6 @@ def write_kernels(out: Path, lowered, cc: str, vocab_size: int | None) -> dict:
 
 def write_plugin(out: Path) -> dict:
     """The PagedAttention plugin library, compiled with g++ into plugins/; its manifest record."""
-    from runtime.trt_plugin import LIBRARY, PluginError, build_library, source_digest
-
     try:
         path = build_library(out / "plugins")
     except PluginError as exc:
@@ -251,10 +251,6 @@ def write_plugin(out: Path) -> dict:
 def compile_engine(engine: Path) -> dict:
     """`engine-build compile`: compile an --onnx-only tensorrt engine's ONNX in place; the new manifest.
     The rank files are written beside the engine's files first; the manifest is replaced last."""
-    from builder.emit import render_report
-    from runtime.format.engine_format import EngineError, Manifest
-    from runtime.backends import check_files
-
     try:
         manifest = Manifest.read(engine)
     except EngineError as exc:
@@ -298,8 +294,6 @@ def compile_engine(engine: Path) -> dict:
 
 def _refit(doc: dict, rank: int, needed: int) -> int:
     """compile_ranks' fit for an engine compiled after its build: its manifest's memory plan re-priced."""
-    from runtime.format.memory_plan import RankMemoryPlan
-
     entry, plan = doc["memory"]["ranks"][rank], doc["plan"]
     if needed <= entry["workspace_bytes"]:
         return entry["workspace_bytes"]

@@ -33,6 +33,7 @@ import onnx
 
 from builder.errors import KilnError
 from runtime.format.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
+from runtime.trt_plugin import shim_env
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,6 @@ def compile_rank(directory: Path, chain: Toolchain, compute_capability: str, pro
                  plugin: Path, timing_cache: Path | None = None) -> CompiledRank:
     """One engine for the rank whose ONNX is in `directory`, compiled in a child process (compile_worker);
     timing_cache: kept between builds by datacenter TensorRT (TensorRT-RTX has none)."""
-    from runtime.trt_plugin import shim_env
-
     request = {"directory": str(directory), "flavour": chain.flavour, "compute_capability": compute_capability,
                "profile": profile.__dict__, "tp": tp, "plugin": str(plugin),
                "timing_cache": str(timing_cache) if timing_cache else None}

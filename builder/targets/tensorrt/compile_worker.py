@@ -15,6 +15,7 @@ from builder.errors import KilnError
 from builder.targets.tensorrt.compile import Profile, find_toolchain, logger, model_dims, rank_model
 from builder.targets.tensorrt.onnx_attention import OP
 from runtime.format.engine_format import TENSORRT_RTX_TARGETS as RTX_TARGETS
+from runtime.trt_plugin import load
 
 _KEEP: list = []  # arrays behind the network's constants, alive until the engine is built
 
@@ -27,7 +28,6 @@ def compile_request(request: dict) -> dict:
     trt = chain.module
     log = logger(trt)
     builder = trt.Builder(log)  # before the plugin library: the registry reports through the builder's logger
-    from runtime.trt_plugin import load
 
     load(Path(request["plugin"]), trt)
     doc = json.loads((directory / "program.json").read_text())

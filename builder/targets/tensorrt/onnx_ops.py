@@ -4,12 +4,12 @@ they use (int4 codes packed for DequantizeLinear, formats TensorRT has no form f
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from onnx import TensorProto, helper
 
 from builder.errors import KilnError
+from builder.graph.experts import expert_linears
 from builder.graph.ir import Graph, Node
 from builder.targets.tensorrt.onnx_attention import (
     SCALED_CACHES,
@@ -19,7 +19,6 @@ from builder.targets.tensorrt.onnx_moe import moe_node
 from builder.targets.tensorrt.plugin_kernels import layer_kernels
 from runtime.ops.reference import RopeTable
 from runtime.weights import fp8, int4, int5, int6, int8
-
 
 
 def kv_names(layer: int) -> tuple[str, str, str, str]:
@@ -169,8 +168,6 @@ class OpLowerings:
         """A kiln::MoE node (builder/targets/tensorrt/onnx_moe.py): the router in f32, the held experts' weights
         stacked [El, H, 2I] and [El, I, H] in the activations' dtype (quantized experts dequantized, as the formats
         without a TensorRT form are), the shared expert's beside them."""
-        from builder.graph.experts import expert_linears
-
         a = node.attrs
         if a.get("act", "silu") != "silu":
             raise KilnError(f"lower_onnx: {node.name}: a mixture with the {a['act']} activation has no ONNX lowering")

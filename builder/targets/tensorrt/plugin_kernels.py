@@ -17,6 +17,7 @@ import torch
 
 from builder.errors import KilnError
 from builder.graph.ir import TORCH_DTYPES
+from runtime.backends.cuda.launch import RecordingLauncher
 
 KV_TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 PLUGIN_ARGS = {
@@ -33,7 +34,6 @@ PLUGIN_ARGS = {
 def layer_kernels(attrs: dict, activations: str, kv_dtype: str, block_size: int) -> tuple[dict, dict]:
     """(the node's kernel attributes, {variant key: (Kernel, Variant)}) for an attention layer's attrs."""
     from runtime.backends.cuda.kernels import attention, rows
-    from runtime.backends.cuda.launch import RecordingLauncher
 
     if kv_dtype not in KV_TORCH:
         raise KilnError(f"tensorrt: a {kv_dtype} KV cache has no PagedAttention kernel (it takes "
@@ -73,7 +73,6 @@ def sampler_kernels(vocab_size: int) -> dict:
     """{variant key: (Kernel, Variant)} of the greedy sampler a one-rank engine's executor runs on its logits
     (runtime/backends/cuda/sampler.py), so a greedy step copies back token ids, not logits."""
     from runtime.backends.cuda.kernels import sampling
-    from runtime.backends.cuda.launch import RecordingLauncher
 
     launcher = RecordingLauncher()
     sampling.greedy(launcher, torch.empty(2, vocab_size, dtype=torch.float32, device="meta"))

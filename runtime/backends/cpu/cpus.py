@@ -28,6 +28,8 @@ from pathlib import Path
 from statistics import median
 from typing import Iterator
 
+from runtime._native import _ops
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
 
@@ -224,8 +226,6 @@ class ThreadGovernor:
             return None
         import torch
 
-        from runtime._native import _ops
-
         if torch.get_num_threads() != self.threads:  # the kernels run on another count: the scheduler places them
             return None
         native = threading.get_native_id()
@@ -293,8 +293,6 @@ class ThreadGovernor:
         self._try_at = self.clock() + self._hold
 
     def _set(self, count: int, why: str = "") -> None:
-        from runtime._native import _ops
-
         if count != self.live:
             log.info("kernel threads at most %d of %d%s", count, self.threads, f": {why}" if why else "")
             self.changes += 1

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.backends.gpus import rank_device
 from runtime.format.engine_format import EngineError
 
 TARGETS = ("cuda",)
@@ -72,7 +73,6 @@ def create_executor(engine, rank: int, pools, num_threads: int | None = None, co
     from runtime.backends.cuda.executor import CudaExecutor
     from runtime.backends.cuda.kernel_index import load
     from runtime.backends.cuda.launch import CubinLauncher, InterpreterLauncher
-    from runtime.backends.gpus import rank_device
 
     manifest = engine.manifest
     compiled = load(engine.path)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.backends.cuda.kernel_index import files, load
+from runtime.backends.gpus import rank_device
 from runtime.format.engine_format import TENSORRT_RTX_TARGETS, EngineError
 
 TARGETS = ("tensorrt",)
@@ -20,8 +22,6 @@ GRAPH_BATCH = 64  # decode steps of up to this many sequences replay CUDA graphs
 def rank_files(path: Path, manifest, entry) -> list[tuple[Path, str]]:
     """The rank's engine (none yet after --onnx-only), and on rank 0 the plugin library and its kernels, which
     the ranks share."""
-    from runtime.backends.cuda.kernel_index import files
-
     own = [] if entry.file is None else [(path / entry.file, entry.sha256)]
     if entry.rank != 0 or manifest.trt_plugin is None or "library" not in manifest.trt_plugin:
         return own
@@ -69,8 +69,6 @@ def check_host(path: Path, manifest) -> None:
 
 
 def create_executor(engine, rank: int, pools, num_threads: int | None = None, collectives: dict | None = None):
-    from runtime.backends.cuda.kernel_index import load
-    from runtime.backends.gpus import rank_device
     from runtime.backends.tensorrt.executor import TensorRTExecutor
 
     manifest = engine.manifest

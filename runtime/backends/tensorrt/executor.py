@@ -29,10 +29,13 @@ from pathlib import Path
 import torch
 
 from runtime.backends.base import Executor
-from runtime.format.engine_format import EngineError, map_rank_file
 from runtime.backends.cpu.executor import KVCacheStorage
-from runtime.format.kv_groups import KVGroups
+from runtime.backends.cuda.graphs import DecodeGraphs
+from runtime.backends.cuda.launch import CubinLauncher
 from runtime.backends.step import StepMetadata
+from runtime.format.engine_format import EngineError, map_rank_file
+from runtime.format.kv_groups import KVGroups
+from runtime.trt_plugin import load, register_kernels
 
 # engine input -> the DeviceStep field it is bound to, and the type the engine takes
 STEP_INPUTS = {"tokens": ("token_ids", torch.int64), "positions": ("positions", torch.int64),
@@ -107,7 +110,6 @@ class TensorRTExecutor(Executor):
         torch.cuda.set_device(self.device)
         self.stream = torch.cuda.Stream(self.device)
         self.collectives = collectives or {}
-        from runtime.trt_plugin import load, register_kernels
 
         register_kernels(load(plugin_library, trt), kernels)  # before the engine: its plugins look them up
         loaded = map_rank_file(rank_file)
@@ -145,13 +147,10 @@ class TensorRTExecutor(Executor):
         self.step = None
         self.graphs = None
         if max_graph_batch:
-            from runtime.backends.cuda.graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(self, max_graph_batch, self.engine.get_tensor_profile_shape(
                 "block_tables", 0)[2][1])
         self.device_logits = device_logits
         if device_logits:
-            from runtime.backends.cuda.launch import CubinLauncher
             from runtime.backends.cuda.sampler import DeviceSampler
 
             self.sampler = DeviceSampler(CubinLauncher(kernels, self.device))
