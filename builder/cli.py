@@ -284,7 +284,11 @@ def inspect(
     if as_json:
         typer.echo(json.dumps(manifest, indent=2, sort_keys=True))
     else:
-        for line in summary_lines(manifest):
+        try:
+            generation = json.loads((engine / "generation_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            generation = {}
+        for line in summary_lines(manifest, generation):
             typer.echo(line)
     if rank_file is not None:
         from builder.graph.ir import Graph

@@ -14,6 +14,7 @@ from builder.graph.experts import MIN_EXPERT_TOKENS
 from builder.quant import methods
 from builder.sources.model import ModelConfig, canonical_weight_shapes
 from builder.targets import target as target_module
+from runtime.core.sampling import generation_defaults
 from runtime.format.engine_format import ENGINE_FORMAT, FORMAT_VERSION, cpu_flags
 
 LABEL_WIDTH = 14  # the label column, as wide as the longest label ("quantization") and two spaces
@@ -33,8 +34,9 @@ def format_warning(manifest: dict) -> str | None:
     return None
 
 
-def summary_lines(manifest: dict) -> list[str]:
-    """The summary `engine-build inspect` prints: a title, then each section under its label."""
+def summary_lines(manifest: dict, generation_config: dict | None = None) -> list[str]:
+    """The summary `engine-build inspect` prints: a title, then each section under its label (with the request
+    defaults of the engine's generation_config.json when given)."""
     lines = [_title(manifest)]
     for label, section in SECTIONS:
         try:
@@ -43,7 +45,17 @@ def summary_lines(manifest: dict) -> list[str]:
             body = [f"not readable in this manifest ({type(exc).__name__}: {exc}); see --json"]
         for i, line in enumerate(body):
             lines.append(f"{label if i == 0 else '':<{LABEL_WIDTH}}{line}")
+    if generation_config is not None:
+        lines.append(f"{'sampling':<{LABEL_WIDTH}}{_sampling_defaults(generation_config)}")
     return lines
+
+
+def _sampling_defaults(generation_config: dict) -> str:
+    given = generation_defaults(generation_config)
+    if not given:
+        return "generation_config.json sets no sampling defaults: a request's own, else temperature 1, no filters"
+    return ("defaults where a request leaves them out (generation_config.json): "
+            + ", ".join(f"{k} {v:g}" for k, v in sorted(given.items())))
 
 
 def tensorrt_lines(manifest: dict) -> list[str]:

@@ -1,10 +1,11 @@
 """Sampler: picks each sequence's next token from its logits row (greedy, temperature, top-k, top-p).
 
 Every row depends only on its own logits, params, tokens and seed, never on the rest of the batch:
-- first the row's penalties (repetition, presence, frequency; see SamplingParams) change its logits,
+- first the row's penalties (repetition, presence, frequency; see SamplingParams) and logit_bias change its logits,
   and while fewer than min_tokens are generated the tokens that would stop it get -inf;
 - greedy (temperature 0): argmax of the logits, ties to the lowest token id;
-- otherwise probs = softmax(logits / temperature); top-k keeps the k most likely tokens and top-p
+- otherwise probs = softmax(logits / temperature); min_p drops the tokens less likely than min_p times the
+  most likely one; then top-k keeps the k most likely tokens and top-p
   the smallest most-likely-first set whose mass reaches top_p of what top-k kept (ties in order
   of token id, by a stable sort, so top_k=1 and a tiny top_p both equal greedy); the kept
   probabilities are never rescaled, so a row's numbers are the same whichever filters other rows use;
@@ -19,8 +20,9 @@ guess stands while it equals the token chosen at its position; the first that di
 by that token. A sampled request's output is therefore its non-speculative output, token for token
 (runtime/core/speculative.py explains why this is speculative sampling's rejection rule). Speculation is
 never given to requests with penalties or min_tokens pending, so those adjustments never meet guesses.
-Log-probs are log_softmax of the raw logits, before penalties, temperature and filtering: the
-model's own probability of the chosen token, comparable across requests whatever their sampling settings.
+Log-probs are log_softmax of the raw logits, before penalties, bias, temperature and filtering: the
+model's own probability of the chosen token, comparable across requests whatever their sampling settings. The
+top alternatives (top_logprobs) come from the same log_softmax: the k largest, ties to the lower token id.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import numpy as np
 import torch
 
 from runtime._native import _ops
-from runtime.ops.checks import threads
-
+from runtime.core.sampling import Logprob
 from runtime.core.sequence import Sequence
 from runtime.core.speculative import Proposal, accept_greedy
+from runtime.ops.checks import threads
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         logits = raw_logits = logits if logits.dtype == torch.float32 else logits.float()
         adjusted = [i for i, seq in enumerate(seqs)
-                    if seq.params.uses_penalties or seq.params.held_back_token_ids(seq.num_output_tokens)]
+                    if seq.params.adjusts_logits or seq.params.held_back_token_ids(seq.num_output_tokens)]
         if not adjusted and logits.device.type == "cpu" and logits.is_contiguous() and all(
                 seq.params.is_greedy and not seq.params.logprobs for seq in seqs):
             # The common decode step (greedy, nothing asked beyond the token): no torch op after the logits,
@@ -83,9 +85,9 @@ class Sampler:
         logprobs: list[float | None] = [None] * len(seqs)
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
         if wanted:
-            chosen = torch.log_softmax(raw_logits[wanted], dim=-1).gather(1, tokens[wanted].unsqueeze(1))
-            for i, value in zip(wanted, chosen.squeeze(1).tolist()):
-                logprobs[i] = value
+            found = token_logprobs(raw_logits[wanted], tokens[wanted], max(seqs[i].params.top_logprobs for i in wanted))
+            for i, lp in zip(wanted, found):
+                logprobs[i] = Logprob(lp, lp.top[:seqs[i].params.top_logprobs])
         return token_list, logprobs
 
     def verify_batch(self, logits: torch.Tensor, seqs: list[Sequence], proposals: list[Proposal]) -> tuple[list, list]:
@@ -125,8 +127,7 @@ class Sampler:
                     break
         if not seq.params.logprobs:
             return tokens, None
-        chosen = torch.log_softmax(rows[:len(tokens)], dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1))
-        return tokens, chosen.squeeze(1).tolist()
+        return tokens, token_logprobs(rows[:len(tokens)], torch.tensor(tokens), seq.params.top_logprobs)
 
     def sample_random(self, logits: torch.Tensor, seqs: list[Sequence], offset: int = 0) -> torch.Tensor:
         """logits [R, V] of rows with temperature > 0 -> sampled token ids [R]; row r samples output
@@ -134,7 +135,7 @@ class Sampler:
         5x faster than torch's softmax, a seeded torch.rand per row and the division (32 rows of 49,152)."""
         rows = logits.float().contiguous()
         temperatures = np.array([seq.params.temperature for seq in seqs], dtype=np.float32)
-        given_probs = any(seq.params.uses_top_k or seq.params.uses_top_p for seq in seqs)
+        given_probs = any(seq.params.uses_top_k or seq.params.uses_top_p or seq.params.uses_min_p for seq in seqs)
         if given_probs:  # the filters need the probabilities themselves; the race then takes them as they are
             probs = torch.softmax(rows / torch.from_numpy(temperatures).unsqueeze(1), dim=-1)  # [R, V]
             rows = filter_top_k_top_p(probs, seqs).contiguous()
@@ -153,10 +154,24 @@ def race_noise(seq: Sequence, output_index: int, vocab: int) -> torch.Tensor:
     return out
 
 
+def token_logprobs(rows: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Logprob]:
+    """rows [R, V] of raw logits and the token chosen from each -> its log-prob under log_softmax, with the
+    row's `top` most likely tokens (ties to the lower id: a stable sort)."""
+    logp = torch.log_softmax(rows.float(), dim=-1)
+    chosen = logp.gather(1, tokens.view(-1, 1).long()).squeeze(1).tolist()
+    if not top:
+        return [Logprob(value) for value in chosen]
+    values, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
+    values, ids = values[:, :top].tolist(), ids[:, :top].tolist()
+    return [Logprob(value, zip(i, v)) for value, i, v in zip(chosen, ids, values)]
+
+
 def filter_top_k_top_p(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """probs [R, V] -> probs with what top-k / top-p drop (each row by its seq's params) zeroed; the kept
-    values are unchanged."""
+    """probs [R, V] -> probs with what min-p, top-k and top-p drop (each row by its seq's params) zeroed; the
+    kept values are unchanged."""
     vocab = probs.shape[1]
+    min_p = torch.tensor([seq.params.min_p for seq in seqs], dtype=torch.float32).unsqueeze(1)
+    probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     top_k = torch.tensor([seq.params.top_k if seq.params.uses_top_k else vocab for seq in seqs])
     top_p = torch.tensor([seq.params.top_p for seq in seqs], dtype=torch.float32)
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V]
@@ -171,8 +186,11 @@ def filter_top_k_top_p(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> None:
-    """Apply seq's penalties and min_tokens to its logits row [V], in place."""
+    """Apply seq's logit_bias, penalties and min_tokens to its logits row [V], in place."""
     params, vocab = seq.params, row.shape[0]
+    if params.logit_bias:
+        ids = [t for t, _ in params.logit_bias if t < vocab]
+        row[ids] += torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=row.dtype)
     if params.uses_penalties:
         counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=vocab)  # [V]
         if params.repetition_penalty != 1.0:

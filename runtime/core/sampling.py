@@ -4,6 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20  # alternatives a position may return (OpenAI's limit)
+# generation_config.json's sampling keys a request may leave to the model -> the value when the model sets none
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def generation_defaults(generation_config: dict) -> dict:
+    """The sampling defaults a model's generation_config.json sets (numbers only; do_sample is not read, as in
+    vLLM: a request that wants greedy asks for temperature 0)."""
+    return {key: value for key, value in (generation_config or {}).items()
+            if key in GENERATION_DEFAULTS and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+class Logprob(float):
+    """A chosen token's log-probability (a float wherever one is read), with `top`: the position's most likely
+    tokens as (token id, log-prob), most likely first, ties to the lower id, when top_logprobs was asked."""
+
+    top: tuple[tuple[int, float], ...]
+
+    def __new__(cls, value: float, top=()) -> Logprob:
+        self = super().__new__(cls, value)
+        self.top = tuple(top)
+        return self
+
+    def __reduce__(self):  # pickled as itself, top included (rank processes, Ray replicas)
+        return Logprob, (float(self), self.top)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,7 +47,11 @@ class SamplingParams:
     divides a positive logit and multiplies a negative one of every token in the prompt or output;
     presence_penalty subtracts from each token already generated, frequency_penalty that times its
     count (OpenAI's, in [-2, 2]; 0 = off).
-    logprobs=True returns the log-probability of each chosen token under the raw logits.
+    logprobs=True returns the log-probability of each chosen token under the raw logits; top_logprobs k > 0
+    (at most MAX_TOP_LOGPROBS; it implies logprobs) also the k most likely tokens of each position, with theirs.
+    min_p (0 = off) drops, after temperature, every token less likely than min_p times the most likely one.
+    logit_bias adds its value (in [-100, 100], OpenAI's range) to its token's logit before everything else,
+    greedy included; it is given as a mapping or pairs of (token id, bias) and stored as sorted pairs.
     speculative=False keeps the request out of speculative decoding where the engine runs it (it then
     decodes one token per step); its tokens are the same either way for greedy requests.
     stop and stop_token_ids accept any sequence and are stored as tuples so the params stay immutable.
@@ -41,6 +71,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False
+    top_logprobs: int = 0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
     speculative: bool = True
 
     def __post_init__(self) -> None:
@@ -76,11 +109,25 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((token, value) for token, value in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if not all(_is_int(t) and t >= 0 and _is_number(v) and -100.0 <= v <= 100.0 for t, v in bias):
+            raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {dict(bias)!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
         object.__setattr__(self, "eos_token_ids", eos_token_ids)
+        object.__setattr__(self, "logit_bias", bias)
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     @property
     def is_greedy(self) -> bool:
@@ -95,8 +142,17 @@ class SamplingParams:
         return self.top_p < 1.0
 
     @property
+    def uses_min_p(self) -> bool:
+        return self.min_p > 0.0
+
+    @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Its logits change before greedy or sampling (penalties, logit_bias): no device greedy, no guesses."""
+        return self.uses_penalties or bool(self.logit_bias)
 
     def held_back_token_ids(self, num_output_tokens: int) -> tuple[int, ...]:
         """The token ids the next token may not be, after num_output_tokens: those that would stop it early."""

@@ -301,5 +301,5 @@ class Speculator:
 
 def _may_speculate(seq: Sequence) -> bool:
     params = seq.params
-    return (params.speculative and not params.uses_penalties
+    return (params.speculative and not params.adjusts_logits
             and not params.held_back_token_ids(seq.num_output_tokens))

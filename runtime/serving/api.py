@@ -19,17 +19,31 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from runtime.core.engine import LLMEngine, RequestOutput
-from runtime.core.sampling import SamplingParams
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
 from runtime.serving.fleet import TierSpec
 from runtime.serving.metrics import FrontMetrics
 from runtime.serving.prompts import PromptReader, context_len
 from runtime.serving.protocol import (
-    APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ModelCard, ModelList,
-    Usage, chat_logprobs, completion_logprobs,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
 )
 from runtime.serving.quotas import KeyQuotas
+from runtime.serving.request_params import sampling_params
+from runtime.serving.tokens import add_token_routes
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 TIER_HEADER = "x-kiln-tier"  # a tier request may name the tier's model to start on
@@ -145,8 +159,11 @@ class _Answer:
     def __init__(self, llm: LLMEngine, body, rid: str, created: int, model: str):
         self.llm, self.body, self.rid, self.created, self.model = llm, body, rid, created, model
 
+    def token_text(self, token: int) -> str:
+        return self.llm.tokenizer.decode([token], skip_special_tokens=False)
+
     def token_texts(self, ids: list[int]) -> list[str]:
-        return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return [self.token_text(t) for t in ids]
 
 
 class _CompletionAnswer(_Answer):
@@ -163,11 +180,15 @@ class _CompletionAnswer(_Answer):
     def logprobs(self) -> bool:
         return self.body.logprobs is not None
 
+    @property
+    def top_logprobs(self) -> int:
+        return self.body.logprobs or 0
+
     def _choice(self, i: int, out: RequestOutput, sent: int, text: str) -> CompletionChoice:
         lp = None
         if self.logprobs:
             lp = completion_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:],
-                                     len(out.text) - len(text))
+                                     len(out.text) - len(text), self.token_text)
         return CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=out.finish_reason)
 
     def first_chunks(self) -> list[BaseModel]:
@@ -199,8 +220,14 @@ class _ChatAnswer(_Answer):
     def logprobs(self) -> bool:
         return self.body.logprobs
 
+    @property
+    def top_logprobs(self) -> int:
+        return self.body.top_logprobs or 0
+
     def _logprobs(self, out: RequestOutput, sent: int):
-        return chat_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:]) if self.logprobs else None
+        if not self.logprobs:
+            return None
+        return chat_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:], self.token_text)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
         return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -258,23 +285,9 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
         requests = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):
-                try:
-                    params = SamplingParams(
-                        temperature=1.0 if body.temperature is None else body.temperature,
-                        top_p=1.0 if body.top_p is None else body.top_p,
-                        top_k=-1 if body.top_k is None else body.top_k,
-                        seed=None if body.seed is None else body.seed + i,
-                        max_tokens=(answer.max_tokens if answer.max_tokens is not None
-                                    else max(1, context_len(llm) - len(ids))),
-                        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, eos_token_ids=llm.eos_token_ids,
-                        speculative=body.speculative,
-                        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                        presence_penalty=body.presence_penalty or 0.0,
-                        frequency_penalty=body.frequency_penalty or 0.0,
-                        stop=body.stop_strings(), logprobs=answer.logprobs or probe)
-                except ValueError as exc:  # the message starts with the field's name
-                    name = str(exc).split(" ", 1)[0]
-                    raise APIError(400, str(exc), param=name if name in type(body).model_fields else None) from None
+                max_tokens = (answer.max_tokens if answer.max_tokens is not None
+                              else max(1, context_len(llm) - len(ids)))
+                params = sampling_params(body, llm, i, max_tokens, answer.logprobs or probe, answer.top_logprobs)
                 requests.append((f"{answer.rid}-{p * body.n + i}", ids, params))
         try:
             outputs = await pool.submit(requests, arrival)
@@ -373,17 +386,33 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
         charge(finals)
         return answer.response(finals, _usage(prompt_lens, body.n, finals))
 
-    @app.get("/v1/models")
-    async def list_models() -> ModelList:
+    def model_cards() -> list[ModelCard]:
         cards = [ModelCard(id=name, created=started, max_model_len=context_len(pool.llm))
                  for name, pool in models.items() if pool.ready]
+        lengths = {card.id: card.max_model_len for card in cards}
+        return cards + [ModelCard(id=tier.name, created=started, owned_by="kiln-tier",
+                                  max_model_len=min(lengths.get(m, 0) for m in tier.models))
+                        for tier in tiers.values() if all(m in lengths for m in tier.models)]
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        cards = model_cards()
         if not cards:
             raise APIError(503, "no engine is loaded yet", type="unavailable", headers={"Retry-After": "1"})
-        lengths = {card.id: card.max_model_len for card in cards}
-        cards += [ModelCard(id=tier.name, created=started, owned_by="kiln-tier",
-                            max_model_len=min(lengths.get(m, 0) for m in tier.models))
-                  for tier in tiers.values() if all(m in lengths for m in tier.models)]
         return ModelList(data=cards)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> ModelCard:
+        card = next((c for c in model_cards() if c.id == model_id), None)
+        if card is None:
+            if model_id in models or model_id in tiers:
+                raise APIError(503, f"model {model_id!r} is not loaded yet", type="unavailable",
+                               headers={"Retry-After": "1"})
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves {served()}",
+                           param="model", code="model_not_found")
+        return card
+
+    add_token_routes(app, models, prompt_reader)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):

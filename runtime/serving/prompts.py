@@ -43,23 +43,27 @@ class PromptReader:
         texts = [p for p in prompts if isinstance(p, str)]
         for text in texts:  # by its length, before tokenizing it
             self.check_fits(text, max_tokens, "prompt")
-        encoded = iter(self._encode(texts))
+        encoded = iter(self.encode(texts))
         ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
         for prompt_ids in ids:
             self.check_fits(prompt_ids, max_tokens, "prompt")
         return ids
 
     def chat_prompts(self, body: ChatCompletionRequest, max_tokens: int | None) -> list[list[int]]:
+        prompt = self.chat_text(body)
+        self.check_fits(prompt, max_tokens, "messages")
+        ids = self.encode([prompt])
+        self.check_fits(ids[0], max_tokens, "messages")
+        return ids
+
+    def chat_text(self, body) -> str:
+        """body.messages rendered by the model's chat template (body.add_generation_prompt: with the assistant's
+        opening); a template that refuses them is a 400."""
         try:
-            prompt = self.llm.apply_chat_template([m.for_template() for m in body.messages],
-                                                  body.add_generation_prompt)
+            return self.llm.apply_chat_template([m.for_template() for m in body.messages], body.add_generation_prompt)
         except ChatTemplateError as exc:
             message = str(exc) if "chat template" in str(exc) else f"the chat template refused the messages: {exc}"
             raise APIError(400, message, param="messages", code="chat_template_error") from None
-        self.check_fits(prompt, max_tokens, "messages")
-        ids = self._encode([prompt])
-        self.check_fits(ids[0], max_tokens, "messages")
-        return ids
 
     def check_fits(self, prompt: str | list[int], max_tokens: int | None, param: str) -> None:
         """APIError 400 if the prompt cannot fit the context with max_tokens (at least 1) after it."""
@@ -78,7 +82,7 @@ class PromptReader:
             raise APIError(400, f"{what}; with {generated} that is over the context length of {self.context_len} "
                                 f"tokens", param=param, code="context_length_exceeded")
 
-    def _encode(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, texts: list[str]) -> list[list[int]]:
         """As LLMEngine.encode, for each text (encode_batch: the GIL is released while it runs)."""
         if not texts:
             return []

@@ -8,9 +8,12 @@ than silently ignored; fields that change nothing (user, metadata, ...) are acce
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.core.sampling import MAX_TOP_LOGPROBS
 
 MAX_CHOICES = 128  # prompts x n of one request
 
@@ -93,6 +96,10 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, ge=1)
     speculative: bool = True  # false: this request decodes without speculative guesses (Kiln's own)
 
     def check_supported(self) -> None:
@@ -100,6 +107,18 @@ class _SamplingRequest(_Strict):
         if self.min_tokens and self.stop:
             raise APIError(400, "min_tokens cannot be combined with stop strings here: a stop string ends the "
                                 "output even before min_tokens", param="min_tokens")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must equal n ({self.n}): every choice generated is "
+                                "returned", param="best_of")
+        self.token_bias()
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with its token ids as integers (OpenAI sends them as JSON object keys)."""
+        try:
+            return {int(token): value for token, value in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:3]}",
+                           param="logit_bias") from None
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -108,14 +127,15 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # None: up to the engine's context
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.logprobs or 0
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise APIError(400, "this server returns only the log-prob of each sampled token: set logprobs to 0 "
-                                "(top alternatives are not computed)", param="logprobs")
         if self.echo:
             raise APIError(400, "`echo` is not supported by this server", param="echo")
 
@@ -154,14 +174,13 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True  # an extension, as in vLLM
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.top_logprobs:
-            raise APIError(400, "this server returns only the log-prob of each sampled token: top_logprobs must "
-                                "be 0 or left out", param="top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -179,7 +198,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
     token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []  # the sampled token only (logprobs=0)
+    top_logprobs: list[dict[str, float]] = []  # the `logprobs` most likely tokens of each position, and the sampled
     text_offset: list[int] = []
 
 
@@ -199,29 +218,43 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: int) -> CompletionLogprobs:
+TokenText = Callable[[int], str]  # a token id -> its text
+
+
+def _top(logprob: float) -> tuple[tuple[int, float], ...]:
+    return getattr(logprob, "top", ())  # runtime.core.sampling.Logprob's alternatives
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: int,
+                        text_of: TokenText) -> CompletionLogprobs:
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs,
-                              top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)], text_offset=offsets)
+    top = [{**{text_of(i): v for i, v in _top(lp)}, t: lp} for t, lp in zip(tokens, logprobs)]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
 
 
-class TokenLogprob(BaseModel):
+class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[dict] = []
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
 
 
 class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> ChoiceLogprobs:
-    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                   for t, lp in zip(tokens, logprobs)])
+def chat_logprobs(tokens: list[str], logprobs: list[float], text_of: TokenText) -> ChoiceLogprobs:
+    def alternatives(lp) -> list[TopLogprob]:
+        return [TopLogprob(token=(text := text_of(i)), logprob=v, bytes=list(text.encode())) for i, v in _top(lp)]
+
+    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()),
+                                                top_logprobs=alternatives(lp)) for t, lp in zip(tokens, logprobs)])
 
 
 class AssistantMessage(BaseModel):
@@ -277,3 +310,37 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------- tokens (vLLM's shapes)
+
+class TokenizeRequest(_Strict):
+    """A prompt as /v1/completions reads it, or messages as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -62,6 +62,7 @@ class ModelFrontend:
         path = Path(engine)
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer_config = _read_json(path / "tokenizer_config.json")
+        self.generation_config = _read_json(path / "generation_config.json")
         self.special_tokens = self.engine.manifest.special_tokens or from_tokenizer(self.tokenizer_config,
                                                                                     self.tokenizer)
         self.eos_token_ids = self.engine.manifest.eos_token_ids

@@ -231,6 +231,65 @@ def test_chat_logprobs_with_top_logprobs_zero(client):
     assert all(t.logprob <= 0 and t.top_logprobs == [] for t in content)
 
 
+def test_top_logprobs_on_chat_and_completions_streamed_or_not(client, offline):
+    """Greedy: the chosen token is each position's most likely, so it heads its alternatives, with the same value;
+    the values are those of the offline engine's log_softmax."""
+    request = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+                                          top_logprobs=5, **request)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 5 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+    streamed = [entry for chunk in client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=5, stream=True, **request)
+        if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in content]
+
+    out = client.completions.create(prompt="The quick brown fox", logprobs=3, **request).choices[0].logprobs
+    ref = offline.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                   top_logprobs=3))[0]
+    assert out.token_logprobs == pytest.approx([float(lp) for lp in ref.logprobs], abs=1e-5)
+    text_of = lambda i: offline.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+    for token, top, lp in zip(out.tokens, out.top_logprobs, ref.logprobs):  # texts of two ids may be one key
+        assert len(lp.top) == 3 and top == pytest.approx({**{text_of(i): v for i, v in lp.top}, token: lp}, abs=1e-5)
+
+
+def test_logit_bias_stop_token_ids_and_min_p(client, offline):
+    forced = offline.encode(" bread")[-1]
+    request = dict(model=MODEL, prompt="Kiln bakes", max_tokens=5, temperature=0)
+    out = client.completions.create(logit_bias={str(forced): 100}, extra_body={"ignore_eos": True}, **request)
+    assert out.choices[0].text == offline.tokenizer.decode([forced] * 5)
+    stopped = client.completions.create(logit_bias={str(forced): 100}, extra_body={"stop_token_ids": [forced]},
+                                        **request)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    sampled = client.completions.create(**dict(request, temperature=1.0), seed=5, extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == client.completions.create(**request).choices[0].text  # min_p 1 = greedy
+
+
+def test_tokenize_detokenize_and_one_model(server, client, offline):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "The quick brown fox"}).json()
+    assert tokens["tokens"] == offline.encode("The quick brown fox") and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == client.models.retrieve(MODEL).max_model_len
+    bare = httpx.post(f"{server.url}/tokenize", json={"prompt": "The quick brown fox", "add_special_tokens": False,
+                                                      "return_token_strs": True}).json()
+    assert len(bare["token_strs"]) == bare["count"] <= tokens["count"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": bare["tokens"]}).json()["prompt"]
+    assert text == "The quick brown fox"
+    messages = [{"role": "user", "content": "Hi there"}]
+    counted = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+    assert counted == client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    missing = httpx.get(f"{server.url}/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    for body in ({"prompt": "x", "messages": messages}, {"model": "gpt-4", "prompt": "x"}):
+        assert httpx.post(f"{server.url}/tokenize", json=body).status_code in (400, 404)
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [10**7]}).json()["error"]["param"] == "tokens"
+
+
 def test_sixty_four_concurrent_streams_finish_and_match_offline(server, offline):
     prompts = [f"Request {i}: " + "the quick brown fox " * (i % 7) for i in range(64)]
 
@@ -285,21 +344,28 @@ MALFORMED = [
     ("completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, None),
     ("completions", {"model": MODEL, "prompt": ""}, None),
     ("completions", {"model": MODEL, "prompt": [10**6]}, None),
-    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
     ("completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("completions", {"model": MODEL, "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "min_tokens": 2, "stop": ["."]}, "min_tokens"),
-    ("completions", {"model": MODEL, "prompt": "hi", "min_p": 0.1}, "min_p"),
+    ("completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
     ("completions", {"model": MODEL, "prompt": "hi", "frobnicate": True}, "frobnicate"),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
     ("chat/completions", {"model": MODEL, "messages": []}, "messages"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                          "top_logprobs": 2}, "top_logprobs"),
+                          "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
 ]
 
 

@@ -30,4 +30,4 @@ class DeviceSampler(Sampler):
 
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
-    return p.is_greedy and not p.logprobs and not p.uses_penalties and not p.held_back_token_ids(seq.num_output_tokens)
+    return p.is_greedy and not p.logprobs and not p.adjusts_logits and not p.held_back_token_ids(seq.num_output_tokens)

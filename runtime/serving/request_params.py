@@ -1,0 +1,31 @@
+"""A request's SamplingParams: the body's fields, with the model's generation_config.json defaults (temperature,
+top_p, top_k, min_p, repetition_penalty, as its authors tuned them) for those the request leaves out, as vLLM and
+transformers apply them. A value the engine refuses is a 400 naming the field."""
+
+from __future__ import annotations
+
+from runtime.core.sampling import GENERATION_DEFAULTS, SamplingParams, generation_defaults
+from runtime.serving.protocol import APIError
+
+
+def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    """The params of choice `choice` (its seed is the request's + choice) of a completion or chat request."""
+    given = generation_defaults(getattr(llm, "generation_config", {}))
+
+    def field(name: str):
+        value = getattr(body, name)
+        return value if value is not None else given.get(name, GENERATION_DEFAULTS[name])
+
+    try:
+        return SamplingParams(
+            temperature=field("temperature"), top_p=field("top_p"), top_k=field("top_k"), min_p=field("min_p"),
+            repetition_penalty=field("repetition_penalty"),
+            seed=None if body.seed is None else body.seed + choice, max_tokens=max_tokens,
+            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, eos_token_ids=llm.eos_token_ids,
+            stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=body.token_bias(),
+            speculative=body.speculative, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0, stop=body.stop_strings(), logprobs=logprobs,
+            top_logprobs=top_logprobs)
+    except ValueError as exc:  # the message starts with the field's name
+        name = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=name if name in type(body).model_fields else None) from None
