@@ -44,7 +44,7 @@ def build_step_metadata(batch: ScheduledBatch, block_size: int, num_groups: int 
     Call after schedule() and before postprocess() (it reads each sequence's num_computed_tokens).
     logits_indices holds the last packed token of each sequence in batch.sampling_seqs, in order; a
     sequence with speculative guesses computes its last token and then the guesses, and has logits
-    at all of them (k + 1 rows).
+    at all of them (k + 1 rows). Then the rows of batch.prompt_logprob_rows(), in order.
     """
     token_ids: list[int] = []
     positions: list[int] = []
@@ -60,6 +60,9 @@ def build_step_metadata(batch: ScheduledBatch, block_size: int, num_groups: int 
         query_start_loc.append(query_start_loc[-1] + n)
         if needs_token:
             logits_indices.extend(range(query_start_loc[-1] - 1 - len(guesses), query_start_loc[-1]))
+    for seq, first, count in batch.prompt_logprob_rows():  # after every sampling row
+        at = query_start_loc[batch.seqs.index(seq)] + first - seq.num_computed_tokens
+        logits_indices.extend(range(at, at + count))
     group_tables = [[seq.block_table for seq in batch.seqs], [seq.window_block_table for seq in batch.seqs]]
     groups = [_slots_and_tables(tables, batch, block_size) for tables in group_tables[:num_groups]]
     # Built in numpy (a few times faster than torch.tensor for a step's short lists), kept for the executor's

@@ -29,7 +29,7 @@ from runtime.core.chat import render_chat
 from runtime.core.detokenizer import IncrementalDetokenizer
 from runtime.core.disaggregation import KVHandoff, cache_layout, check_handoff, layer_tables, read_kv, write_kv
 from runtime.core.draft import DraftProposer
-from runtime.core.sampler import Sampler
+from runtime.core.sampler import Sampler, token_logprobs
 from runtime.core.sampling import SamplingParams
 from runtime.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence
@@ -75,6 +75,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[float] | None = None
+    prompt_logprobs: list[float | None] | None = None  # params.prompt_logprobs: one per prompt token, None first
     error: str | None = None
     num_proposed_tokens: int = 0     # speculative guesses verified for this request
     num_accepted_tokens: int = 0     # of those, the ones that stood
@@ -294,6 +295,11 @@ class LLMEngine:
         """Take a batch's logits from run_batch(), sample and record its tokens; its requests' outputs."""
         try:
             logits = run_batch()
+            prompt_rows = batch.prompt_logprob_rows()
+            if prompt_rows:  # their rows follow the sampling rows
+                count = sum(c for _, _, c in prompt_rows)
+                logits, extra = logits[:-count], logits[-count:]
+                record_prompt_logprobs(prompt_rows, extra)
             if batch.is_speculative:
                 tokens, logprobs = self.sampler.verify_batch(logits, batch.sampling_seqs, batch.sampling_proposals)
             else:
@@ -339,6 +345,7 @@ class LLMEngine:
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             num_proposed_tokens=seq.num_proposed_tokens, num_accepted_tokens=seq.num_accepted_tokens,
             kv_handoff=seq.kv_handoff)
 
@@ -371,6 +378,16 @@ class LLMEngine:
             **({} if spec is None else dict(spec_proposed_tokens=spec.proposed_tokens,
                                             spec_accepted_tokens=spec.accepted_tokens, spec_steps=spec.spec_steps,
                                             spec_emitted_tokens=spec.emitted_tokens)))
+
+
+def record_prompt_logprobs(rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
+    """Each (seq, first position, count) of ScheduledBatch.prompt_logprob_rows with its logits rows, in order:
+    the log-probs of prompt tokens first + 1 .. first + count appended to the seq's."""
+    logits, at = logits.float().cpu(), 0
+    for seq, first, count in rows:
+        following = torch.tensor(seq.token_ids[first + 1:first + 1 + count])
+        seq.prompt_logprobs.extend(token_logprobs(logits[at:at + count], following, seq.params.prompt_logprobs))
+        at += count
 
 
 def _lowered(plan_limits: PlanLimits, options: EngineOptions) -> PlanLimits:

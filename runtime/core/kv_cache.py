@@ -289,7 +289,7 @@ class BlockManager:
         group's block ids of it). A full group needs every block of the prefix; a windowed one only those its
         next query sees (-1 before them), so the longest prefix both groups hold is taken."""
         empty = [[] for _ in self.pools]
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.pending_prompt_logprobs:  # those need every position's logits
             return [], empty
         bs, hashes, parent = self.block_size, [], None
         full = self.pools[0] if not self.groups.windows[0] else None

@@ -49,6 +49,9 @@ class SamplingParams:
     count (OpenAI's, in [-2, 2]; 0 = off).
     logprobs=True returns the log-probability of each chosen token under the raw logits; top_logprobs k > 0
     (at most MAX_TOP_LOGPROBS; it implies logprobs) also the k most likely tokens of each position, with theirs.
+    prompt_logprobs k (None = off; 0 to MAX_TOP_LOGPROBS) returns the log-probability of every prompt token after
+    the first, under the raw logits, with the k most likely tokens of each position; such a request computes its
+    whole prompt (no prefix-cache hit), so every position has its logits.
     min_p (0 = off) drops, after temperature, every token less likely than min_p times the most likely one.
     logit_bias adds its value (in [-100, 100], OpenAI's range) to its token's logit before everything else,
     greedy included; it is given as a mapping or pairs of (token id, bias) and stored as sorted pairs.
@@ -72,6 +75,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     speculative: bool = True
@@ -111,6 +115,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias

@@ -87,6 +87,20 @@ class ScheduledBatch:
     needs_token: tuple[bool, ...]
     proposals: tuple[Proposal, ...] = ()  # per sequence when speculating: the guesses after its last token
 
+    def prompt_logprob_rows(self) -> list[tuple[Sequence, int, int]]:
+        """(seq, first position, count) of the positions whose logits give prompt log-probs this step: a position
+        p of a prefill chunk predicts prompt token p + 1; the positions before the ones already recorded (a
+        recompute after preemption) and the last prompt position (it is sampled) give none. Read before
+        postprocess(); their logits rows follow the sampling rows, in this order (backends/step.py)."""
+        rows = []
+        for seq, n in zip(self.seqs, self.num_new_tokens):
+            if seq.pending_prompt_logprobs:
+                first = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+                end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+                if end > first:
+                    rows.append((seq, first, end - first))
+        return rows
+
     def guesses(self, i: int) -> list[int]:
         return self.proposals[i].tokens if self.proposals else []
 

@@ -44,6 +44,8 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.token_ids: list[int] = list(prompt)  # prompt + output, kept as one list for cheap slicing
         self.logprobs: list[float] = []  # log-prob of each output token, when params.logprobs
+        # log-prob of each prompt token when params.prompt_logprobs is set (None for the first: nothing before it)
+        self.prompt_logprobs: list[float | None] = [None]
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.arrival = next(_arrival_counter)
@@ -78,6 +80,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def pending_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probs are asked for and not all computed yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_pending_tokens(self) -> int:

@@ -2,7 +2,7 @@
 model and tier behind the endpoint (fleet.py).
 
 The two generation endpoints differ only in how a request becomes prompts and in the shapes of
-their answers (an `_Answer` each); admission, sampling parameters, streaming, disconnects and usage
+their answers (an `Answer` each); admission, sampling parameters, streaming, disconnects and usage
 are the same code. Prompts are read on a worker thread (prompts.py), never on the event loop.
 """
 
@@ -19,27 +19,18 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from runtime.core.engine import LLMEngine, RequestOutput
+from runtime.serving.answers import Answer, ChatAnswer, CompletionAnswer
 from runtime.serving.engine_loop import ABORTED, EngineLoop, Overloaded
 from runtime.serving.fleet import TierSpec
 from runtime.serving.metrics import FrontMetrics
 from runtime.serving.prompts import PromptReader, context_len
 from runtime.serving.protocol import (
     APIError,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    Delta,
     ModelCard,
     ModelList,
     Usage,
-    chat_logprobs,
-    completion_logprobs,
 )
 from runtime.serving.quotas import KeyQuotas
 from runtime.serving.request_params import sampling_params
@@ -149,107 +140,6 @@ def _usage(prompt_lens: list[int], n: int, finals: list[RequestOutput | None]) -
                  total_tokens=sum(prompt_lens) + completion, prompt_tokens_details={"cached_tokens": cached})
 
 
-# ---------------------------------------------------------------------- what differs between the endpoints
-
-class _Answer:
-    """How one endpoint reads its request and shapes its answers; `sent` counts the tokens streamed before."""
-
-    id_prefix: str
-
-    def __init__(self, llm: LLMEngine, body, rid: str, created: int, model: str):
-        self.llm, self.body, self.rid, self.created, self.model = llm, body, rid, created, model
-
-    def token_text(self, token: int) -> str:
-        return self.llm.tokenizer.decode([token], skip_special_tokens=False)
-
-    def token_texts(self, ids: list[int]) -> list[str]:
-        return [self.token_text(t) for t in ids]
-
-
-class _CompletionAnswer(_Answer):
-    id_prefix = "cmpl"
-
-    def prompts(self, reader: PromptReader) -> list[list[int]]:
-        return reader.completion_prompts(self.body, self.max_tokens)
-
-    @property
-    def max_tokens(self) -> int | None:
-        return self.body.max_tokens
-
-    @property
-    def logprobs(self) -> bool:
-        return self.body.logprobs is not None
-
-    @property
-    def top_logprobs(self) -> int:
-        return self.body.logprobs or 0
-
-    def _choice(self, i: int, out: RequestOutput, sent: int, text: str) -> CompletionChoice:
-        lp = None
-        if self.logprobs:
-            lp = completion_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:],
-                                     len(out.text) - len(text), self.token_text)
-        return CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=out.finish_reason)
-
-    def first_chunks(self) -> list[BaseModel]:
-        return []
-
-    def chunk(self, i: int, out: RequestOutput, sent: int) -> BaseModel:
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                  choices=[self._choice(i, out, sent, out.delta)])
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
-
-    def response(self, finals: list[RequestOutput], usage: Usage) -> BaseModel:
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage,
-                                  choices=[self._choice(i, o, 0, o.text) for i, o in enumerate(finals)])
-
-
-class _ChatAnswer(_Answer):
-    id_prefix = "chatcmpl"
-
-    def prompts(self, reader: PromptReader) -> list[list[int]]:
-        return reader.chat_prompts(self.body, self.max_tokens)
-
-    @property
-    def max_tokens(self) -> int | None:
-        return self.body.completion_limit()
-
-    @property
-    def logprobs(self) -> bool:
-        return self.body.logprobs
-
-    @property
-    def top_logprobs(self) -> int:
-        return self.body.top_logprobs or 0
-
-    def _logprobs(self, out: RequestOutput, sent: int):
-        if not self.logprobs:
-            return None
-        return chat_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:], self.token_text)
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
-        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
-
-    def first_chunks(self) -> list[BaseModel]:
-        return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
-                             for i in range(self.body.n)])]
-
-    def chunk(self, i: int, out: RequestOutput, sent: int) -> BaseModel:
-        return self._chunk([ChatChunkChoice(index=i, delta=Delta(content=out.delta), logprobs=self._logprobs(out, sent),
-                                            finish_reason=out.finish_reason)])
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk([], usage)
-
-    def response(self, finals: list[RequestOutput], usage: Usage) -> BaseModel:
-        return ChatCompletionResponse(
-            id=self.rid, created=self.created, model=self.model, usage=usage,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), logprobs=self._logprobs(o, 0),
-                                finish_reason=o.finish_reason) for i, o in enumerate(finals)])
-
-
 # ---------------------------------------------------------------------- the routes
 
 def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[str, TierSpec],
@@ -278,7 +168,7 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
                            type="unavailable", headers={"Retry-After": "1"})
         return pool
 
-    async def start(pool: EngineLoop, body, prompts: list[list[int]], answer: _Answer, arrival: float,
+    async def start(pool: EngineLoop, body, prompts: list[list[int]], answer: Answer, arrival: float,
                     probe: bool = False) -> _Run:
         """Submit body.n choices per prompt (choice index = prompt index * n + i); probe: with log-probs."""
         llm = pool.llm
@@ -287,7 +177,8 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
             for i in range(body.n):
                 max_tokens = (answer.max_tokens if answer.max_tokens is not None
                               else max(1, context_len(llm) - len(ids)))
-                params = sampling_params(body, llm, i, max_tokens, answer.logprobs or probe, answer.top_logprobs)
+                params = sampling_params(body, llm, i, max_tokens, answer.logprobs or probe, answer.top_logprobs,
+                                         answer.prompt_logprobs)
                 requests.append((f"{answer.rid}-{p * body.n + i}", ids, params))
         try:
             outputs = await pool.submit(requests, arrival)
@@ -296,7 +187,7 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
                            type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         return _Run(pool, [rid for rid, _, _ in requests], outputs)
 
-    async def read_prompts(answer: _Answer) -> list[list[int]]:
+    async def read_prompts(answer: Answer) -> list[list[int]]:
         return await asyncio.to_thread(lambda: answer.prompts(prompt_reader(answer.llm)))
 
     async def on_one_model(name: str, body, request: Request, key, kind, rid: str, arrival: float):
@@ -350,7 +241,7 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
         metrics.tier_answers.labels(tier.name, name).inc()
         return answer, prompts, run
 
-    async def generate(body, request: Request, kind: type[_CompletionAnswer] | type[_ChatAnswer]):
+    async def generate(body, request: Request, kind: type[CompletionAnswer] | type[ChatAnswer]):
         arrival = time.monotonic()
         if app.state.draining:
             raise APIError(503, "the server is shutting down", type="unavailable")
@@ -416,11 +307,11 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):
-        return await generate(body, request, _CompletionAnswer)
+        return await generate(body, request, CompletionAnswer)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await generate(body, request, _ChatAnswer)
+        return await generate(body, request, ChatAnswer)
 
 
 async def confident(run: _Run, tier: TierSpec, request: Request) -> bool:

@@ -136,8 +136,8 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "`echo` is not supported by this server", param="echo")
+        if self.echo and self.stream:
+            raise APIError(400, "echo with stream is not supported; ask for the whole response", param="echo")
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per entry of a batch."""
@@ -197,8 +197,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []  # the `logprobs` most likely tokens of each position, and the sampled
+    token_logprobs: list[float | None] = []  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []  # the `logprobs` most likely tokens of each position, and its own
     text_offset: list[int] = []
 
 
@@ -231,7 +231,7 @@ def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: i
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    top = [{**{text_of(i): v for i, v in _top(lp)}, t: lp} for t, lp in zip(tokens, logprobs)]
+    top = [None if lp is None else {**{text_of(i): v for i, v in _top(lp)}, t: lp} for t, lp in zip(tokens, logprobs)]
     return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
 
 

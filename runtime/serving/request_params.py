@@ -8,7 +8,8 @@ from runtime.core.sampling import GENERATION_DEFAULTS, SamplingParams, generatio
 from runtime.serving.protocol import APIError
 
 
-def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top_logprobs: int,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The params of choice `choice` (its seed is the request's + choice) of a completion or chat request."""
     given = generation_defaults(getattr(llm, "generation_config", {}))
 
@@ -25,7 +26,7 @@ def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top
             stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=body.token_bias(),
             speculative=body.speculative, presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, stop=body.stop_strings(), logprobs=logprobs,
-            top_logprobs=top_logprobs)
+            top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as exc:  # the message starts with the field's name
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name if name in type(body).model_fields else None) from None

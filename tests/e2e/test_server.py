@@ -290,6 +290,26 @@ def test_tokenize_detokenize_and_one_model(server, client, offline):
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": [10**7]}).json()["error"]["param"] == "tokens"
 
 
+def test_echo_returns_every_prompt_tokens_logprob_cached_prefix_or_not(server, client, offline):
+    """What lm-evaluation-harness's local-completions scores a continuation with: echo, logprobs 1, max_tokens 1."""
+    ids = offline.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    ref = offline.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
+    answers = [client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+               for _ in range(2)]  # the second finds the prompt in the prefix cache, and computes it again
+    for out in answers:
+        choice = out.choices[0]
+        lp = choice.logprobs
+        assert choice.text == offline.tokenizer.decode(ids, skip_special_tokens=False) + ref.text
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-5)
+        assert all(top[token] == value for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                                     lp.top_logprobs[1:]))
+        assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    plain = client.completions.create(model=MODEL, prompt="Kiln bakes", max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith("Kiln bakes") and plain.choices[0].logprobs is None
+
+
 def test_sixty_four_concurrent_streams_finish_and_match_offline(server, offline):
     prompts = [f"Request {i}: " + "the quick brown fox " * (i % 7) for i in range(64)]
 
@@ -345,7 +365,7 @@ MALFORMED = [
     ("completions", {"model": MODEL, "prompt": ""}, None),
     ("completions", {"model": MODEL, "prompt": [10**6]}, None),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"model": MODEL, "prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
