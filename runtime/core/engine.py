@@ -26,6 +26,7 @@ from runtime.backends.base import Executor, create_executor, for_host, kv_groups
 from runtime.backends.cpu.cpus import usable_cpus
 from runtime.backends.step import build_step_metadata
 from runtime.core.chat import render_chat
+from runtime.core.constraints import Grammars
 from runtime.core.detokenizer import IncrementalDetokenizer
 from runtime.core.disaggregation import KVHandoff, cache_layout, check_handoff, layer_tables, read_kv, write_kv
 from runtime.core.draft import DraftProposer
@@ -132,6 +133,7 @@ class LLMEngine:
         self.generation_config = _read_json(engine.path / "generation_config.json")
         self.special_tokens = manifest.special_tokens or from_tokenizer(self.tokenizer_config, self.tokenizer)
         self.eos_token_ids = manifest.eos_token_ids
+        self.grammars = Grammars(self.tokenizer, self.eos_token_ids)
         if executor is None:
             backend = engine.backend or check_target(engine.path, manifest, options.backend)
             engine = self.engine = for_host(engine, backend, options.activations)
@@ -190,6 +192,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(request_id, ids, dataclasses.replace(params, max_tokens=1) if hand_off else params)
+        if params.grammar is not None:
+            seq.constraint = self.grammars.constraint(params.grammar)  # GrammarError is a ValueError
         if hand_off:
             self.kv_layout  # noqa: B018 -- an engine that cannot hand K/V over says so before taking the request
             seq.hand_off = params.max_tokens > 1  # one token asked for: answered here, nothing to hand over
@@ -308,6 +312,9 @@ class LLMEngine:
             return self._fail_batch(batch, exc)
         before = sum(seq.num_output_tokens for seq in batch.sampling_seqs)
         self.scheduler.postprocess(batch, tokens, logprobs)
+        for seq in batch.sampling_seqs:  # a complete grammar ends its sequence
+            if seq.constraint is not None and seq.constraint.done and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
         self.generated_tokens += sum(seq.num_output_tokens for seq in batch.sampling_seqs) - before
         outputs = []
         for seq in batch.sampling_seqs:

@@ -20,9 +20,12 @@ guess stands while it equals the token chosen at its position; the first that di
 by that token. A sampled request's output is therefore its non-speculative output, token for token
 (runtime/core/speculative.py explains why this is speculative sampling's rejection rule). Speculation is
 never given to requests with penalties or min_tokens pending, so those adjustments never meet guesses.
+A sequence with a grammar (runtime/core/constraints.py) has every token its grammar does not allow next at -inf
+after the penalties, and feeds the token chosen to its grammar.
 Log-probs are log_softmax of the raw logits, before penalties, bias, temperature and filtering: the
-model's own probability of the chosen token, comparable across requests whatever their sampling settings. The
-top alternatives (top_logprobs) come from the same log_softmax: the k largest, ties to the lower token id.
+model's own probability of the chosen token, comparable across requests whatever their sampling settings; a
+constrained sequence's are taken after its grammar's mask, as OpenAI's structured outputs report them. The top
+alternatives (top_logprobs) come from the same log_softmax: the k largest, ties to the lower token id.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from runtime._native import _ops
+from runtime.core.constraints import mask_rows
 from runtime.core.sampling import Logprob
 from runtime.core.sequence import Sequence
 from runtime.core.speculative import Proposal, accept_greedy
@@ -63,6 +67,7 @@ class Sampler:
         logits = raw_logits = logits if logits.dtype == torch.float32 else logits.float()
         adjusted = [i for i, seq in enumerate(seqs)
                     if seq.params.adjusts_logits or seq.params.held_back_token_ids(seq.num_output_tokens)]
+        constrained = [seq.constraint for seq in seqs]
         if not adjusted and logits.device.type == "cpu" and logits.is_contiguous() and all(
                 seq.params.is_greedy and not seq.params.logprobs for seq in seqs):
             # The common decode step (greedy, nothing asked beyond the token): no torch op after the logits,
@@ -72,6 +77,10 @@ class Sampler:
             logits = logits.clone()
             for i in adjusted:
                 _adjust(logits[i], seqs[i])
+            if any(c is not None for c in constrained):  # its log-probs are taken after the mask
+                mask_rows(logits, constrained)
+                raw_logits = raw_logits.clone()
+                mask_rows(raw_logits, constrained)
         tokens = torch.empty(len(seqs), dtype=torch.int64)
         greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
         random = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
@@ -82,6 +91,9 @@ class Sampler:
         if random:
             tokens[random] = self.sample_random(logits[random], [seqs[i] for i in random])
         token_list = tokens.tolist()
+        for constraint, token in zip(constrained, token_list):
+            if constraint is not None:
+                constraint.take(token)
         logprobs: list[float | None] = [None] * len(seqs)
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
         if wanted:

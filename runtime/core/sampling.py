@@ -55,6 +55,8 @@ class SamplingParams:
     min_p (0 = off) drops, after temperature, every token less likely than min_p times the most likely one.
     logit_bias adds its value (in [-100, 100], OpenAI's range) to its token's logit before everything else,
     greedy included; it is given as a mapping or pairs of (token id, bias) and stored as sorted pairs.
+    grammar (an llguidance grammar spec: runtime/core/constraints.py) constrains every output token to what it
+    allows; the request ends when the grammar is complete.
     speculative=False keeps the request out of speculative decoding where the engine runs it (it then
     decodes one token per step); its tokens are the same either way for greedy requests.
     stop and stop_token_ids accept any sequence and are stored as tuples so the params stay immutable.
@@ -78,6 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    grammar: str | None = None
     speculative: bool = True
 
     def __post_init__(self) -> None:
@@ -128,6 +131,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         if not all(_is_int(t) and t >= 0 and _is_number(v) and -100.0 <= v <= 100.0 for t, v in bias):
             raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {dict(bias)!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be a grammar spec (a string), got {type(self.grammar).__name__}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         object.__setattr__(self, "stop", stop)
@@ -159,8 +164,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Its logits change before greedy or sampling (penalties, logit_bias): no device greedy, no guesses."""
-        return self.uses_penalties or bool(self.logit_bias)
+        """Its logits change before greedy or sampling (penalties, logit_bias, a grammar's mask): no device greedy,
+        no guesses."""
+        return self.uses_penalties or bool(self.logit_bias) or self.grammar is not None
 
     def held_back_token_ids(self, num_output_tokens: int) -> tuple[int, ...]:
         """The token ids the next token may not be, after num_output_tokens: those that would stop it early."""

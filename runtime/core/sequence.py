@@ -46,6 +46,7 @@ class Sequence:
         self.logprobs: list[float] = []  # log-prob of each output token, when params.logprobs
         # log-prob of each prompt token when params.prompt_logprobs is set (None for the first: nothing before it)
         self.prompt_logprobs: list[float | None] = [None]
+        self.constraint = None  # params.grammar's state (runtime/core/constraints.py Constraint), set by the engine
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.arrival = next(_arrival_counter)

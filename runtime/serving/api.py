@@ -33,7 +33,7 @@ from runtime.serving.protocol import (
     Usage,
 )
 from runtime.serving.quotas import KeyQuotas
-from runtime.serving.request_params import sampling_params
+from runtime.serving.request_params import checked_grammar, sampling_params
 from runtime.serving.tokens import add_token_routes
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -172,13 +172,14 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
                     probe: bool = False) -> _Run:
         """Submit body.n choices per prompt (choice index = prompt index * n + i); probe: with log-probs."""
         llm = pool.llm
+        grammar = await checked_grammar(body, llm)
         requests = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):
                 max_tokens = (answer.max_tokens if answer.max_tokens is not None
                               else max(1, context_len(llm) - len(ids)))
                 params = sampling_params(body, llm, i, max_tokens, answer.logprobs or probe, answer.top_logprobs,
-                                         answer.prompt_logprobs)
+                                         answer.prompt_logprobs, grammar)
                 requests.append((f"{answer.rid}-{p * body.n + i}", ids, params))
         try:
             outputs = await pool.submit(requests, arrival)

@@ -14,8 +14,8 @@ from typing import Callable, ContextManager
 
 from runtime.backends.activations import describe
 from runtime.core.engine import LLMEngine, RequestOutput
-from runtime.format.engine_format import EngineError
 from runtime.core.sampling import SamplingParams
+from runtime.format.engine_format import EngineError
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import APIError
 

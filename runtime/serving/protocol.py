@@ -7,6 +7,7 @@ than silently ignored; fields that change nothing (user, metadata, ...) are acce
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -79,6 +80,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(_Strict):
     model: str
     stream: bool = False
@@ -100,7 +115,37 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
+    # Structured outputs beyond response_format, as in vLLM: a regex, one of some strings, a Lark grammar.
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     speculative: bool = True  # false: this request decodes without speculative guesses (Kiln's own)
+
+    def grammar(self) -> tuple[str, str] | None:
+        """(the llguidance grammar its outputs must follow, the field that asked for it), or None when free."""
+        from runtime.core.constraints import json_schema_grammar, lark_grammar, regex_grammar
+
+        asked = [name for name in ("guided_regex", "guided_choice", "guided_grammar") if getattr(self, name)]
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            asked.append("response_format")
+        if len(asked) > 1:
+            raise APIError(400, f"{' and '.join(asked)}: give one way to constrain the output", param=asked[1])
+        if not asked:
+            return None
+        if asked[0] == "guided_regex":
+            return regex_grammar(self.guided_regex), "guided_regex"
+        if asked[0] == "guided_choice":
+            return regex_grammar("|".join(map(re.escape, self.guided_choice))), "guided_choice"
+        if asked[0] == "guided_grammar":
+            return lark_grammar(self.guided_grammar), "guided_grammar"
+        if fmt.type == "json_object":
+            return json_schema_grammar({"type": "object"}), "response_format"
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format: json_schema needs its `json_schema` object (name, schema)",
+                           param="response_format")
+        return json_schema_grammar(fmt.json_schema.schema_), "response_format"
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from runtime.backends import open_engine
 from runtime.core.chat import render_chat
+from runtime.core.constraints import Grammars
 from runtime.core.engine import EngineOptions, RequestOutput, _read_json
 from runtime.core.sampling import SamplingParams
 from runtime.format.special_tokens import from_tokenizer
@@ -66,6 +67,7 @@ class ModelFrontend:
         self.special_tokens = self.engine.manifest.special_tokens or from_tokenizer(self.tokenizer_config,
                                                                                     self.tokenizer)
         self.eos_token_ids = self.engine.manifest.eos_token_ids
+        self.grammars = Grammars(self.tokenizer, self.eos_token_ids)  # requests' grammars are checked here
         self.block_size = described["block_size"]
         self.num_blocks = described["num_blocks"]
         self.context_len = described["context_len"]  # what prompts.context_len gives for the replica's engine

@@ -4,12 +4,15 @@ transformers apply them. A value the engine refuses is a 400 naming the field.""
 
 from __future__ import annotations
 
+import asyncio
+
+from runtime.core.constraints import GrammarError
 from runtime.core.sampling import GENERATION_DEFAULTS, SamplingParams, generation_defaults
 from runtime.serving.protocol import APIError
 
 
 def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top_logprobs: int,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
     """The params of choice `choice` (its seed is the request's + choice) of a completion or chat request."""
     given = generation_defaults(getattr(llm, "generation_config", {}))
 
@@ -26,7 +29,21 @@ def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top
             stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=body.token_bias(),
             speculative=body.speculative, presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, stop=body.stop_strings(), logprobs=logprobs,
-            top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
+            top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar)
     except ValueError as exc:  # the message starts with the field's name
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name if name in type(body).model_fields else None) from None
+
+
+async def checked_grammar(body, llm) -> str | None:
+    """The request's grammar (protocol's grammar()), compiled once for the engine's tokenizer on a worker thread
+    (the first converts the tokenizer, about a second); one that does not compile is a 400 naming its field."""
+    asked = body.grammar()
+    if asked is None:
+        return None
+    grammar, field = asked
+    try:
+        await asyncio.to_thread(llm.grammars.check, grammar)
+    except GrammarError as exc:
+        raise APIError(400, f"{field}: {exc}", param=field) from None
+    return grammar

@@ -1,0 +1,78 @@
+"""Structured outputs against a real server on the shipped SmolLM2 engine, driven by the openai SDK as an
+application would: `chat.completions.parse` with a Pydantic model (whole and streamed), vLLM's guided_choice and
+guided_regex, constrained and free requests in one batch (the free ones unchanged), and bad grammars refused."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from typing import Literal
+
+import httpx
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel, Field
+from test_server import MODEL, ServerProcess
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    population_millions: int = Field(ge=0, le=100)
+    continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_default_engine, tmp_path_factory):
+    proc = ServerProcess(smollm2_default_engine, tmp_path_factory.mktemp("structured") / "server.log")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "Describe Paris as JSON: name, country, population in millions, continent."}]
+
+
+def test_parse_returns_the_pydantic_object_whole_and_streamed(client):
+    parsed = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=City, max_tokens=80,
+                                           temperature=0).choices[0]
+    assert parsed.finish_reason == "stop" and isinstance(parsed.message.parsed, City), parsed.message.content
+    with client.chat.completions.stream(model=MODEL, messages=MESSAGES, response_format=City, max_tokens=80,
+                                        temperature=0) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.message.parsed == parsed.message.parsed
+    sampled = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=City, max_tokens=80,
+                                            temperature=1.0, seed=7, n=3)
+    assert all(isinstance(c.message.parsed, City) for c in sampled.choices)
+
+
+def test_guided_choice_and_regex_beside_free_requests(client):
+    free = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0)
+    alone = client.chat.completions.create(**free).choices[0].message.content
+    question = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    requests = [dict(free), dict(free, messages=question, extra_body={"guided_choice": ["yes", "no"]}),
+                dict(free, messages=question, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"}), dict(free)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # one batch: constrained and free rows together
+        answers = list(pool.map(lambda r: client.chat.completions.create(**r).choices[0].message.content, requests))
+    assert answers[0] == answers[3] == alone
+    assert answers[1] in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", answers[2])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"guided_grammar": "start: /[a-z]+/ missing_rule"}, "guided_grammar"),
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(server, client, extra, param):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].message.content
