@@ -23,13 +23,15 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def render_chat(tokenizer_config: dict, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer_config: dict, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    """The template's text for the messages (tools: the request's, for a template that renders them)."""
     source = tokenizer_config.get("chat_template")
     if not source:
         raise ChatTemplateError("this engine has no chat template; send a plain completion instead")
     try:
         return _compile(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=tokenizer_config.get("bos_token") or "", eos_token=tokenizer_config.get("eos_token") or "")
     except ChatTemplateError:
         raise

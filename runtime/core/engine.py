@@ -370,8 +370,9 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return render_chat(self.tokenizer_config, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return render_chat(self.tokenizer_config, messages, add_generation_prompt, tools)
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager

@@ -17,10 +17,13 @@ from runtime.serving.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    ToolCall,
+    ToolCallDelta,
     Usage,
     chat_logprobs,
     completion_logprobs,
 )
+from runtime.serving.tools import parse_calls, tool_format
 
 
 class Answer:
@@ -99,6 +102,20 @@ class CompletionAnswer(Answer):
 class ChatAnswer(Answer):
     id_prefix = "chatcmpl"
 
+    @property
+    def tools(self) -> list[dict]:
+        return self.body.tools_in_use
+
+    def _message(self, out: RequestOutput) -> tuple[str | None, list[ToolCall] | None, str | None]:
+        """(content, tool calls, finish reason) of a finished output: its calls read back when tools are in use."""
+        if not self.tools:
+            return out.text, None, out.finish_reason
+        fmt = tool_format(str(self.llm.tokenizer_config.get("chat_template") or ""))
+        content, calls = parse_calls(out.text, fmt, {t["function"]["name"] for t in self.tools})
+        if not calls:
+            return out.text, None, out.finish_reason
+        return content, [ToolCall(**c) for c in calls], "tool_calls"
+
     def prompts(self, reader: PromptReader) -> list[list[int]]:
         return reader.chat_prompts(self.body, self.max_tokens)
 
@@ -126,7 +143,15 @@ class ChatAnswer(Answer):
         return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
                              for i in range(self.body.n)])]
 
-    def chunk(self, i: int, out: RequestOutput, sent: int) -> BaseModel:
+    def chunk(self, i: int, out: RequestOutput, sent: int) -> BaseModel | None:
+        if self.tools:  # calls are read from the whole text: held back until it is finished, then sent at once
+            if not out.finished:
+                return None
+            content, calls, reason = self._message(out)
+            deltas = None if calls is None else [ToolCallDelta(index=k, id=c.id, function=c.function)
+                                                 for k, c in enumerate(calls)]
+            return self._chunk([ChatChunkChoice(index=i, delta=Delta(content=content, tool_calls=deltas),
+                                                logprobs=self._logprobs(out, 0), finish_reason=reason)])
         return self._chunk([ChatChunkChoice(index=i, delta=Delta(content=out.delta), logprobs=self._logprobs(out, sent),
                                             finish_reason=out.finish_reason)])
 
@@ -136,5 +161,9 @@ class ChatAnswer(Answer):
     def response(self, finals: list[RequestOutput], usage: Usage) -> BaseModel:
         return ChatCompletionResponse(
             id=self.rid, created=self.created, model=self.model, usage=usage,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), logprobs=self._logprobs(o, 0),
-                                finish_reason=o.finish_reason) for i, o in enumerate(finals)])
+            choices=[self._choice(i, o) for i, o in enumerate(finals)])
+
+    def _choice(self, i: int, out: RequestOutput) -> ChatChoice:
+        content, calls, reason = self._message(out)
+        return ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
+                          logprobs=self._logprobs(out, 0), finish_reason=reason)

@@ -266,7 +266,8 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
         if body.stream:
             def chunk_for(i, out, sent):
                 if out.delta or out.finished or answer.logprobs:
-                    return _sse(answer.chunk(i, out, sent))
+                    chunk = answer.chunk(i, out, sent)  # None: held back (tool calls are read when finished)
+                    return _sse(chunk) if chunk is not None else None
 
             def usage_for(finals):
                 return _sse(answer.usage_chunk(_usage(prompt_lens, body.n, finals)))

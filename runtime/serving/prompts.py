@@ -15,6 +15,7 @@ import json
 from runtime.core.chat import ChatTemplateError
 from runtime.core.engine import LLMEngine
 from runtime.serving.protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest
+from runtime.serving.tools import takes_tools, template_messages
 
 # Pre-tokenizers that split a text without dropping any of it (Whitespace, Bert drop spaces).
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
@@ -59,8 +60,14 @@ class PromptReader:
     def chat_text(self, body) -> str:
         """body.messages rendered by the model's chat template (body.add_generation_prompt: with the assistant's
         opening); a template that refuses them is a 400."""
+        template = str(self.llm.tokenizer_config.get("chat_template") or "")
+        messages = [m.for_template() for m in body.messages]
+        tools = getattr(body, "tools_in_use", [])
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = template_messages(messages, tools, template)
         try:
-            return self.llm.apply_chat_template([m.for_template() for m in body.messages], body.add_generation_prompt)
+            return self.llm.apply_chat_template(messages, body.add_generation_prompt,
+                                                tools if tools and takes_tools(template) else None)
         except ChatTemplateError as exc:
             message = str(exc) if "chat template" in str(exc) else f"the chat template refused the messages: {exc}"
             raise APIError(400, message, param="messages", code="chat_template_error") from None

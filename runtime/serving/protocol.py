@@ -19,8 +19,7 @@ from runtime.core.sampling import MAX_TOP_LOGPROBS
 MAX_CHOICES = 128  # prompts x n of one request
 
 # Accepted and ignored: they label a request but do not change what is generated.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
-                            "prompt_cache_key", "safety_identifier"})
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 
 class APIError(Exception):
@@ -66,7 +65,7 @@ def _field_path(loc: tuple, body: Any) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- requests
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     def check_supported(self) -> None:
@@ -76,11 +75,11 @@ class _Strict(BaseModel):
                 raise APIError(400, f"`{name}` is not supported by this server; leave it out", param=name)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
@@ -89,12 +88,12 @@ class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, populate_by_name=True)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(StrictModel):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -194,15 +193,28 @@ class CompletionRequest(_SamplingRequest):
         return list(prompt)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's calls, in the history
+    tool_call_id: str | None = None            # a tool message: the call it answers
 
     def for_template(self) -> dict[str, Any]:
         """The message as a chat template sees it: content as one string, extra fields kept."""
@@ -210,9 +222,33 @@ class ChatMessage(_Strict):
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return message
+
+
+class FunctionSpec(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(StrictModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -221,11 +257,39 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True  # an extension, as in vLLM
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise APIError(400, "tools: two tools have one name", param="tools")
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        if named is not None and named not in names:
+            raise APIError(400, f"tool_choice names {named!r}, which is not among the tools given "
+                                f"({', '.join(names) or 'none'})", param="tool_choice")
+        if self.tool_choice == "required" and not names:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        if self.forced_tool() is not False and self.grammar() is not None:
+            raise APIError(400, "tool_choice forces a call: it cannot be combined with response_format or guided_*",
+                           param="tool_choice")
+
+    @property
+    def tools_in_use(self) -> list[dict]:
+        """The tools the model is shown ([] for none, or tool_choice 'none')."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tool(self) -> str | None | bool:
+        """False: the model may answer without a call; None: it must call some tool; a name: that one."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None if self.tool_choice == "required" and self.tools else False
 
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -304,7 +368,8 @@ def chat_logprobs(tokens: list[str], logprobs: list[float], text_of: TokenText) 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -323,9 +388,17 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -355,37 +428,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# ---------------------------------------------------------------------------------------- tokens (vLLM's shapes)
-
-class TokenizeRequest(_Strict):
-    """A prompt as /v1/completions reads it, or messages as /v1/chat/completions renders them."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if (self.prompt is None) == (self.messages is None):
-            raise APIError(400, "give either prompt or messages", param="prompt")
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

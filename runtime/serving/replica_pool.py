@@ -73,8 +73,9 @@ class ModelFrontend:
         self.context_len = described["context_len"]  # what prompts.context_len gives for the replica's engine
         self.limits = SimpleNamespace(max_seq_len=described["context_len"])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return render_chat(self.tokenizer_config, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return render_chat(self.tokenizer_config, messages, add_generation_prompt, tools)
 
 
 class ReplicaPool:

@@ -9,6 +9,7 @@ import asyncio
 from runtime.core.constraints import GrammarError
 from runtime.core.sampling import GENERATION_DEFAULTS, SamplingParams, generation_defaults
 from runtime.serving.protocol import APIError
+from runtime.serving.tools import call_grammar, tool_format
 
 
 def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top_logprobs: int,
@@ -38,10 +39,15 @@ def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top
 async def checked_grammar(body, llm) -> str | None:
     """The request's grammar (protocol's grammar()), compiled once for the engine's tokenizer on a worker thread
     (the first converts the tokenizer, about a second); one that does not compile is a 400 naming its field."""
-    asked = body.grammar()
-    if asked is None:
-        return None
-    grammar, field = asked
+    forced = body.forced_tool() if hasattr(body, "forced_tool") else False
+    if forced is not False:  # tool_choice "required" or a named function: calls only
+        fmt = tool_format(str(llm.tokenizer_config.get("chat_template") or ""))
+        grammar, field = call_grammar(body.tools_in_use, forced, body.parallel_tool_calls is not False, fmt), "tools"
+    else:
+        asked = body.grammar()
+        if asked is None:
+            return None
+        grammar, field = asked
     try:
         await asyncio.to_thread(llm.grammars.check, grammar)
     except GrammarError as exc:

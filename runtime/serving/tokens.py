@@ -8,16 +8,43 @@ import asyncio
 from collections.abc import Callable
 
 from fastapi import FastAPI
+from pydantic import BaseModel
 
 from runtime.serving.engine_loop import EngineLoop
 from runtime.serving.prompts import PromptReader, context_len
-from runtime.serving.protocol import (
-    APIError,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from runtime.serving.protocol import APIError, ChatMessage, StrictModel
+
+
+class TokenizeRequest(StrictModel):
+    """A prompt as /v1/completions reads it, or messages as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def add_token_routes(app: FastAPI, models: dict[str, EngineLoop], prompt_reader: Callable[..., PromptReader]) -> None:

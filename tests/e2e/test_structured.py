@@ -76,3 +76,75 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(server, clien
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].message.content
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_required_and_named_tool_choices_return_calls_that_validate(client):
+    import json
+
+    import jsonschema
+
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                         max_tokens=80, temperature=0).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.tool_calls, out.message
+    for call in out.message.tool_calls:
+        spec = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+        assert call.id.startswith("call_") and call.type == "function"
+    named = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           parallel_tool_calls=False, temperature=0).choices[0]
+    assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
+    streamed = [chunk.choices[0] for chunk in client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0, stream=True)
+        if chunk.choices]
+    calls = [c for choice in streamed for c in choice.delta.tool_calls or ()]
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    assert streamed[-1].finish_reason == "tool_calls"
+
+
+def test_a_history_with_calls_and_results_is_accepted(client):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                         max_tokens=30, temperature=0).choices[0]
+    assert out.message.content and out.message.tool_calls is None and out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400s(server, extra, param):
+    response = httpx.post(f"{server.url}/v1/chat/completions",
+                          json={"model": MODEL, "messages": ASK, "max_tokens": 4, **extra}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_langchain_structured_output_and_bound_tools(server):
+    """langchain-openai's ChatOpenAI against Kiln: with_structured_output (json_schema) and bind_tools."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused", temperature=0, max_tokens=80,
+                      max_retries=0)
+    city = chat.with_structured_output(City, method="json_schema").invoke(MESSAGES[0]["content"])
+    assert isinstance(city, City)
+    message = chat.bind_tools([WEATHER], tool_choice="required").invoke(ASK[0]["content"])
+    assert [call["name"] for call in message.tool_calls] and all(
+        call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"} for call in message.tool_calls)
