@@ -77,10 +77,11 @@ class Sampler:
             logits = logits.clone()
             for i in adjusted:
                 _adjust(logits[i], seqs[i])
-            if any(c is not None for c in constrained):  # its log-probs are taken after the mask
+            if any(c is not None for c in constrained):
                 mask_rows(logits, constrained)
-                raw_logits = raw_logits.clone()
-                mask_rows(raw_logits, constrained)
+                if any(c is not None and seq.params.logprobs for c, seq in zip(constrained, seqs)):
+                    raw_logits = raw_logits.clone()  # its log-probs are taken after the mask
+                    mask_rows(raw_logits, constrained)
         tokens = torch.empty(len(seqs), dtype=torch.int64)
         greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
         random = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]

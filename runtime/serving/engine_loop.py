@@ -133,6 +133,7 @@ class EngineLoop:
         try:
             with self._open_engine() as llm:
                 self.llm = llm
+                llm.grammars.warm()  # structured outputs' tokenizer, ready before the first such request
                 if line := describe(llm.engine):
                     log.info("%s: %s", llm.engine.manifest.model_name, line)
                 self.ready = True

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runtime.core.constraints import json_schema_grammar, lark_grammar, regex_grammar
 from runtime.core.sampling import MAX_TOP_LOGPROBS
 
 MAX_CHOICES = 128  # prompts x n of one request
@@ -123,8 +124,6 @@ class _SamplingRequest(StrictModel):
 
     def grammar(self) -> tuple[str, str] | None:
         """(the llguidance grammar its outputs must follow, the field that asked for it), or None when free."""
-        from runtime.core.constraints import json_schema_grammar, lark_grammar, regex_grammar
-
         asked = [name for name in ("guided_regex", "guided_choice", "guided_grammar") if getattr(self, name)]
         fmt = self.response_format
         if fmt is not None and fmt.type != "text":

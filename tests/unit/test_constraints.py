@@ -1,0 +1,74 @@
+"""Grammars on a small byte-level tokenizer made here: the mask lets through exactly what the grammar allows,
+a complete grammar is `done`, a grammar that does not compile is a GrammarError with llguidance's reason, and the
+sampler keeps a constrained row inside its grammar at any temperature while a free row beside it is untouched."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from runtime.core.constraints import GrammarError, Grammars, json_schema_grammar, mask_rows, regex_grammar
+from runtime.core.sampler import Sampler
+from runtime.core.sampling import SamplingParams
+from runtime.core.sequence import Sequence
+
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ['{"name": "Kiln", "age": 3}', "123-45", "yes no maybe", '{"a": [1, 2, 3]}'] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    return Grammars(tokenizer, (EOS,))
+
+
+def test_the_mask_allows_what_the_grammar_allows(grammars):
+    constraint = grammars.constraint(regex_grammar("[0-9]{3}-[0-9]{2}"))
+    vocab = grammars._tokenizer.get_vocab_size()
+    logits = torch.zeros(2, vocab)
+    mask_rows(logits, [constraint, None])
+    allowed = [t for t in range(vocab) if logits[0, t] == 0]
+    texts = [grammars._tokenizer.decode([t]) for t in allowed]
+    assert allowed and all(text and text[0].isdigit() and set(text) <= set("0123456789-") for text in texts)
+    assert bool((logits[1] == 0).all())  # the free row is untouched
+    for token in grammars._tokenizer.encode("123-45").ids:
+        assert not constraint.done
+        constraint.take(token)
+    constraint.take(EOS)
+    assert constraint.done
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constrained_row_follows_its_schema_beside_a_free_one(grammars, temperature):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=64, grammar=json_schema_grammar(schema))
+    seq, free = Sequence("c", [1], params), Sequence("f", [1], SamplingParams(temperature=0.0, max_tokens=64))
+    seq.constraint = grammars.constraint(params.grammar)
+    vocab = grammars._tokenizer.get_vocab_size()
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    while not seq.constraint.done and len(out) < 64:
+        logits = torch.randn(2, vocab, generator=generator)
+        tokens, _ = Sampler().sample(logits, [seq, free])
+        assert tokens[1] == int(logits[1].argmax())  # the free row chose as it would alone
+        seq.append_token(tokens[0])
+        out.append(tokens[0])
+    assert seq.constraint.done  # the closing brace completes it: nothing but EOS could follow
+    text = grammars._tokenizer.decode([t for t in out if t != EOS])
+    assert set(json.loads(text)) == {"n"} and json.loads(text)["n"] in range(100)
+
+
+@pytest.mark.parametrize("grammar, reason", [
+    (json_schema_grammar({"type": "objectx"}), "objectx"),
+    (json_schema_grammar({"type": "array", "uniqueItems": True}), "uniqueItems"),
+])
+def test_a_grammar_that_does_not_compile_says_why(grammars, grammar, reason):
+    with pytest.raises(GrammarError, match=reason):
+        grammars.check(grammar)
