@@ -8,7 +8,8 @@ The load is benchmarks/structured_schemas.py's 30 schemas, each asked for in a c
 JSON.") with response_format json_schema (strict). At each concurrency c and temperature, the same requests
 (30, or c when c is larger, cycling the schemas; 10 at concurrency 1 to keep a level short) run twice: constrained,
 and free (no response_format, ignore_eos, each generating as many tokens as it did constrained: the same work). Each server is started here on a
-free port and stopped before the next (see bench_serving.py for vLLM's install and the GGUF's conversion).
+free port, sent one constrained request untimed, and stopped before the next (see bench_serving.py for vLLM's
+install and the GGUF's conversion).
 
     valid     share of constrained outputs that parse as JSON and validate (jsonschema, formats not checked)
     tok/s     completion tokens of the level / its wall time, constrained and free, and their ratio
@@ -41,8 +42,11 @@ async def level(base_url: str, concurrency: int, temperature: float, max_tokens:
     picked = [SCHEMAS[i % len(SCHEMAS)] for i in range(count)]
     limit = asyncio.Semaphore(concurrency)
 
+    mode = f"{'free' if lengths else 'constrained'} T={temperature:g} c={concurrency}"
+
     async def one(http: httpx.AsyncClient, i: int, what: str, schema: dict) -> tuple[int, bool]:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Give {what} as JSON."}],
+        # A tag of its own on every prompt: no level reads another's prompts from the prefix cache.
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"({mode}, {i}) Give {what} as JSON."}],
                 "max_tokens": max_tokens, "temperature": temperature, "seed": i}
         if lengths is None:
             body["response_format"] = {"type": "json_schema",
@@ -73,6 +77,10 @@ async def level(base_url: str, concurrency: int, temperature: float, max_tokens:
 
 
 def measure(name: str, base_url: str, args) -> list[dict]:
+    what, schema = SCHEMAS[0]  # a first constrained request (its tokenizer converted, its first mask), not timed
+    httpx.post(f"{base_url}/v1/chat/completions", timeout=None, json={
+        "model": MODEL, "messages": [{"role": "user", "content": f"Give {what} as JSON."}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "warm", "schema": schema}}})
     rows = []
     for temperature in args.temperatures:
         for concurrency in args.concurrency:

@@ -15,6 +15,7 @@ given to constrained sequences.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -101,19 +102,28 @@ def lark_grammar(grammar: str) -> str:
     return LLMatcher.grammar_from_lark(grammar)
 
 
+@functools.cache
+def _executor():
+    from llguidance import LLExecutor
+
+    return LLExecutor()
+
+
 def mask_rows(logits: torch.Tensor, constraints: list[Constraint | None]) -> None:
     """Set to -inf, in place, every logit of row r that constraints[r] does not allow next (None: row left free),
     rows [R, V] float32 on the host. The allowed sets are computed as one bitmask, unpacked to booleans and
     applied to the constrained rows together (about 50 us a row of 49,152; llguidance's numpy kernel took 300). A
     grammar in error allows nothing: the engine ends its sequence."""
-    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
     rows = [r for r, c in enumerate(constraints) if c is not None]
     if not rows:
         return
     bitmask = allocate_token_bitmask(len(rows), constraints[rows[0]].vocab_size)
-    for i, r in enumerate(rows):
-        fill_next_token_bitmask(constraints[r].matcher, bitmask, i)
+    if len(rows) == 1:
+        fill_next_token_bitmask(constraints[rows[0]].matcher, bitmask, 0)
+    else:  # llguidance's own threads, one row each, outside the GIL
+        fill_next_token_bitmask_par(_executor(), [(constraints[r].matcher, i) for i, r in enumerate(rows)], bitmask)
     vocab = logits.shape[1]
     allowed = torch.from_numpy(np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(np.bool_))
     if allowed.shape[1] >= vocab:
