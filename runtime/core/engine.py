@@ -76,7 +76,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[float] | None = None
+    # params.top_logprobs: each output position's most likely tokens, (token id, log-prob), most likely first
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     prompt_logprobs: list[float | None] | None = None  # params.prompt_logprobs: one per prompt token, None first
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] | None = None  # ... and their alternatives
     error: str | None = None
     num_proposed_tokens: int = 0     # speculative guesses verified for this request
     num_accepted_tokens: int = 0     # of those, the ones that stood
@@ -351,8 +354,7 @@ class LLMEngine:
             request_id=seq.request_id, delta=delta, text=detok.text, token_ids=list(seq.output_token_ids),
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            **_logprob_fields(seq),
             num_proposed_tokens=seq.num_proposed_tokens, num_accepted_tokens=seq.num_accepted_tokens,
             kv_handoff=seq.kv_handoff)
 
@@ -386,6 +388,19 @@ class LLMEngine:
             **({} if spec is None else dict(spec_proposed_tokens=spec.proposed_tokens,
                                             spec_accepted_tokens=spec.accepted_tokens, spec_steps=spec.spec_steps,
                                             spec_emitted_tokens=spec.emitted_tokens)))
+
+
+def _logprob_fields(seq: Sequence) -> dict:
+    """A RequestOutput's log-prob fields: plain floats, and the alternatives apart (sampling.Logprob's `top`)."""
+    params, fields = seq.params, {}
+    if params.logprobs:
+        fields["logprobs"] = [float(lp) for lp in seq.logprobs]
+        if params.top_logprobs:
+            fields["top_logprobs"] = [lp.top for lp in seq.logprobs]
+    if params.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = [None if lp is None else float(lp) for lp in seq.prompt_logprobs]
+        fields["prompt_top_logprobs"] = [None if lp is None else lp.top for lp in seq.prompt_logprobs]
+    return fields
 
 
 def record_prompt_logprobs(rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:

@@ -75,9 +75,11 @@ class CompletionAnswer(Answer):
             echoed = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(ids, skip_special_tokens=False)
         if self.logprobs:
             lp = completion_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:],
-                                     len(echoed) + len(out.text) - len(text), self.token_text)
+                                     len(echoed) + len(out.text) - len(text), self.token_text,
+                                     (out.top_logprobs or [])[sent:])
             if echoed and sent == 0:
-                before = completion_logprobs(self.token_texts(ids), out.prompt_logprobs, 0, self.token_text)
+                before = completion_logprobs(self.token_texts(ids), out.prompt_logprobs, 0, self.token_text,
+                                             out.prompt_top_logprobs)
                 before.top_logprobs[0] = None  # the first token has no position before it
                 lp = CompletionLogprobs(**{k: getattr(before, k) + getattr(lp, k)
                                            for k in CompletionLogprobs.model_fields})
@@ -134,7 +136,8 @@ class ChatAnswer(Answer):
     def _logprobs(self, out: RequestOutput, sent: int):
         if not self.logprobs:
             return None
-        return chat_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:], self.token_text)
+        return chat_logprobs(self.token_texts(out.token_ids[sent:]), out.logprobs[sent:], self.token_text,
+                             (out.top_logprobs or [])[sent:])
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
         return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)

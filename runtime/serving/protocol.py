@@ -329,17 +329,18 @@ class CompletionResponse(BaseModel):
 TokenText = Callable[[int], str]  # a token id -> its text
 
 
-def _top(logprob: float) -> tuple[tuple[int, float], ...]:
-    return getattr(logprob, "top", ())  # runtime.core.sampling.Logprob's alternatives
+Alternatives = list[tuple[tuple[int, float], ...] | None]  # per position: (token id, log-prob), most likely first
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: int,
-                        text_of: TokenText) -> CompletionLogprobs:
+def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: int, text_of: TokenText,
+                        alternatives: Alternatives | None = None) -> CompletionLogprobs:
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    top = [None if lp is None else {**{text_of(i): v for i, v in _top(lp)}, t: lp} for t, lp in zip(tokens, logprobs)]
+    alternatives = alternatives or [()] * len(tokens)
+    top = [None if lp is None else {**{text_of(i): v for i, v in alts or ()}, t: lp}
+           for t, lp, alts in zip(tokens, logprobs, alternatives)]
     return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
 
 
@@ -357,12 +358,14 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float], text_of: TokenText) -> ChoiceLogprobs:
-    def alternatives(lp) -> list[TopLogprob]:
-        return [TopLogprob(token=(text := text_of(i)), logprob=v, bytes=list(text.encode())) for i, v in _top(lp)]
+def chat_logprobs(tokens: list[str], logprobs: list[float], text_of: TokenText,
+                  alternatives: Alternatives | None = None) -> ChoiceLogprobs:
+    def shown(alts) -> list[TopLogprob]:
+        return [TopLogprob(token=(text := text_of(i)), logprob=v, bytes=list(text.encode())) for i, v in alts or ()]
 
-    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()),
-                                                top_logprobs=alternatives(lp)) for t, lp in zip(tokens, logprobs)])
+    alternatives = alternatives or [()] * len(tokens)
+    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=shown(alts))
+                                   for t, lp, alts in zip(tokens, logprobs, alternatives)])
 
 
 class AssistantMessage(BaseModel):

@@ -255,8 +255,9 @@ def test_top_logprobs_on_chat_and_completions_streamed_or_not(client, offline):
                                                                    top_logprobs=3))[0]
     assert out.token_logprobs == pytest.approx([float(lp) for lp in ref.logprobs], abs=1e-5)
     text_of = lambda i: offline.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
-    for token, top, lp in zip(out.tokens, out.top_logprobs, ref.logprobs):  # texts of two ids may be one key
-        assert len(lp.top) == 3 and top == pytest.approx({**{text_of(i): v for i, v in lp.top}, token: lp}, abs=1e-5)
+    for token, top, lp, alts in zip(out.tokens, out.top_logprobs, ref.logprobs, ref.top_logprobs):
+        assert len(alts) == 3  # and the texts of two ids may be one key
+        assert top == pytest.approx({**{text_of(i): v for i, v in alts}, token: lp}, abs=1e-5)
 
 
 def test_logit_bias_stop_token_ids_and_min_p(client, offline):
