@@ -2,14 +2,15 @@
 in output tok/s, on Kiln's server and vLLM's CPU build (which ships xgrammar and llguidance) side by side.
 
     python benchmarks/structured.py [--kiln-engine engines/smollm2-135m] [--vllm /tmp/venv-vllm/bin/python]
-        [--concurrency 1,32] [--temperatures 0,1] [--max-tokens 256] [--threads N] [--out FILE.json]
+        [--concurrency 1,32] [--temperatures 0,1] [--max-tokens 256] [--threads N] [--rounds 3] [--out FILE.json]
 
 The load is benchmarks/structured_schemas.py's 30 schemas, each asked for in a chat request ("Give <what> as
-JSON.") with response_format json_schema (strict). At each concurrency c and temperature, the same requests
-(30, or c when c is larger, cycling the schemas; 10 at concurrency 1 to keep a level short) run twice: constrained,
-and free (no response_format, ignore_eos, each generating as many tokens as it did constrained: the same work). Each server is started here on a
-free port, sent one constrained request untimed, and stopped before the next (see bench_serving.py for vLLM's
-install and the GGUF's conversion).
+JSON.") with response_format json_schema (strict). At each concurrency c and temperature, the same requests (30, or
+c when c is larger, cycling the schemas; 10 at concurrency 1 to keep a level short) run twice: constrained, and
+free (no response_format, ignore_eos, each generating as many tokens as it did constrained: the same work), in
+`--rounds` interleaved pairs (one pair's ratio moved 0.77-1.01x run to run on a 2-core VM; the median is shown).
+Each server is started here on a free port, sent one constrained request untimed, and stopped before the next (see
+bench_serving.py for vLLM's install and the GGUF's conversion).
 
     valid     share of constrained outputs that parse as JSON and validate (jsonschema, formats not checked)
     tok/s     completion tokens of the level / its wall time, constrained and free, and their ratio
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -35,14 +37,14 @@ MODEL = "smollm2-135m"
 
 
 async def level(base_url: str, concurrency: int, temperature: float, max_tokens: int,
-                lengths: list[int] | None = None) -> dict:
+                lengths: list[int] | None = None, round_: int = 0) -> dict:
     """Constrained requests, or (lengths given) the same requests free, each generating as many tokens as its
     constrained run did: the same work, so the tok/s ratio is what constraining costs."""
     count = 10 if concurrency == 1 else max(len(SCHEMAS), concurrency)
     picked = [SCHEMAS[i % len(SCHEMAS)] for i in range(count)]
     limit = asyncio.Semaphore(concurrency)
 
-    mode = f"{'free' if lengths else 'constrained'} T={temperature:g} c={concurrency}"
+    mode = f"{'free' if lengths else 'constrained'} T={temperature:g} c={concurrency} round {round_}"
 
     async def one(http: httpx.AsyncClient, i: int, what: str, schema: dict) -> tuple[int, bool]:
         # A tag of its own on every prompt: no level reads another's prompts from the prefix cache.
@@ -84,16 +86,23 @@ def measure(name: str, base_url: str, args) -> list[dict]:
     rows = []
     for temperature in args.temperatures:
         for concurrency in args.concurrency:
-            constrained = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens))
-            free = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens, constrained["lengths"]))
+            rounds = []  # constrained then free, round after round: the ratio of each pair, taken at the same load
+            for round_ in range(args.rounds):
+                constrained = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens, None, round_))
+                free = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens, constrained["lengths"],
+                                         round_))
+                rounds.append((constrained, free))
             rows.append({"server": name, "temperature": temperature, "concurrency": concurrency,
-                         "valid": constrained["valid"], "constrained_tok_s": constrained["tok_s"],
-                         "free_tok_s": free["tok_s"], "ratio": constrained["tok_s"] / free["tok_s"],
-                         "requests": constrained["requests"]})
+                         "valid": statistics.fmean(c["valid"] for c, _ in rounds),
+                         "constrained_tok_s": statistics.median(c["tok_s"] for c, _ in rounds),
+                         "free_tok_s": statistics.median(f["tok_s"] for _, f in rounds),
+                         "ratio": statistics.median(c["tok_s"] / f["tok_s"] for c, f in rounds),
+                         "ratios": [c["tok_s"] / f["tok_s"] for c, f in rounds],
+                         "requests": sum(c["requests"] for c, _ in rounds)})
             row = rows[-1]
             print(f"{name:5s} T={temperature:g} c={concurrency:2d}: valid {row['valid']:.0%} of {row['requests']}, "
-                  f"constrained {row['constrained_tok_s']:.1f} tok/s, free {row['free_tok_s']:.1f}, "
-                  f"ratio {row['ratio']:.2f}x", flush=True)
+                  f"constrained {row['constrained_tok_s']:.1f} tok/s, free {row['free_tok_s']:.1f} (medians), "
+                  f"ratio {row['ratio']:.2f}x [{', '.join(f'{r:.2f}' for r in row['ratios'])}]", flush=True)
     return rows
 
 
@@ -107,6 +116,8 @@ def main() -> None:
     parser.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0])
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="constrained / free pairs per level; the figures are the pairs' medians")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
     rows, load = [], [os.getloadavg()]

@@ -23,6 +23,7 @@ from runtime.serving.engine_loop import EngineLoop
 from runtime.serving.fleet import TierSpec
 from runtime.serving.limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
 from runtime.serving.metrics import FrontMetrics
+from runtime.serving.openapi import document_errors
 from runtime.serving.protocol import APIError, validation_error
 from runtime.serving.quotas import KeyQuotas
 
@@ -64,7 +65,7 @@ def create_app(models: dict[str, EngineLoop], tiers: Sequence[TierSpec] = (),
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         message = f"{exc.detail}: {exc.__cause__}" if exc.__cause__ else str(exc.detail)  # e.g. bad UTF-8
-        return await api_error(request, APIError(exc.status_code, message, type=kind))
+        return await api_error(request, APIError(exc.status_code, message, type=kind, headers=exc.headers))
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:
@@ -96,6 +97,8 @@ def create_app(models: dict[str, EngineLoop], tiers: Sequence[TierSpec] = (),
         return Response(data, media_type=content_type)
 
     add_openai_routes(app, models, {tier.name: tier for tier in tiers}, metrics, KeyQuotas(metrics))
+    document_errors(app, lambda: [pool.llm.tokenizer.get_vocab_size(with_added_tokens=True) if pool.llm else None
+                                  for pool in models.values()])
     return app
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from runtime.core.constraints import json_schema_grammar, lark_grammar, regex_grammar
 from runtime.core.sampling import MAX_TOP_LOGPROBS
@@ -66,13 +66,41 @@ def _field_path(loc: tuple, body: Any) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- requests
 
+def _integral(value):
+    """JSON's integers include 2.0 (JSON Schema's `integer`): a float without a fraction is read as its int, where
+    pydantic's strict mode would refuse it; strings stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An int field of a request (bounds: Field's ge / le), integral floats read as ints (_integral)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Integer = integer()
+Count = integer(ge=1)                                 # max_tokens and the like
+TopLogprobs = integer(ge=0, le=MAX_TOP_LOGPROBS)
+
+# What an unknown field may hold and still be accepted (as absent): clients send some defaults of fields they know.
+EMPTY_VALUES = (None, False, 0, "", [], {})
+
+
+def documented_as_checked(schema: dict) -> None:
+    """A request body's JSON schema as its check_supported reads it: IGNORED_FIELDS hold anything, any other field
+    the model does not declare only an empty value (objects inside a body keep their extra fields)."""
+    properties = schema.setdefault("properties", {})
+    for name in sorted(IGNORED_FIELDS):
+        properties.setdefault(name, {"description": "accepted and ignored"})
+    schema["additionalProperties"] = {"enum": list(EMPTY_VALUES)}
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     def check_supported(self) -> None:
         """APIError 400 for an unknown field set to a value that would change the output."""
         for name, value in (self.model_extra or {}).items():
-            if name not in IGNORED_FIELDS and value not in (None, False, 0, "", [], {}):
+            if name not in IGNORED_FIELDS and value not in EMPTY_VALUES:
                 raise APIError(400, f"`{name}` is not supported by this server; leave it out", param=name)
 
 
@@ -95,26 +123,27 @@ class ResponseFormat(StrictModel):
 
 
 class _SamplingRequest(StrictModel):
+    model_config = ConfigDict(json_schema_extra=documented_as_checked)
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: integer(ge=1, le=MAX_CHOICES) = 1
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: Integer | None = None  # any integer: reduced modulo 2^63 (request_params.sampling_params)
     stop: str | list[str] | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # Extensions, as in vLLM (what benchmark clients send): see runtime.core.sampling.SamplingParams.
-    top_k: int | None = None
+    top_k: Integer | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: integer(ge=0) = 0
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Integer] | None = None
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: Count | None = None
     response_format: ResponseFormat | None = None
     # Structured outputs beyond response_format, as in vLLM: a regex, one of some strings, a Lark grammar.
     guided_regex: str | None = None
@@ -122,12 +151,16 @@ class _SamplingRequest(StrictModel):
     guided_grammar: str | None = None
     speculative: bool = True  # false: this request decodes without speculative guesses (Kiln's own)
 
+    def grammar_fields(self) -> list[str]:
+        """The fields that constrain the output (one at most is accepted)."""
+        asked = [name for name in ("guided_regex", "guided_choice", "guided_grammar") if getattr(self, name)]
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append("response_format")
+        return asked
+
     def grammar(self) -> tuple[str, str] | None:
         """(the llguidance grammar its outputs must follow, the field that asked for it), or None when free."""
-        asked = [name for name in ("guided_regex", "guided_choice", "guided_grammar") if getattr(self, name)]
-        fmt = self.response_format
-        if fmt is not None and fmt.type != "text":
-            asked.append("response_format")
+        asked, fmt = self.grammar_fields(), self.response_format
         if len(asked) > 1:
             raise APIError(400, f"{' and '.join(asked)}: give one way to constrain the output", param=asked[1])
         if not asked:
@@ -168,9 +201,9 @@ class _SamplingRequest(StrictModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # None: up to the engine's context
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: str | list[Integer] | list[str] | list[list[Integer]]
+    max_tokens: Count | None = 16  # None: up to the engine's context
+    logprobs: TopLogprobs | None = None
     echo: bool = False
 
     @property
@@ -252,9 +285,9 @@ class NamedToolChoice(StrictModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True  # an extension, as in vLLM
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -273,7 +306,7 @@ class ChatCompletionRequest(_SamplingRequest):
                                 f"({', '.join(names) or 'none'})", param="tool_choice")
         if self.tool_choice == "required" and not names:
             raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-        if self.forced_tool() is not False and self.grammar() is not None:
+        if self.forced_tool() is not False and self.grammar_fields():
             raise APIError(400, "tool_choice forces a call: it cannot be combined with response_format or guided_*",
                            param="tool_choice")
 

@@ -14,7 +14,8 @@ from runtime.serving.tools import call_grammar, tool_format
 
 def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top_logprobs: int,
                     prompt_logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
-    """The params of choice `choice` (its seed is the request's + choice) of a completion or chat request."""
+    """The params of choice `choice` (its seed is the request's + choice, modulo 2^63: any integer is a seed, and
+    every backend holds it in an int64) of a completion or chat request."""
     given = generation_defaults(getattr(llm, "generation_config", {}))
 
     def field(name: str):
@@ -25,7 +26,7 @@ def sampling_params(body, llm, choice: int, max_tokens: int, logprobs: bool, top
         return SamplingParams(
             temperature=field("temperature"), top_p=field("top_p"), top_k=field("top_k"), min_p=field("min_p"),
             repetition_penalty=field("repetition_penalty"),
-            seed=None if body.seed is None else body.seed + choice, max_tokens=max_tokens,
+            seed=None if body.seed is None else (body.seed + choice) % 2**63, max_tokens=max_tokens,
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, eos_token_ids=llm.eos_token_ids,
             stop_token_ids=tuple(body.stop_token_ids or ()), logit_bias=body.token_bias(),
             speculative=body.speculative, presence_penalty=body.presence_penalty or 0.0,
@@ -44,7 +45,10 @@ async def checked_grammar(body, llm) -> str | None:
         fmt = tool_format(str(llm.tokenizer_config.get("chat_template") or ""))
         grammar, field = call_grammar(body.tools_in_use, forced, body.parallel_tool_calls is not False, fmt), "tools"
     else:
-        asked = body.grammar()
+        try:
+            asked = body.grammar()
+        except GrammarError as exc:  # a schema's unknown keyword
+            raise APIError(400, f"response_format: {exc}", param="response_format") from None
         if asked is None:
             return None
         grammar, field = asked

@@ -8,16 +8,17 @@ import asyncio
 from collections.abc import Callable
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from runtime.serving.engine_loop import EngineLoop
 from runtime.serving.prompts import PromptReader, context_len
-from runtime.serving.protocol import APIError, ChatMessage, StrictModel
+from runtime.serving.protocol import APIError, ChatMessage, Integer, StrictModel, documented_as_checked
 
 
 class TokenizeRequest(StrictModel):
     """A prompt as /v1/completions reads it, or messages as /v1/chat/completions renders them."""
 
+    model_config = ConfigDict(json_schema_extra=documented_as_checked)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -34,13 +35,15 @@ class TokenizeRequest(StrictModel):
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[Integer]
     token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(StrictModel):
+    model_config = ConfigDict(json_schema_extra=documented_as_checked)
+
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Integer]
 
 
 class DetokenizeResponse(BaseModel):

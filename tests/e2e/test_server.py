@@ -406,6 +406,18 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
 
 
+def test_the_server_answers_as_its_openapi_document_says(server, client, tmp_path):
+    """schemathesis (its CLI, every check, a fixed seed) against /openapi.json: requests the document allows are
+    served, those it refuses are 400s, every status and content type answered is documented, none is a 500."""
+    st = Path(sys.executable).with_name("st")  # schemathesis, a test dependency
+    run = subprocess.run([str(st), "run", f"{server.url}/openapi.json", "--checks", "all", "--max-examples", "25",
+                          "--seed", "1", "--request-timeout", "60", "--generation-database", "none"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "8/8" in run.stdout  # every operation tested
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+
+
 def test_overload_answers_429_with_retry_after(engine_dir, tmp_path):
     server = ServerProcess(engine_dir, tmp_path / "server.log", "--max-waiting", "1", "--max-batch-size", "1")
     body = {"model": MODEL, "prompt": "Kiln bakes", "max_tokens": 40, "temperature": 0}

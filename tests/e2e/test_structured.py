@@ -63,18 +63,24 @@ def test_guided_choice_and_regex_beside_free_requests(client):
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", answers[2])
 
 
-@pytest.mark.parametrize("extra, param", [
+@pytest.mark.parametrize("extra, param, named", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format"),
-    ({"guided_grammar": "start: /[a-z]+/ missing_rule"}, "guided_grammar"),
-    ({"guided_regex": "[0-9"}, "guided_regex"),
-    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
+     "response_format", "objectx"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLenght": 5}}}}}},
+     "response_format", "'maxLenght' at /properties/name"),  # misspelt: it would be ignored
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}},
+     "response_format", '\\"not\\"'),  # known, but not enforced by llguidance
+    ({"guided_grammar": "start: /[a-z]+/ missing_rule"}, "guided_grammar", None),
+    ({"guided_regex": "[0-9"}, "guided_regex", None),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", None),
+    ({"response_format": {"type": "json_schema"}}, "response_format", None),
 ])
-def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(server, client, extra, param):
+def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(server, client, extra, param, named):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert named is None or named in response.text, response.text
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].message.content
 
 
@@ -135,6 +141,8 @@ def test_bad_tool_requests_are_400s(server, extra, param):
     response = httpx.post(f"{server.url}/v1/chat/completions",
                           json={"model": MODEL, "messages": ASK, "max_tokens": 4, **extra}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    if "maxLenght" in response.text or "not" in str(extra):  # the keyword named: misspelt, or not enforced
+        assert ("'maxLenght' at /properties/name" if "maxLenght" in str(extra) else '["not"]') in response.text
 
 
 def test_langchain_structured_output_and_bound_tools(server):

@@ -4,11 +4,14 @@ sampler keeps a constrained row inside its grammar at any temperature while a fr
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from runtime.core.constraints import GrammarError, Grammars, json_schema_grammar, mask_rows, regex_grammar
+from runtime._native import _ops
+from runtime.core.constraints import (GrammarError, Grammars, json_schema_grammar, mask_rows, regex_grammar,
+                                      unknown_keyword)
 from runtime.core.sampler import Sampler
 from runtime.core.sampling import SamplingParams
 from runtime.core.sequence import Sequence
@@ -44,6 +47,26 @@ def test_the_mask_allows_what_the_grammar_allows(grammars):
     assert constraint.done
 
 
+@pytest.mark.parametrize("vocab", [70, 96, 130])
+def test_the_c_mask_refuses_each_clear_bit_and_what_lies_past_the_mask(vocab):
+    """_ops.mask_rows_bits against the bits read one by one: masks of 3 words (96 tokens) over rows narrower,
+    as wide and wider than them; words all set, all clear and mixed; rows not named are left alone."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((4, vocab)).astype(np.float32)
+    bits = rng.integers(-2**31, 2**31, size=(2, 3), dtype=np.int64).astype(np.int32)
+    bits[0, 0], bits[1, 1] = -1, 0
+    rows = np.array([3, 1], dtype=np.int64)
+    want = logits.copy()
+    for i, r in enumerate(rows):
+        for v in range(vocab):
+            if v >= 96 or not (int(bits[i, v // 32]) >> (v % 32)) & 1:
+                want[r, v] = -np.inf
+    _ops.mask_rows_bits(logits, rows, bits, vocab, 3, 2)
+    np.testing.assert_array_equal(logits, want)
+    with pytest.raises(ValueError, match="within R"):
+        _ops.mask_rows_bits(logits, np.array([4], dtype=np.int64), bits[:1].copy(), vocab, 3, 1)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_constrained_row_follows_its_schema_beside_a_free_one(grammars, temperature):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -72,3 +95,17 @@ def test_a_constrained_row_follows_its_schema_beside_a_free_one(grammars, temper
 def test_a_grammar_that_does_not_compile_says_why(grammars, grammar, reason):
     with pytest.raises(GrammarError, match=reason):
         grammars.check(grammar)
+
+
+@pytest.mark.parametrize("schema, found", [
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3, "x-ui": "wide"}}}, None),
+    ({"$defs": {"P": {"type": "integer", "minimun": 0}}, "$ref": "#/$defs/P"}, "'minimun' at /$defs/P"),
+    ({"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "object", "requird": ["a"]}]}},
+     "'requird' at /items/anyOf/1"),
+    ({"enum": [{"anything": 1}], "default": {"goes": 2}, "title": "t"}, None),  # values, not schemas
+])
+def test_a_key_json_schema_does_not_define_is_named_with_where_it_is(schema, found):
+    assert unknown_keyword(schema) == found
+    if found:
+        with pytest.raises(GrammarError, match=found.replace("$", r"\$")):
+            json_schema_grammar(schema)

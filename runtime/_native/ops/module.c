@@ -227,6 +227,9 @@ static PyMethodDef methods[] = {
      "of keys[r]. Rows of n float32, one thread per row."},
     {"race_noise", py_race_noise, METH_VARARGS,
      "race_noise(out, key): out[v] = the Exp(1) noise of token v in the stream `key` (what race_rows divides by)."},
+    {"mask_rows_bits", py_mask_rows_bits, METH_VARARGS,
+     "mask_rows_bits(x, rows, bits, n, words, num_threads): x[rows[i], v] = -inf wherever bit v % 32 of "
+     "bits[i, v / 32] is clear (v past words * 32 too); x float32 [R, n], rows int64, bits int32 [M, words]."},
     {"tape_begin", py_tape_begin, METH_VARARGS,
      "tape_begin(tokens=0, seqs=0, logits=0) -> bool: this thread's kernel calls (of every Kiln C module) are "
      "recorded from now on, for a step of that many tokens, sequences and logits rows (0: not given; without "

@@ -19,9 +19,10 @@ PyObject *py_scale(PyObject *Py_UNUSED(self), PyObject *args);
 PyObject *py_add(PyObject *Py_UNUSED(self), PyObject *args);
 PyObject *py_gather_rows(PyObject *Py_UNUSED(self), PyObject *args);
 
-/* sampling.c: greedy picks and the exponential race */
+/* sampling.c: greedy picks, the exponential race and grammar masks */
 PyObject *py_argmax_rows(PyObject *Py_UNUSED(self), PyObject *args);
 PyObject *py_race_rows(PyObject *Py_UNUSED(self), PyObject *args);
 PyObject *py_race_noise(PyObject *Py_UNUSED(self), PyObject *args);
+PyObject *py_mask_rows_bits(PyObject *Py_UNUSED(self), PyObject *args);
 
 #endif

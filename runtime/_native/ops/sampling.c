@@ -1,4 +1,5 @@
-/* Greedy picks and the exponential race of the sampler (runtime/core/sampler.py), over float32 logits rows. */
+/* Greedy picks, the exponential race and grammar masks of the sampler (runtime/core/sampler.py), over float32
+ * logits rows. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
@@ -268,3 +269,58 @@ PyObject *py_race_noise(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+
+/* ----------------------------------------------------------------------------------------
+ * A grammar's mask (runtime/core/constraints.py): -inf for every token a row's bitmask refuses
+ */
+
+/* Row `row` of n float32: token v keeps its logit when bit v % 32 of bits[v / 32] is set, else -inf; tokens
+ * past the mask's `words` * 32 are refused. Most words of a grammar's mask are all refused or all allowed. */
+static void mask_row_bits(float *row, Py_ssize_t n, const uint32_t *bits, Py_ssize_t words) {
+    const __m256 refused = _mm256_set1_ps(-INFINITY);
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const Py_ssize_t covered = words * 32 < n ? words * 32 : n;
+    Py_ssize_t v = 0;
+    for (; v + 32 <= covered; v += 32) {
+        const uint32_t word = bits[v / 32];
+        if (word == UINT32_MAX)
+            continue;
+        for (int part = 0; part < 4; part++) {
+            float *at = row + v + 8 * part;
+            const __m256i kept = _mm256_and_si256(_mm256_set1_epi32((int)((word >> (8 * part)) & 0xFF)), lane_bit);
+            const __m256 drop = _mm256_castsi256_ps(_mm256_cmpeq_epi32(kept, _mm256_setzero_si256()));
+            _mm256_storeu_ps(at, _mm256_blendv_ps(_mm256_loadu_ps(at), refused, drop));
+        }
+    }
+    for (; v < n; v++)
+        if (v >= covered || !(bits[v / 32] >> (v % 32) & 1))
+            row[v] = -INFINITY;
+}
+
+PyObject *py_mask_rows_bits(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b[3];  /* x [R, n] float32 (written), rows [M] int64, bits [M, words] int32 */
+    Py_ssize_t n, words;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*y*y*nni:mask_rows_bits", &b[0], &b[1], &b[2], &n, &words, &threads))
+        return NULL;
+    const Py_ssize_t m = b[1].len / 8, rows = n > 0 ? b[0].len / 4 / n : 0;
+    int ok = n > 0 && words > 0 && b[0].len % (4 * n) == 0 && b[1].len % 8 == 0 && b[2].len == m * words * 4;
+    const int64_t *index = b[1].buf;
+    for (Py_ssize_t i = 0; ok && i < m; i++)
+        ok = index[i] >= 0 && index[i] < rows;
+    if (!ok) {
+        release_buffers(b, 3);
+        return PyErr_Format(PyExc_ValueError, "mask_rows_bits: x must be float32 [R, %zd], rows int64 [M] within R "
+                            "and bits int32 [M, %zd]", n, words);
+    }
+    float *x = b[0].buf;
+    const uint32_t *bits = b[2].buf;
+    const int live = live_threads(resolve_threads(threads));
+    Py_BEGIN_ALLOW_THREADS
+    #pragma omp parallel for num_threads(live) if (m > 1 && live > 1) schedule(static)
+    for (Py_ssize_t i = 0; i < m; i++)
+        mask_row_bits(x + index[i] * n, n, bits + i * words, words);
+    Py_END_ALLOW_THREADS
+    release_buffers(b, 3);
+    Py_RETURN_NONE;
+}
