@@ -10,8 +10,14 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from runtime._native import _ops
-from runtime.core.constraints import (GrammarError, Grammars, json_schema_grammar, mask_rows, regex_grammar,
-                                      unknown_keyword)
+from runtime.core.constraints import (
+    GrammarError,
+    Grammars,
+    json_schema_grammar,
+    mask_rows,
+    regex_grammar,
+    unknown_keyword,
+)
 from runtime.core.sampler import Sampler
 from runtime.core.sampling import SamplingParams
 from runtime.core.sequence import Sequence
