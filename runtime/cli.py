@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from runtime import cli_errors
+from runtime.cli_hosts import MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK
 from runtime.format.engine_format import EngineError
 
 app = typer.Typer(
@@ -20,7 +21,8 @@ app = typer.Typer(
 
 DEFAULT_ENGINE = Path("engines/smollm2-135m")
 
-ENGINE_ARG = typer.Argument(DEFAULT_ENGINE, help="Engine directory written by `engine-build build`.")
+ENGINE_ARG = typer.Argument(str(DEFAULT_ENGINE), help="Engine directory written by `engine-build build`, or its URL "
+                                                     "(http[s]://...: fetched once into Kiln's cache and checked).")
 
 
 def fail(message: str) -> None:
@@ -109,7 +111,7 @@ RANK_TIMEOUT = typer.Option(60.0, "--rank-timeout",
 @app.command()
 @one_line_errors
 def generate(
-    engine: Path = ENGINE_ARG,
+    engine: str = ENGINE_ARG,
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text (repeat for a batch)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user message in the chat template."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens to generate per prompt."),
@@ -125,18 +127,23 @@ def generate(
     speculative: Optional[str] = SPECULATIVE, draft: Optional[Path] = DRAFT, speculative_k: int = SPECULATIVE_K,
     adaptive_k: bool = ADAPTIVE_K,
     activations: Optional[str] = ACTIVATIONS,
+    nnodes: int = NNODES, node_rank: int = NODE_RANK, master_addr: Optional[str] = MASTER_ADDR,
+    master_port: int = MASTER_PORT,
 ):
     """Generate text for one or more prompts, streaming it to the terminal as it is produced."""
-    from runtime.launcher import open_llm_engine
+    from runtime.backends.fetch import local_engine
+    from runtime.launcher import host_group, open_llm_engine
     from runtime.core.sampling import SamplingParams
 
+    engine = Path(local_engine(engine))
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()))
     if prefill_chunk is None and len(prompt) > 1:
         prefill_chunk = 0  # a batch streams nothing: no decode waits on a step's time, only the whole batch's
-    with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads, rank_timeout, backend, prefill_chunk, speculative, draft,
-                                                speculative_k, adaptive_k, activations)) as llm:
+    options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
+                             backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k, activations)
+    nodes = host_group(nnodes, node_rank, master_addr, master_port, engine, options)
+    with open_llm_engine(engine, options, nodes) as llm:
         echo_activations(llm)
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         ids = [llm.add_request(t, params) for t in texts]
@@ -223,16 +230,19 @@ def serve(
                                      "line says (tpm=). 0: no limit."),
     metrics_open: bool = typer.Option(False, "--metrics-open",
                                       help="Serve /metrics without a key while /v1 requires one."),
+    nnodes: int = NNODES, node_rank: int = NODE_RANK, master_addr: Optional[str] = MASTER_ADDR,
+    master_port: int = MASTER_PORT,
 ):
     """Serve engines over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     import dataclasses
 
     from runtime.backends import open_engine
-    from runtime.launcher import open_llm_engine
+    from runtime.launcher import host_group, open_llm_engine
     from runtime.serving.app import serve as run_server
     from runtime.serving.auth import ApiKeys, KeyFileError
     from runtime.serving.fleet import ReplicaPlan, from_arguments, load_fleet
 
+    engines = [fetched_argument(item) for item in engines or ()] or None
     if disaggregate is not None and replicas != 1:
         fail("--disaggregate P:D sets the workers; leave out --replicas")
     if fleet_file is not None:
@@ -258,6 +268,9 @@ def serve(
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
                              backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k, activations)
     options = dataclasses.replace(options, check_hashes=False)
+    if nnodes > 1 and (len(fleet.models) != 1 or fleet.on_ray or ray_address is not None):
+        fail("--nnodes spreads one engine's ranks over hosts: one engine, without replicas, --fleet or --ray-address")
+    nodes = host_group(nnodes, node_rank, master_addr, master_port, str(fleet.models[0].engine), options)
     server = {"max_waiting": max_waiting, "max_request_bytes": max_request_bytes, "metrics_open": metrics_open}
     if fleet.on_ray or ray_address is not None:
         try:
@@ -278,9 +291,17 @@ def serve(
         chosen = model_options(model, options)
         if shared is not None and model.threads is None:
             chosen = dataclasses.replace(chosen, num_threads=shared)
-        opened[model.name] = (lambda path=str(model.engine), chosen=chosen: open_llm_engine(path, chosen))
+        opened[model.name] = (lambda path=str(model.engine), chosen=chosen: open_llm_engine(path, chosen, nodes))
     raise typer.Exit(run_server(opened, tiers=fleet.tiers, host=host, port=port, drain_timeout=drain_timeout,
                                 keys=keys if keys.enabled else None, **server))
+
+
+def fetched_argument(item: str) -> str:
+    """A serve ENGINE or NAME=ENGINE argument with a URL engine replaced by its local copy (runtime/backends/fetch)."""
+    from runtime.backends.fetch import is_url, local_engine
+
+    name, _, engine = item.partition("=") if "=" in item and not is_url(item) else ("", "", item)
+    return f"{name}={local_engine(engine)}" if name else local_engine(engine)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -298,7 +319,7 @@ def check_port_free(host: str, port: int) -> None:
 @app.command()
 @one_line_errors
 def bench(
-    engine: Path = ENGINE_ARG,
+    engine: str = ENGINE_ARG,
     concurrency: list[int] = typer.Option([1, 8, 32], "--concurrency", "-c", min=1,
                                           help="Requests in flight at a time; repeat for several levels."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1,
@@ -323,6 +344,8 @@ def bench(
                                    help="Then run the levels again with this many busy-loop processes pinned to "
                                         "this process's last CPUs, and show each level's share of its quiet "
                                         "speed."),
+    nnodes: int = NNODES, node_rank: int = NODE_RANK, master_addr: Optional[str] = MASTER_ADDR,
+    master_port: int = MASTER_PORT,
 ):
     """Benchmark the engine offline: throughput, time to first token and inter-token latency per concurrency,
     with the weight bandwidth and linear operations each level achieves against this machine's measured
@@ -330,19 +353,22 @@ def bench(
     beside other processes' busy loops: how much speed survives a busy host."""
     import torch
 
+    from runtime.backends.fetch import local_engine
     from runtime.measure import bench as b
-    from runtime.launcher import open_llm_engine
+    from runtime.launcher import host_group, open_llm_engine
     from runtime.measure.roofline import linear_parameters, measure_peaks
 
+    engine = Path(local_engine(engine))
     if plot_out is not None:  # before minutes of benchmarking, not after
         b.require_matplotlib()
     try:
         spinning = b.BusyCores(busy_cores) if busy_cores else None
     except ValueError as exc:
         fail(str(exc))
-    with open_llm_engine(engine, engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib,
-                                                threads, rank_timeout, backend, prefill_chunk, speculative, draft,
-                                                speculative_k, adaptive_k, activations)) as llm:
+    options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
+                             backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k, activations)
+    nodes = host_group(nnodes, node_rank, master_addr, master_port, engine, options)
+    with open_llm_engine(engine, options, nodes) as llm:
         echo_activations(llm)
         limit = llm.limits.max_seq_len
         if prompt_len + output_len > limit:

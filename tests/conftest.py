@@ -288,6 +288,25 @@ def smollm2_default_engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_engines(tmp_path_factory, smollm2_default_engine):
+    """engine(tp, pp) -> the embedded model built with the default plan at that shape, once a session (the parallel
+    matrix and the multi-host tests share them)."""
+    from builder.build import build_engine
+    from builder.planning.plan import load_plan
+
+    root, built = tmp_path_factory.mktemp("parallel"), {(1, 1): smollm2_default_engine}
+
+    def engine(tp: int = 1, pp: int = 1):
+        if (tp, pp) not in built:
+            out = root / f"smollm2-tp{tp}pp{pp}"
+            build_engine("smollm2-135m", load_plan().with_overrides(tp=tp, pp=pp), out, show_progress=False)
+            built[tp, pp] = out
+        return built[tp, pp]
+
+    return engine
+
+
+@pytest.fixture(scope="session")
 def smollm2_exact_engine(tmp_path_factory):
     """The embedded model's Q4_1/Q8_0 blocks kept as they are, computed in float32 (exact_plan)."""
     from builder.build import build_engine

@@ -136,11 +136,20 @@ class Manifest:
     def read(path: Path) -> Manifest:
         """The manifest of engine directory `path`, checked for this runtime's format and version."""
         try:
-            doc = json.loads((path / "manifest.json").read_text())
+            text = (path / "manifest.json").read_text()
         except FileNotFoundError:
             raise EngineError(f"{path}: no manifest.json; not a Kiln engine directory") from None
+        return Manifest.parse(text, path)
+
+    @staticmethod
+    def parse(text: str, path: Path | str) -> Manifest:
+        """A manifest's text (of the engine at `path`, a directory or a URL, named in errors), checked as read()."""
+        try:
+            doc = json.loads(text)
         except ValueError as exc:
             raise EngineError(f"{path}/manifest.json: corrupt ({exc}); rebuild the engine") from None
+        if not isinstance(doc, dict):
+            raise EngineError(f"{path}/manifest.json: not a Kiln engine manifest")
         if doc.get("format") != ENGINE_FORMAT:
             raise EngineError(f"{path}: manifest format {doc.get('format')!r} is not {ENGINE_FORMAT!r}")
         version = doc.get("format_version")

@@ -1,4 +1,5 @@
-"""Starting rank processes: rank 0 of a local launch starts ranks 1..W-1 and reaps them; `main` is such a rank."""
+"""Starting rank processes: rank 0 of a local launch starts ranks 1..W-1 and reaps them (a host of a multi-host
+launch, its own share); `main` is such a rank."""
 
 from __future__ import annotations
 
@@ -23,21 +24,28 @@ from runtime.ranks.watchdog import PEER_LOST
 @contextlib.contextmanager
 def start_ranks(path: Path, world_size: int, timeout: float, kv_cache_gib: float | None = None,
                 num_threads: int | None = None, check_hashes: bool = True, rdzv: Rendezvous | None = None,
-                backend: str | None = None, activations: str | None = None):
-    """This process's Rank. Without `rdzv` it is rank 0 of a local launch and starts ranks 1..W-1 as
-    child processes; on leaving, the children are stopped and reaped, never left behind."""
+                backend: str | None = None, activations: str | None = None, local_ranks: int = 1):
+    """This process's Rank. Without `rdzv` it is rank 0 of a local launch and starts ranks 1..W-1 as child
+    processes; with `rdzv` and `local_ranks` > 1 (a host's share of a multi-host launch, runtime/ranks/nodes.py)
+    it starts ranks rdzv.rank + 1 .. rdzv.rank + local_ranks - 1 the same way. On leaving, the children are
+    stopped and reaped, never left behind."""
     children: dict[int, subprocess.Popen] = {}
-    store, threads_before = None, torch.get_num_threads()
+    store, threads_before, spawn = None, torch.get_num_threads(), range(0)
     if rdzv is None:
         store = Rendezvous(0, world_size, "127.0.0.1", 0, True, timeout).store(True)  # port 0: the system picks one
         rdzv = Rendezvous(0, world_size, "127.0.0.1", store.port, True, timeout)
-        threads = num_threads or max(1, usable_cpus() // world_size)  # ranks share the cores this process may use
+        spawn = range(1, world_size)
+    elif local_ranks > 1:
+        spawn = range(rdzv.rank + 1, rdzv.rank + local_ranks)
+    if spawn:
+        threads = num_threads or max(1, usable_cpus() // (len(spawn) + 1))  # this host's ranks share its cores
         torch.set_num_threads(threads)
-        for r in range(1, world_size):
+        for r in spawn:
             children[r] = subprocess.Popen(
                 [sys.executable, "-m", "runtime.ranks.launch", str(path), "--rank", str(r), "--world-size",
-                 str(world_size), "--port", str(store.port), "--rank-timeout", str(timeout), "--threads",
-                 str(threads), "--parent", str(os.getpid()), *(["--backend", backend] if backend else [])],
+                 str(world_size), "--addr", rdzv.addr, "--port", str(rdzv.port), "--rank-timeout", str(timeout),
+                 "--threads", str(threads), "--parent", str(os.getpid()),
+                 *(["--backend", backend] if backend else [])],
                 stdout=subprocess.DEVNULL)
     elif num_threads:
         torch.set_num_threads(num_threads)
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("engine", type=Path)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--addr", default="127.0.0.1", help="the rendezvous store's host (rank 0's)")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--rank-timeout", type=float, required=True)
     parser.add_argument("--threads", type=int, default=None)
@@ -89,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rdzv = Rendezvous(args.rank, args.world_size, "127.0.0.1", args.port, False, args.rank_timeout)
+    rdzv = Rendezvous(args.rank, args.world_size, args.addr, args.port, False, args.rank_timeout)
     try:
         with start_ranks(args.engine, args.world_size, args.rank_timeout, check_hashes=False, rdzv=rdzv,
                          backend=args.backend) as rank:

@@ -10,18 +10,22 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.core.constraints import json_schema_grammar, lark_grammar, regex_grammar
-from runtime.core.sampling import MAX_TOP_LOGPROBS
+from runtime.serving.fields import (
+    EMPTY_VALUES,
+    IGNORED_FIELDS,
+    Count,
+    Integer,
+    TopLogprobs,
+    documented_as_checked,
+    integer,
+)
 
 MAX_CHOICES = 128  # prompts x n of one request
-
-# Accepted and ignored: they label a request but do not change what is generated.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
-
 
 class APIError(Exception):
     """An HTTP error answered in the OpenAI shape {"error": {"message", "type", "param", "code"}}."""
@@ -65,34 +69,6 @@ def _field_path(loc: tuple, body: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- requests
-
-def _integral(value):
-    """JSON's integers include 2.0 (JSON Schema's `integer`): a float without a fraction is read as its int, where
-    pydantic's strict mode would refuse it; strings stay refused."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def integer(**bounds):
-    """An int field of a request (bounds: Field's ge / le), integral floats read as ints (_integral)."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
-
-
-Integer = integer()
-Count = integer(ge=1)                                 # max_tokens and the like
-TopLogprobs = integer(ge=0, le=MAX_TOP_LOGPROBS)
-
-# What an unknown field may hold and still be accepted (as absent): clients send some defaults of fields they know.
-EMPTY_VALUES = (None, False, 0, "", [], {})
-
-
-def documented_as_checked(schema: dict) -> None:
-    """A request body's JSON schema as its check_supported reads it: IGNORED_FIELDS hold anything, any other field
-    the model does not declare only an empty value (objects inside a body keep their extra fields)."""
-    properties = schema.setdefault("properties", {})
-    for name in sorted(IGNORED_FIELDS):
-        properties.setdefault(name, {"description": "accepted and ignored"})
-    schema["additionalProperties"] = {"enum": list(EMPTY_VALUES)}
-
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)

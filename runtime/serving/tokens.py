@@ -11,8 +11,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
 from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.fields import Integer, documented_as_checked
 from runtime.serving.prompts import PromptReader, context_len
-from runtime.serving.protocol import APIError, ChatMessage, Integer, StrictModel, documented_as_checked
+from runtime.serving.protocol import APIError, ChatMessage, StrictModel
 
 
 class TokenizeRequest(StrictModel):

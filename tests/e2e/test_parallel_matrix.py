@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import make_tiny_llama
 
 from builder.build import build_engine
 from builder.planning.plan import load_plan
-from conftest import make_tiny_llama
 
 CHAT = ["Write one sentence about the sea.", "What is the capital of France?", "List three colors."]
 SHAPES = [(2, 1), (1, 2), (2, 2)]  # (tp, pp) beside tp=1
@@ -33,21 +33,6 @@ def generate(engine, replay: bool = True, prompts=CHAT, activations: str | None 
     assert done.returncode == 0, f"engine-run generate {engine.name} failed: {done.stderr.strip()[-1500:]}"
     assert done.stdout.count("--- [") == len(prompts)
     return done.stdout
-
-
-@pytest.fixture(scope="session")
-def smollm2_engines(tmp_path_factory, smollm2_default_engine):
-    """engine(tp, pp) -> the embedded model built with the default plan at that shape, once a session."""
-    root, built = tmp_path_factory.mktemp("parallel"), {(1, 1): smollm2_default_engine}
-
-    def engine(tp: int = 1, pp: int = 1):
-        if (tp, pp) not in built:
-            out = root / f"smollm2-tp{tp}pp{pp}"
-            build_engine("smollm2-135m", load_plan().with_overrides(tp=tp, pp=pp), out, show_progress=False)
-            built[tp, pp] = out
-        return built[tp, pp]
-
-    return engine
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ RUNTIME_LAYERS = (("=runtime", "runtime._native", "runtime.format"),
                   ("runtime.ranks",),
                   ("runtime.launcher",),
                   ("runtime.serving",),
-                  ("runtime.measure", "runtime.cli_errors", "runtime.cli"))
+                  ("runtime.measure", "runtime.cli_errors", "runtime.cli_hosts", "runtime.cli"))
 BUILDER_LAYERS = (("=builder", "builder.errors"),
                   ("builder.sources",),
                   ("builder.graph",),

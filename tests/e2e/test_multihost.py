@@ -1,0 +1,115 @@
+"""Across hosts, on hosts made on this machine (benchmarks/hosts.py: network namespaces on one bridge, 1 Gbit/s
+links): the shipped model's tp=2 engine split over two hosts with `engine-run generate --nnodes 2`, the second
+host given only the engine's URL (served over HTTP by the first), answers greedy chat prompts with the one-host
+engine's exact text; a corrupted copy on that host is refused in one line; a host lost mid-run ends the group in
+one line within the rank timeout instead of hanging. The hosts share this machine's CPUs and files: each host
+keeps its own Kiln cache folder, so the second really fetches and checks the engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from hosts import Hosts, available  # noqa: E402
+
+CHAT = ["What is the capital of France?", "List three colors."]
+PORT = 29640
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    why = available()
+    if why:
+        pytest.skip(f"no hosts on this machine: {why}")
+    with Hosts(3, rate="1gbit") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def served(hosts, smollm2_engines):
+    """The tp=2 engine, and its URL: a static file server on host 0 over the folder that holds it."""
+    engine = smollm2_engines(2, 1)
+    server = hosts.popen(0, [sys.executable, "-m", "http.server", "8480", "--bind", hosts.address(0), "--directory",
+                             str(engine.parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    assert server.poll() is None
+    return engine, f"http://{hosts.address(0)}:8480/{engine.name}"
+
+
+def generate(engine, *extra: str, max_tokens: int = 24) -> list[str]:
+    args = [sys.executable, "-m", "runtime.cli", "generate", str(engine), "--chat", "--max-tokens", str(max_tokens),
+            "--temperature", "0", "--threads", "1", *extra]
+    for prompt in CHAT:
+        args += ["--prompt", prompt]
+    return args
+
+
+def group(hosts, served, tmp_path, command=generate, rank_timeout: str = "60"):
+    """Host 0 (node 0, the engine's own folder) and host 2 (node 1, the URL, its own cache): both processes."""
+    engine, url = served
+    nodes = ["--nnodes", "2", "--master-addr", hosts.address(0), "--master-port", str(PORT),
+             "--rank-timeout", rank_timeout]
+    env = dict(os.environ, KILN_CACHE_DIR=str(tmp_path / "host2-cache"))
+    worker = hosts.popen(2, command(url, *nodes, "--node-rank", "1"), cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    leader = hosts.popen(0, command(engine, *nodes, "--node-rank", "0"), cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return leader, worker
+
+
+def long_bench(engine, *extra: str) -> list[str]:
+    """One request of 1,500 tokens (EOS ignored): minutes of steps, for a host to be lost during them."""
+    return [sys.executable, "-m", "runtime.cli", "bench", str(engine), "-c", "1", "--requests", "1", "--prompt-len",
+            "16", "--output-len", "1500", "--no-roofline", "--threads", "1", *extra]
+
+
+def test_tp2_over_two_hosts_answers_as_one_host_with_the_engine_fetched(hosts, served, tmp_path):
+    engine, _ = served
+    alone = subprocess.run(generate(engine), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    leader, worker = group(hosts, served, tmp_path)
+    out, err = leader.communicate(timeout=300)
+    assert leader.returncode == 0, err[-2000:]
+    assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
+    assert out == alone.stdout and out.count("--- [") == len(CHAT)
+    cached = list((tmp_path / "host2-cache" / "engines").iterdir())
+    assert [p.name for p in cached] == [__import__("json").loads((engine / "manifest.json").read_text())["build_id"]]
+
+    # the copy corrupted on host 2: refused there in one line, before any rank starts
+    rank1 = cached[0] / "rank1.engine"
+    data = bytearray(rank1.read_bytes()[:4096])
+    with open(rank1, "r+b") as f:
+        f.seek(4000)
+        f.write(bytes([data[4000] ^ 0x40]))
+    _, url = served
+    env = dict(os.environ, KILN_CACHE_DIR=str(tmp_path / "host2-cache"))
+    refused = subprocess.run(hosts.command(2, generate(url, "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                                       hosts.address(0), "--master-port", str(PORT + 1))),
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank1.engine" in lines[0] and "corrupt or partial" in lines[0], refused.stderr
+
+
+def test_a_host_lost_mid_run_ends_the_group_in_one_line(hosts, served, tmp_path):
+    leader, worker = group(hosts, served, tmp_path, command=long_bench, rank_timeout="10")
+    fetched = tmp_path / "host2-cache" / "engines"
+    deadline = time.monotonic() + 120
+    while not fetched.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(12.0)  # the ranks have joined and step
+    assert leader.poll() is None and worker.poll() is None, (leader.stderr.read(), worker.stderr.read())
+    lost = time.monotonic()
+    hosts.kill(2)
+    _, err = leader.communicate(timeout=120)
+    assert leader.returncode != 0
+    assert time.monotonic() - lost < 60  # the rank timeout (10 s) and the group's teardown, not a hang
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("engine-run: error:") and "rank 1" in lines[-1], err[-2000:]
