@@ -7,9 +7,9 @@ one host and split over two, at each link rate, beside what the planner's link m
 Each figure is `engine-run bench`'s ITL p50 (a decode step: its sequences take one token each) for 16-token prompts,
 run first with both ranks in one namespace (one host: they talk over loopback), then with `--nnodes 2` over hosts 0
 and 1 with every host's sending rate limited (tc tbf). The planner's prediction is its communication term for the
-step (runtime-independent: builder/planning/planner.py's allreduce and transfer, the cpu device's latency, the
-link's rate), printed beside the measured extra time over one host. The planner counts 2 bytes an activation; the
-cpu ranks exchange float32 (4). The two hosts share this machine's two cores, as the ranks of one host do."""
+step over that link less the same over one host's loopback (builder/planning/planner.py's all-reduce, all-gather
+and transfer with the cpu device's figures), printed beside the measured extra time over one host. The two hosts
+share this machine's two cores, as the ranks of one host do."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from builder.planning.plan import load_devices  # noqa: E402
-from builder.planning.planner import allreduce, transfer  # noqa: E402
+from builder.planning.planner import allgather, allreduce, transfer  # noqa: E402
 
-HIDDEN, LAYERS = 576, 30  # SmolLM2-135M
+HIDDEN, LAYERS, VOCAB = 576, 30, 49152  # SmolLM2-135M
 
 
 def bench(hosts: Hosts, engine: Path, concurrency: list[int], output_len: int, nodes: int, port: int) -> dict:
@@ -55,14 +55,20 @@ def bench(hosts: Hosts, engine: Path, concurrency: list[int], output_len: int, n
     return {level["concurrency"]: level["itl_p50_ms"] for level in levels}
 
 
-def predicted_ms(shape: str, rate: str, batch: int) -> float:
-    """The planner's communication time of one decode step of `batch` tokens over a link of `rate`."""
+def predicted_extra_ms(shape: str, rate: str, batch: int) -> float:
+    """What the planner's link model adds to a decode step of `batch` sequences when the ranks' link is `rate` instead
+    of one host's loopback (the cpu device of plans/devices.toml): its all-reduces (tp) or hand-over (pp) and the
+    logits' gather (tp), float32 activations, the same latency."""
     cpu = load_devices()["cpu"]
-    gbs = float(rate.removesuffix("gbit").removesuffix("mbit")) / (8 if rate.endswith("gbit") else 8000)
-    link = dataclasses.replace(cpu, link_gbs=gbs)
-    message = batch * HIDDEN * 2
-    seconds = (2 * LAYERS + 1) * allreduce(link, 2, message) if shape == "tp2" else transfer(link, message)
-    return 1e3 * seconds
+    scale = {"gbit": 1e9, "mbit": 1e6}[rate[-4:]]
+    link = dataclasses.replace(cpu, link_gbs=float(rate[:-4]) * scale / 8 / 1e9)
+
+    def comm(device) -> float:
+        if shape == "tp2":
+            return (2 * LAYERS + 1) * allreduce(device, 2, batch * HIDDEN * 4) + allgather(device, 2, batch * VOCAB * 4)
+        return transfer(device, batch * HIDDEN * 4)
+
+    return 1e3 * (comm(link) - comm(cpu))
 
 
 def build(tp: int, pp: int, out: Path) -> Path:
@@ -98,11 +104,11 @@ def main() -> None:
                 for c in args.concurrency:
                     rows.append({"shape": shape, "rate": rate, "concurrency": c, "one_host_ms": alone[c],
                                  "two_hosts_ms": split[c], "extra_ms": split[c] - alone[c],
-                                 "planner_comm_ms": predicted_ms(shape, rate, c)})
+                                 "planner_extra_ms": predicted_extra_ms(shape, rate, c)})
                     r = rows[-1]
                     print(f"{shape} {rate:>6} c={c}: one host {r['one_host_ms']:.1f} ms, two hosts "
-                          f"{r['two_hosts_ms']:.1f} ms (+{r['extra_ms']:.1f}); planner's link term "
-                          f"{r['planner_comm_ms']:.2f} ms", flush=True)
+                          f"{r['two_hosts_ms']:.1f} ms ({r['extra_ms']:+.1f}); the planner adds "
+                          f"{r['planner_extra_ms']:+.1f} ms", flush=True)
             load.append(os.getloadavg()[0])
     print("load average (1 min) before and after each shape: " + ", ".join(f"{x:.1f}" for x in load))
     if args.out:

@@ -8,7 +8,8 @@ parallelism x weight format x KV cache dtype, validated as a plan file would be.
   pass and the runtime use, with each rank's share from runtime.format.mapping, the sharding passes' own;
 - a roofline of a step: a stage reads its weights and its sequences' KV once per step and does two
   operations per weight and token, at the device's peaks times its efficiencies; tensor parallelism
-  adds two all-reduces a layer (ring: 2 (tp-1)/tp of the message over the link, plus its latency);
+  adds two all-reduces a layer (ring: 2 (tp-1)/tp of the message over the link, plus its latency) and
+  the gather of the logits' vocabulary shards, a row a sequence ((tp-1)/tp of them, plus its latency);
   a step passes every pipeline stage in turn, with pp batches in flight, so pipelining adds
   throughput, not speed for one sequence;
 - with a workload (concurrent users, prompt and answer lengths, latency objectives): the largest
@@ -234,8 +235,10 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
             flops = 2 * tokens * (params + vocab * model.hidden_size) \
                 + 4 * tokens * context * q_heads * model.head_dim * layers
             total += max((read + kv) / bandwidth, flops / compute)
-            total += (2 * layers + 1) * allreduce(device, c.tp, tokens * model.hidden_size * 2)
-        return total + (c.pp - 1) * transfer(device, tokens * model.hidden_size * 2)
+            total += (2 * layers + 1) * allreduce(device, c.tp, tokens * model.hidden_size * float_bytes)
+            if vocab:  # the last stage's vocabulary shards gather a logits row a sequence
+                total += allgather(device, c.tp, sequences * model.vocab_size * float_bytes)
+        return total + (c.pp - 1) * transfer(device, tokens * model.hidden_size * float_bytes)
 
     c.prefill_s = step(workload.input_tokens, 1, workload.input_tokens / 2)
     context = workload.input_tokens + workload.output_tokens / 2
@@ -261,6 +264,13 @@ def allreduce(device: Device, tp: int, message: float) -> float:
     if tp == 1:
         return 0.0
     return device.link_latency_us * 1e-6 + 2 * (tp - 1) / tp * message / (device.link_gbs * 1e9)
+
+
+def allgather(device: Device, tp: int, message: float) -> float:
+    """Every rank ends with the whole `message`, each having held 1/tp of it."""
+    if tp == 1:
+        return 0.0
+    return device.link_latency_us * 1e-6 + (tp - 1) / tp * message / (device.link_gbs * 1e9)
 
 
 def transfer(device: Device, message: float) -> float:
