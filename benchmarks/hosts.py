@@ -16,8 +16,10 @@ holds on all (a test of engines reaching a host gives each host its own cache fo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 import subprocess
 from collections.abc import Sequence
 
@@ -105,10 +107,17 @@ class Hosts:
         return proc
 
     def kill(self, host: int) -> None:
-        """Every process started on `host`, at once (a host lost)."""
+        """Every process on `host`, at once (a host lost): those started here and whatever they started that lives
+        in its namespace (`ip netns pids`: Ray's daemons, rank processes)."""
         for where, proc in self.procs:
             if where == host and proc.poll() is None:
                 proc.kill()
+        listed = _ip("netns", "pids", self.names[host], check=False).stdout.split()
+        for pid in listed:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        for where, proc in self.procs:
+            if where == host:
                 proc.wait()
 
     def close(self) -> None:

@@ -211,10 +211,13 @@ def serve(
                                                help="Prefill/decode disaggregation on Ray Serve: P prefill workers "
                                                     "compute prompts and hand their K/V to D decode workers, "
                                                     "which stream the answers (one-rank cpu engines)."),
+    spread: bool = typer.Option(False, "--spread",
+                                help="Replicas: at most one on each node of the Ray cluster (Serve's "
+                                     "max_replicas_per_node), so that a host lost takes one replica."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address",
                                               help="Replicas: run on this Ray cluster (e.g. auto, ray://head:10001) "
-                                                   "instead of a Ray instance started here; the engine directory "
-                                                   "must be at the same path on its nodes."),
+                                                   "instead of a Ray instance started here; give the engine as a "
+                                                   "path every node holds, or as its URL (each node fetches it)."),
     api_key: Optional[list[str]] = typer.Option(None, "--api-key",
                                                 help="A key clients must send (Authorization: Bearer KEY) on /v1 and "
                                                      "/metrics; repeatable. Also KILN_API_KEY. None: open to all."),
@@ -242,19 +245,21 @@ def serve(
     from runtime.serving.auth import ApiKeys, KeyFileError
     from runtime.serving.fleet import ReplicaPlan, from_arguments, load_fleet
 
-    engines = [fetched_argument(item) for item in engines or ()] or None
+    sources: dict[str, str] = {}  # a fetched engine's local copy -> its URL (Ray replicas fetch it themselves)
+    engines = [fetched_argument(item, sources) for item in engines or ()] or None
     if disaggregate is not None and replicas != 1:
         fail("--disaggregate P:D sets the workers; leave out --replicas")
     if fleet_file is not None:
         if engines or model_name is not None:
             fail("--fleet names the engines and their model names; leave out ENGINE and --model-name")
-        if replicas != 1 or max_replicas is not None or disaggregate is not None or routing != "prefix":
-            fail("with --fleet, replicas, max_replicas, disaggregate and routing go in the fleet file per model")
+        if replicas != 1 or max_replicas is not None or disaggregate is not None or routing != "prefix" or spread:
+            fail("with --fleet, replicas, max_replicas, disaggregate, routing and spread go in the fleet file, per "
+                 "model")
         fleet = load_fleet(fleet_file)
     else:
-        plan = (ReplicaPlan.disaggregated(disaggregate, max_replicas=max_replicas, routing=routing)
+        plan = (ReplicaPlan.disaggregated(disaggregate, max_replicas=max_replicas, routing=routing, spread=spread)
                 if disaggregate is not None else
-                ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing))
+                ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing, spread=spread))
         fleet = from_arguments(engines or [str(DEFAULT_ENGINE)], model_name, plan)
     # Refuse a bad engine or a taken port before anything listens: the files' hashes are checked
     # here once, not again by the ranks.
@@ -280,7 +285,8 @@ def serve(
         except ImportError as exc:
             fail(f"replicas and --disaggregate run on Ray Serve ({exc}): pip install 'kiln[serve]'")
         raise typer.Exit(serve_replicas(fleet, options, host=host, port=port, drain_timeout=drain_timeout,
-                                        ray_address=ray_address, keys=keys if keys.enabled else None, **server))
+                                        ray_address=ray_address, keys=keys if keys.enabled else None,
+                                        sources=sources, **server))
     from runtime.backends.cpu.cpus import usable_cpus
     from runtime.serving.fleet import model_options
 
@@ -296,12 +302,16 @@ def serve(
                                 keys=keys if keys.enabled else None, **server))
 
 
-def fetched_argument(item: str) -> str:
-    """A serve ENGINE or NAME=ENGINE argument with a URL engine replaced by its local copy (runtime/backends/fetch)."""
+def fetched_argument(item: str, sources: dict[str, str]) -> str:
+    """A serve ENGINE or NAME=ENGINE argument with a URL engine replaced by its local copy (runtime/backends/fetch),
+    noted in sources."""
     from runtime.backends.fetch import is_url, local_engine
 
     name, _, engine = item.partition("=") if "=" in item and not is_url(item) else ("", "", item)
-    return f"{name}={local_engine(engine)}" if name else local_engine(engine)
+    local = local_engine(engine)
+    if local != engine:
+        sources[local] = engine
+    return f"{name}={local}" if name else local
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -6,7 +6,7 @@ file says more, per model:
     [[models]]
     name = "smollm2-fast"          # what clients send as "model"
     engine = "engines/fast"        # relative to this file
-    replicas = 2                   # also max_replicas, routing, disaggregate, threads, kv_cache_gib, backend
+    replicas = 2                   # also max_replicas, routing, spread, disaggregate, threads, kv_cache_gib, backend
 
     [[models]]
     name = "smollm2"
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 ROUTING_POLICIES = ("prefix", "round-robin")
 HEALTH_CHECK_PERIOD_S = 2.0
-MODEL_KEYS = {"name", "engine", "replicas", "max_replicas", "routing", "disaggregate", "threads", "kv_cache_gib",
-              "backend"}
+MODEL_KEYS = {"name", "engine", "replicas", "max_replicas", "routing", "spread", "disaggregate", "threads",
+              "kv_cache_gib", "backend"}
 TIER_KEYS = {"models", "probe_tokens", "min_mean_logprob", "max_prompt_tokens", "confidence"}
 CONFIDENCE_RULES = ("mean", "min")
 
@@ -53,6 +53,7 @@ class ReplicaPlan:
     routing: str = "prefix"
     health_check_period_s: float = HEALTH_CHECK_PERIOD_S
     prefill_replicas: int = 0        # disaggregated: this many prefill workers, and `replicas` decode workers
+    spread: bool = False             # at most one of the model's replicas (of each role) on a Ray node
 
     @classmethod
     def disaggregated(cls, spec: str, **fields) -> ReplicaPlan:
@@ -198,7 +199,8 @@ def load_fleet(path: Path) -> Fleet:
             raise ValueError(f"{where}: engine = DIR is required")
         engine = (Path(path).parent / entry["engine"]).resolve()
         disaggregate = entry.get("disaggregate")
-        fields = {"max_replicas": entry.get("max_replicas"), "routing": entry.get("routing", "prefix")}
+        fields = {"max_replicas": entry.get("max_replicas"), "routing": entry.get("routing", "prefix"),
+                  "spread": bool(entry.get("spread", False))}
         try:
             plan = (ReplicaPlan.disaggregated(disaggregate, **fields) if disaggregate is not None
                     else ReplicaPlan(replicas=int(entry.get("replicas", 1)), **fields))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.backends import open_engine
 from runtime.backends.base import kv_groups
 from runtime.backends.cpu.cpus import usable_cpus
+from runtime.backends.fetch import local_engine
 from runtime.core.engine import EngineOptions, _lowered
 from runtime.core.sampling import SamplingParams
 from runtime.format.engine_format import EngineError
@@ -68,6 +69,7 @@ class KilnReplica:
     """One engine (its EngineLoop, LLMEngine and rank processes) as a Ray Serve replica."""
 
     async def __init__(self, engine: str, options: EngineOptions, max_waiting: int):
+        engine = local_engine(engine)  # a URL: this node's checked copy (runtime/backends/fetch.py)
         self.engine_loop = EngineLoop(lambda: open_llm_engine(engine, options), max_waiting)
         loop = asyncio.get_running_loop()
         settled = loop.create_future()
@@ -152,9 +154,12 @@ class KilnReplica:
 
 def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, dict], *, max_waiting: int = 64,
               max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0, keys: ApiKeys | None = None,
-              metrics_open: bool = False):
+              metrics_open: bool = False, sources: dict[str, str] | None = None):
     """The Serve application: KilnIngress in front of each model's KilnReplicas (disaggregated: its KilnPrefill
-    and KilnDecode workers). pools: per model, its KV block_size, blocks_per_replica and max_batch_size."""
+    and KilnDecode workers). pools: per model, its KV block_size, blocks_per_replica and max_batch_size. sources:
+    the URL an engine directory was fetched from (runtime/backends/fetch.py), which each replica fetches again on
+    its own node."""
+    sources = sources or {}
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -167,8 +172,9 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
                 "target_ongoing_requests": max(1, pool["max_batch_size"] // 2), "look_back_period_s": 10,
                 "upscale_delay_s": 5, "downscale_delay_s": 60}}
         name = role if len(fleet.models) == 1 else f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model.name)}"
+        spread = {"max_replicas_per_node": 1} if model.plan.spread else {}  # Serve places one a node
         deployment = serve.deployment(
-            KilnReplica, name=name, ray_actor_options={"num_cpus": 0},
+            KilnReplica, name=name, ray_actor_options={"num_cpus": 0}, **spread,
             max_ongoing_requests=pool["max_batch_size"] + max_waiting,
             health_check_period_s=model.plan.health_check_period_s, health_check_timeout_s=30,
             graceful_shutdown_timeout_s=drain_timeout,
@@ -178,7 +184,7 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
                                        "blocks_per_replica": pool["blocks_per_replica"], "model": model.name},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
             **scaling)
-        return deployment.bind(str(model.engine), options[model.name], max_waiting)
+        return deployment.bind(sources.get(str(model.engine), str(model.engine)), options[model.name], max_waiting)
 
     deployments = {}
     for model in fleet.models:
@@ -195,7 +201,7 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
     return ingress.bind(deployments, fleet.tiers, max_waiting, max_request_bytes, keys, metrics_open)
 
 
-def application(fleet: Fleet, options: EngineOptions, **server):
+def application(fleet: Fleet, options: EngineOptions, **server):  # server: build_app's keywords, sources too
     """The Serve application for a fleet, each engine checked first; every model gets `options` with its own
     threads, KV size and backend where the fleet gives them, and the host's cores shared between all ranks
     where neither says. server: build_app's keywords."""
@@ -210,8 +216,9 @@ def application(fleet: Fleet, options: EngineOptions, **server):
         if model.plan.prefill_replicas and manifest.world_size != 1:
             raise EngineError(f"--disaggregate hands K/V between one-rank engines; {model.engine} has "
                               f"{manifest.world_size} ranks")
-        if chosen.num_threads is None:  # the host's cores shared between every replica's ranks
-            chosen = dataclasses.replace(chosen, num_threads=max(1, usable_cpus() // all_ranks))
+        if chosen.num_threads is None:  # the host's cores shared between every replica's ranks (spread: one a node)
+            ranks = manifest.world_size if model.plan.spread else all_ranks
+            chosen = dataclasses.replace(chosen, num_threads=max(1, usable_cpus() // ranks))
         backend = opened[model.name].backend
         per_model[model.name] = chosen
         pools[model.name] = {"block_size": manifest.block_size,

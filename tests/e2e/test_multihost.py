@@ -2,8 +2,9 @@
 links): the shipped model's tp=2 engine split over two hosts with `engine-run generate --nnodes 2`, the second
 host given only the engine's URL (served over HTTP by the first), answers greedy chat prompts with the one-host
 engine's exact text; a corrupted copy on that host is refused in one line; a host lost mid-run ends the group in
-one line within the rank timeout instead of hanging. The hosts share this machine's CPUs and files: each host
-keeps its own Kiln cache folder, so the second really fetches and checks the engine."""
+one line within the rank timeout instead of hanging; two Ray Serve replicas spread over a Ray cluster of two
+hosts answer as one host does, and keep answering when one host is lost. The hosts share this machine's CPUs and
+files: each host keeps its own Kiln cache folder, so a host given a URL really fetches and checks the engine."""
 
 from __future__ import annotations
 
@@ -113,3 +114,77 @@ def test_a_host_lost_mid_run_ends_the_group_in_one_line(hosts, served, tmp_path)
     assert time.monotonic() - lost < 60  # the rank timeout (10 s) and the group's teardown, not a hang
     lines = err.strip().splitlines()
     assert lines and lines[-1].startswith("engine-run: error:") and "rank 1" in lines[-1], err[-2000:]
+
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}  # a cluster of this test's hosts only
+
+
+def in_host(hosts, host: int, code: str, timeout: float = 120) -> str:
+    """Python run on `host` (the test's own namespace reaches none of them): its stdout, failing on an error."""
+    done = subprocess.run(hosts.command(host, [sys.executable, "-c", code]), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+ASK = """
+import httpx, json, sys, time
+url, prompts, deadline = {url!r}, {prompts!r}, time.monotonic() + {patience}
+answers = []
+for prompt in prompts:
+    while True:
+        try:
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={{"model": "smollm2", "max_tokens": 24,
+                           "temperature": 0, "messages": [{{"role": "user", "content": prompt}}]}})
+            if r.status_code == 200:
+                answers.append(r.json()["choices"][0]["message"]["content"])
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "no answer in time"
+        time.sleep(1)
+print(json.dumps(answers))
+"""
+
+def test_two_replicas_on_two_hosts_answer_and_survive_a_host_lost(hosts, served, smollm2_default_engine, tmp_path):
+    """`engine-run serve URL --replicas 2 --spread --ray-address` on a Ray cluster of hosts 0 and 1: one replica a
+    host, each fetching the engine by URL; greedy answers equal one host's; all of host 1's processes killed, the
+    endpoint keeps answering from host 0."""
+    engine = smollm2_default_engine
+    files = hosts.popen(0, [sys.executable, "-m", "http.server", "8481", "--bind", hosts.address(0), "--directory",
+                            str(engine.parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://{hosts.address(0)}:8481/{engine.name}"
+    address = f"{hosts.address(0)}:6399"
+    for host in (0, 1):
+        env = dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(tmp_path / f"cache{host}"))
+        start = (["--head", "--port", "6399", "--include-dashboard", "false"] if host == 0 else ["--address", address])
+        ray = subprocess.run(hosts.command(host, ["ray", "start", *start, "--node-ip-address", hosts.address(host),
+                                                  "--num-cpus", "1", "--disable-usage-stats"]),
+                             env=env, capture_output=True, text=True, timeout=180)
+        assert ray.returncode == 0, ray.stderr[-2000:]
+    serve = hosts.popen(0, [sys.executable, "-m", "runtime.cli", "serve", url, "--model-name", "smollm2", "--replicas",
+                            "2", "--spread", "--routing", "round-robin", "--ray-address", address, "--host",
+                            hosts.address(0), "--port", "8000", "--threads", "1"], cwd=REPO,
+                        env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(tmp_path / "cache0")),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://{hosts.address(0)}:8000"
+        prompts = [CHAT[0]] * 4 + [CHAT[1]] * 4
+        answers = __import__("json").loads(in_host(hosts, 0, ASK.format(url=base, prompts=prompts, patience=240),
+                                                   timeout=300))
+        alone = subprocess.run(generate(engine), cwd=REPO, capture_output=True, text=True, timeout=300)
+        expected = [part.split("\n", 1)[1].strip() for part in alone.stdout.split("--- [")[1:]]
+        assert answers[:4] == [expected[0]] * 4 and answers[4:] == [expected[1]] * 4, (answers, expected)
+        # --spread puts at most one replica on a node, so with two nodes each has one: host 1's fetched its copy
+        assert [p.name for p in (tmp_path / "cache1" / "engines").iterdir()] == [
+            __import__("json").loads((engine / "manifest.json").read_text())["build_id"]]
+
+        hosts.kill(1)  # host 1 lost: its raylet, its replica, its rank
+        after = __import__("json").loads(in_host(hosts, 0, ASK.format(url=base, prompts=CHAT, patience=120),
+                                                 timeout=200))
+        assert after == expected
+        assert serve.poll() is None
+    finally:
+        serve.kill()
+        files.kill()
+        subprocess.run(hosts.command(0, ["ray", "stop", "--force"]), capture_output=True, timeout=120)
