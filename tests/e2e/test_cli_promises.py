@@ -114,9 +114,9 @@ def test_generate_lifts_the_prefill_cap_for_a_batch_it_does_not_stream(tiny_engi
 
     chunks, real = [], launcher.open_llm_engine
 
-    def opened_with(engine, options):  # the real engine runs; only the options it was opened with are kept
+    def opened_with(engine, options, nodes=None):  # the real engine runs; only the options it was opened with are kept
         chunks.append(options.prefill_chunk)
-        return real(engine, options)
+        return real(engine, options, nodes)
 
     monkeypatch.setattr(launcher, "open_llm_engine", opened_with)
     for prompts in (["-p", "a", "-p", "b"], ["-p", "a"], ["-p", "a", "-p", "b", "--prefill-chunk", "16"]):
