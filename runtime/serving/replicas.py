@@ -154,11 +154,12 @@ class KilnReplica:
 
 def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, dict], *, max_waiting: int = 64,
               max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0, keys: ApiKeys | None = None,
-              metrics_open: bool = False, sources: dict[str, str] | None = None):
+              metrics_open: bool = False, sources: dict[str, str] | None = None, ingress_node: str | None = None):
     """The Serve application: KilnIngress in front of each model's KilnReplicas (disaggregated: its KilnPrefill
     and KilnDecode workers). pools: per model, its KV block_size, blocks_per_replica and max_batch_size. sources:
     the URL an engine directory was fetched from (runtime/backends/fetch.py), which each replica fetches again on
-    its own node."""
+    its own node. ingress_node: the address of the node the ingress must run on (the one `engine-run serve` runs
+    on), so that the endpoint outlives any other node."""
     sources = sources or {}
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -196,7 +197,9 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
             deployments[model.name] = {"replicas": engines(model, "KilnReplica", plan.replicas, plan.max_replicas)}
         deployments[model.name].update(engine=str(model.engine), options=options[model.name],
                                        expected_replicas=plan.num_engines)
-    ingress = serve.deployment(serve.ingress()(KilnIngress), name="KilnIngress", ray_actor_options={"num_cpus": 0},
+    pinned = {"resources": {f"node:{ingress_node}": 0.001}} if ingress_node else {}  # Ray's per-node resource
+    ingress = serve.deployment(serve.ingress()(KilnIngress), name="KilnIngress",
+                               ray_actor_options={"num_cpus": 0, **pinned},
                                max_ongoing_requests=10_000)
     return ingress.bind(deployments, fleet.tiers, max_waiting, max_request_bytes, keys, metrics_open)
 
@@ -261,7 +264,6 @@ def serve_replicas(fleet: Fleet, options: EngineOptions, *, host: str = "127.0.0
     from ray import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    app = application(fleet, options, drain_timeout=drain_timeout, **server)
     local = ray_address is None
     ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING,
              **({"num_cpus": usable_cpus(), "object_store_memory": 256 << 20} if local else {}))
@@ -269,7 +271,9 @@ def serve_replicas(fleet: Fleet, options: EngineOptions, *, host: str = "127.0.0
     for sig in (signal.SIGTERM, signal.SIGINT):  # in place of Ray's (which exits at once), before Serve starts
         signal.signal(sig, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: (reload.set(), stop.set()))
-    try:
+    try:  # the ingress on this node: the endpoint outlives any other node
+        app = application(fleet, options, drain_timeout=drain_timeout, ingress_node=ray.util.get_node_ip_address(),
+                          **server)
         serve.start(http_options={"host": host, "port": port})
         engines = sum(m.plan.num_engines for m in fleet.models)
         print(f"Starting {engines} engine replica(s) on Ray {'(local)' if local else ray_address} ...", flush=True)
