@@ -12,7 +12,8 @@ free (no response_format, ignore_eos, each generating as many tokens as it did c
 Each server is started here on a free port, sent one constrained request untimed, and stopped before the next (see
 bench_serving.py for vLLM's install and the GGUF's conversion).
 
-    valid     share of constrained outputs that parse as JSON and validate (jsonschema, formats not checked)
+    valid     share of constrained outputs that parse as JSON and validate (jsonschema, formats not checked), and
+              how many of those that do not were cut by max_tokens (finish_reason "length") before the grammar ended
     tok/s     completion tokens of the level / its wall time, constrained and free, and their ratio
 """
 
@@ -46,7 +47,7 @@ async def level(base_url: str, concurrency: int, temperature: float, max_tokens:
 
     mode = f"{'free' if lengths else 'constrained'} T={temperature:g} c={concurrency} round {round_}"
 
-    async def one(http: httpx.AsyncClient, i: int, what: str, schema: dict) -> tuple[int, bool]:
+    async def one(http: httpx.AsyncClient, i: int, what: str, schema: dict) -> tuple[int, bool, bool]:
         # A tag of its own on every prompt: no level reads another's prompts from the prefix cache.
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"({mode}, {i}) Give {what} as JSON."}],
                 "max_tokens": max_tokens, "temperature": temperature, "seed": i}
@@ -59,23 +60,23 @@ async def level(base_url: str, concurrency: int, temperature: float, max_tokens:
             response = await http.post("/v1/chat/completions", json=body)
         if response.status_code != 200:
             print(f"structured: HTTP {response.status_code} for {what}: {response.text[:200]}", file=sys.stderr)
-            return 0, False
+            return 0, False, False
         out = response.json()
         try:
             jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
             valid = True
         except (ValueError, jsonschema.ValidationError):
             valid = False
-        return out["usage"]["completion_tokens"], valid
+        return out["usage"]["completion_tokens"], valid, out["choices"][0]["finish_reason"] == "length"
 
     async with httpx.AsyncClient(base_url=base_url, timeout=None,
                                  limits=httpx.Limits(max_connections=concurrency + 4)) as http:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(http, i, w, s) for i, (w, s) in enumerate(picked)))
         wall = time.perf_counter() - start
-    tokens = sum(t for t, _ in results)
-    return {"requests": count, "tokens": tokens, "tok_s": tokens / wall, "valid": sum(v for _, v in results) / count,
-            "lengths": [t for t, _ in results]}
+    tokens = sum(t for t, _, _ in results)
+    return {"requests": count, "tokens": tokens, "tok_s": tokens / wall, "valid": sum(v for _, v, _ in results) / count,
+            "cut": sum(c and not v for _, v, c in results), "lengths": [t for t, _, _ in results]}
 
 
 def measure(name: str, base_url: str, args) -> list[dict]:
@@ -94,13 +95,15 @@ def measure(name: str, base_url: str, args) -> list[dict]:
                 rounds.append((constrained, free))
             rows.append({"server": name, "temperature": temperature, "concurrency": concurrency,
                          "valid": statistics.fmean(c["valid"] for c, _ in rounds),
+                         "cut": sum(c["cut"] for c, _ in rounds),
                          "constrained_tok_s": statistics.median(c["tok_s"] for c, _ in rounds),
                          "free_tok_s": statistics.median(f["tok_s"] for _, f in rounds),
                          "ratio": statistics.median(c["tok_s"] / f["tok_s"] for c, f in rounds),
                          "ratios": [c["tok_s"] / f["tok_s"] for c, f in rounds],
                          "requests": sum(c["requests"] for c, _ in rounds)})
             row = rows[-1]
-            print(f"{name:5s} T={temperature:g} c={concurrency:2d}: valid {row['valid']:.0%} of {row['requests']}, "
+            print(f"{name:5s} T={temperature:g} c={concurrency:2d}: valid {row['valid']:.0%} of {row['requests']} "
+                  f"({row['cut']} invalid cut by max_tokens), "
                   f"constrained {row['constrained_tok_s']:.1f} tok/s, free {row['free_tok_s']:.1f} (medians), "
                   f"ratio {row['ratio']:.2f}x [{', '.join(f'{r:.2f}' for r in row['ratios'])}]", flush=True)
     return rows

@@ -123,8 +123,27 @@ def unknown_keyword(schema, at: str = "") -> str | None:
     return None
 
 
+# Where JSON allows whitespace, at most one line break and 40 spaces or tabs of indentation, or up to 8 spaces on a
+# line. Unbounded whitespace (llguidance's default) lets a small model fill max_tokens with blank lines inside an
+# object; this bound keeps pretty-printed JSON. A schema that sets its own (x-guidance whitespace_pattern or
+# whitespace_flexible) keeps it.
+JSON_WHITESPACE = r"[ \t]{1,8}|\r?\n[ \t]{0,40}"
+
+
+def bounded_whitespace(schema: dict | bool) -> dict | bool:
+    """The schema with JSON_WHITESPACE as its x-guidance whitespace_pattern, unless it sets whitespace itself."""
+    if not isinstance(schema, dict):
+        return schema if schema is False else {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    options = schema.get("x-guidance")
+    options = options if isinstance(options, dict) else {}
+    if "whitespace_pattern" in options or "whitespace_flexible" in options:
+        return schema
+    return {**schema, "x-guidance": {**options, "whitespace_pattern": JSON_WHITESPACE}}
+
+
 def json_schema_grammar(schema: dict | bool) -> str:
-    """llguidance's grammar of a JSON schema; GrammarError naming a key JSON Schema does not define."""
+    """llguidance's grammar of a JSON schema, whitespace bounded (bounded_whitespace); GrammarError naming a key
+    JSON Schema does not define."""
     import json
 
     from llguidance import LLMatcher
@@ -132,7 +151,7 @@ def json_schema_grammar(schema: dict | bool) -> str:
     unknown = unknown_keyword(schema)
     if unknown:
         raise GrammarError(f"unknown JSON Schema keyword {unknown}")
-    return LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    return LLMatcher.grammar_from_json_schema(json.dumps(bounded_whitespace(schema)))
 
 
 def regex_grammar(pattern: str) -> str:

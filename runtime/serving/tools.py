@@ -17,7 +17,7 @@ import json
 import re
 import uuid
 
-from runtime.core.constraints import lark_grammar
+from runtime.core.constraints import bounded_whitespace, lark_grammar
 
 FALLBACK_PROMPT = ("You can call these functions (JSON schemas of their parameters):\n<tools>\n{tools}\n</tools>\n"
                    "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <JSON object>}}"
@@ -80,7 +80,8 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, fmt: str) 
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt == "mistral":
         listed = {"type": "array", "items": one, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        return lark_grammar(f'start: "[TOOL_CALLS]" %json {json.dumps(listed)}\n')
+        return lark_grammar(f'start: "[TOOL_CALLS]" %json {json.dumps(bounded_whitespace(listed))}\n')
+    one = bounded_whitespace(one)
     if fmt == "llama3":
         return lark_grammar(f"start: %json {json.dumps(one)}\n")
     repeat = ' ("\\n" call)*' if parallel else ""

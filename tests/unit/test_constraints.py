@@ -115,3 +115,24 @@ def test_a_key_json_schema_does_not_define_is_named_with_where_it_is(schema, fou
     if found:
         with pytest.raises(GrammarError, match=found.replace("$", r"\$")):
             json_schema_grammar(schema)
+
+
+def _accepts(grammars: Grammars, grammar: str, text: str) -> bool:
+    constraint = grammars.constraint(grammar)
+    for token in grammars._tokenizer.encode(text).ids:
+        constraint.take(token)
+    constraint.take(EOS)
+    return constraint.done and not constraint.matcher.is_error()
+
+
+@pytest.mark.parametrize("schema, blank_lines_allowed", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, False),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "x-guidance": {"whitespace_flexible": True}}, True),
+])
+def test_json_whitespace_is_bounded_unless_the_schema_sets_its_own(grammars, schema, blank_lines_allowed):
+    """A small model can fill max_tokens with blank lines where JSON allows whitespace: by default one line break
+    and its indentation per place (pretty-printed JSON still passes); a schema's own x-guidance setting wins."""
+    grammar = json_schema_grammar(schema)
+    assert _accepts(grammars, grammar, '{\n  "a": 1\n}') and _accepts(grammars, grammar, '{"a": 1}')
+    assert _accepts(grammars, grammar, '{\n\n\n  "a": 1}') == blank_lines_allowed
+    assert _accepts(grammars, grammar, '{"a":' + " " * 12 + "1}") == blank_lines_allowed
