@@ -175,6 +175,7 @@ def _gemm_cases() -> list[Case]:
 
 
 def _sampling_cases() -> list[Case]:
+    from runtime._native import _ops
     from runtime.backends.cuda.kernels import sampling
     from runtime.core.sampler import Sampler, _adjust, race_noise
     from runtime.core.sampling import SamplingParams
@@ -239,6 +240,25 @@ def _sampling_cases() -> list[Case]:
                       lambda L, x, t, k, p, sd, pos, nz: sampling.sample(L, x, t, k, p, sd, pos, noise=nz,
                                                                          tile=128).long(),
                       Sampler().sample_random(sl, sseqs).long(), ("equal",)))
+    # a grammar's bitmask on two of three rows (the host's C mask), and top-8 log-probs (log_softmax's top-k)
+    ml = torch.randn(3, 700, generator=gen) * 3
+    bits = torch.randint(-2**31, 2**31 - 1, (2, 22), generator=gen, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([2, 0])
+    masked = ml.clone()
+    _ops.mask_rows_bits(masked.numpy(), rows.numpy(), bits.numpy(), 700, 22, 1)
+    cases.append(Case("sampling.mask_bits f32", (ml, rows, bits),
+                      lambda L, x, r, b: (sampling.mask_bits(L, x, r, b, tile=128), x)[1], masked, ("equal",)))
+    picked = torch.tensor([3, 650, 7, 1, 0, 699], dtype=torch.int32)
+    lp = torch.log_softmax(logits, -1)
+    top = torch.sort(lp, dim=-1, descending=True, stable=True)
+    cases.append(Case("sampling.top_logprobs ids", (logits, picked),
+                      lambda L, x, t: sampling.top_logprobs(L, x, t, 8, tile=128)[2].long(), top.indices[:, :8],
+                      ("equal",)))
+    flat = lambda *tensors: torch.cat([t.reshape(-1) for t in tensors])  # noqa: E731
+    cases.append(Case("sampling.top_logprobs values", (logits, picked),
+                      lambda L, x, t: flat(*sampling.top_logprobs(L, x, t, 8, tile=128)[:2]),
+                      flat(lp.gather(1, picked.long()[:, None]), top.values[:, :8]),
+                      ("abs", 1e-5)))
     return cases
 
 

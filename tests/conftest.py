@@ -342,3 +342,21 @@ def mutated(k, old: str, new: str):
     namespace = dict(vars(inspect.getmodule(k.fn)))
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102
     return Kernel(namespace[k.name], k.num_warps, k.num_stages)
+
+
+@pytest.fixture(scope="session")
+def grammars():
+    """runtime.core.constraints.Grammars over a 300-token byte-level BPE trained here on JSON and digits; token 0 is
+    its end of sequence."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from runtime.core.constraints import Grammars
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ['{"name": "Kiln", "age": 3}', "123-45", "yes no maybe", '{"a": [1, 2, 3]}'] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    return Grammars(tokenizer, (0,))

@@ -173,22 +173,31 @@ def _executor():
     return LLExecutor()
 
 
-def mask_rows(logits: torch.Tensor, constraints: list[Constraint | None]) -> None:
-    """Set to -inf, in place, every logit of row r that constraints[r] does not allow next (None: row left free),
-    rows [R, V] float32 on the host. The allowed sets are computed as one bitmask (llguidance's threads, one row
-    each, outside the GIL) and applied in C (_ops.mask_rows_bits: about 3 us a row of 49,152, where unpacking the
-    bits to booleans for torch took 70). Tokens past the grammar's vocabulary (a padded embedding) are refused; a
-    grammar in error allows nothing: the engine ends its sequence."""
+def allowed_bits(constraints: list[Constraint | None]) -> tuple[list[int], np.ndarray | None]:
+    """(the rows r with a constraint, int32 [len(rows), words]: bit t % 32 of word t // 32 set where row r's grammar
+    allows token t next), computed by llguidance's threads, one row each, outside the GIL; ([], None) if none."""
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
     rows = [r for r, c in enumerate(constraints) if c is not None]
     if not rows:
-        return
+        return [], None
     bitmask = allocate_token_bitmask(len(rows), constraints[rows[0]].vocab_size)
     if len(rows) == 1:
         fill_next_token_bitmask(constraints[rows[0]].matcher, bitmask, 0)
     else:
         fill_next_token_bitmask_par(_executor(), [(constraints[r].matcher, i) for i, r in enumerate(rows)], bitmask)
+    return rows, bitmask
+
+
+def mask_rows(logits: torch.Tensor, constraints: list[Constraint | None]) -> None:
+    """Set to -inf, in place, every logit of row r that constraints[r] does not allow next (None: row left free),
+    rows [R, V] float32 on the host. The allowed sets are computed as one bitmask (allowed_bits) and applied in C
+    (_ops.mask_rows_bits: about 3 us a row of 49,152, where unpacking the bits to booleans for torch took 70).
+    Tokens past the grammar's vocabulary (a padded embedding) are refused; a grammar in error allows nothing: the
+    engine ends its sequence."""
+    rows, bitmask = allowed_bits(constraints)
+    if not rows:
+        return
     target = logits if logits.is_contiguous() else logits.contiguous()
     _ops.mask_rows_bits(target.numpy(), np.array(rows, dtype=np.int64), bitmask, logits.shape[1], bitmask.shape[1],
                         threads())

@@ -17,6 +17,7 @@ from builder.planning.plan import plan_from_dict
 from runtime.core.engine import EngineOptions, LLMEngine
 from runtime.format.engine_format import EngineError, Manifest
 from runtime.backends import check_files
+from runtime.core.constraints import regex_grammar
 from runtime.core.sampling import SamplingParams
 
 ARCHES = {"nvidia-a100-80gb": "sm_80", "nvidia-l40s": "sm_89", "nvidia-h100-80gb": "sm_90a"}
@@ -122,6 +123,30 @@ def test_the_cuda_backend_gives_the_cpu_engines_greedy_tokens(engines, monkeypat
                              ignore_eos=True)
     assert run(engines["nvidia-h100-80gb"].out, PROMPTS[:2], sampled)[0] == run(engines["cpu"].out, PROMPTS[:2],
                                                                                   sampled)[0]
+
+
+def test_grammar_masks_and_log_probs_on_the_device_equal_the_cpu_engines(engines, monkeypatch):
+    """Greedy requests with a grammar and top-5 log-probs: the mask, greedy and top-logprobs kernels run on the
+    device (the logits never copied to the host) and give the cpu engine's tokens and log-probs."""
+    monkeypatch.setenv("KILN_CUDA_INTERPRET", "1")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=5,
+                            grammar=regex_grammar("[a-z ]{2,40}"))
+
+    def outputs(path):
+        llm = LLMEngine.from_dir(path, EngineOptions())
+        return llm.generate(PROMPTS[:3], params), llm
+
+    expected, _ = outputs(engines["cpu"].out)
+    got, llm = outputs(engines["nvidia-h100-80gb"].out)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(set(o.text) <= set("abcdefghijklmnopqrstuvwxyz ") for o in got)
+    for mine, theirs in zip(got, expected):
+        assert len(mine.logprobs) == 6 and all(abs(a - b) < 1e-4 for a, b in zip(mine.logprobs, theirs.logprobs))
+        for a, b in zip(mine.top_logprobs, theirs.top_logprobs):  # -inf beside -inf where the mask refused
+            assert [i for i, _ in a] == [i for i, _ in b]
+            assert all(x == y or abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b))
+    launched = {key.split(".")[0] for key in llm.executor.launcher.launched}
+    assert {"_mask_bits_kernel", "_greedy_kernel", "_top_logprobs_kernel"} <= launched
 
 
 @pytest.mark.parametrize("family", ["tiny_qwen2_dir", "tiny_mistral_dir", "tiny_phi3_longrope_dir", "tiny_gemma3_dir"])

@@ -208,8 +208,8 @@ def test_engines_build_for_each_rtx_compute_capability(tiny_llama_dir, tmp_path,
     build_engine(str(tiny_llama_dir), plan, out, show_progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tensorrt"]["kernels"]["arch"] == arch and manifest["tensorrt"]["plugins"][0]["registered"]
-    # one rank: the plugin's kernels and the greedy sampler's
-    assert manifest["tensorrt"]["kernels"]["kernels"] == 4
+    # one rank: the plugin's three kernels and the device sampler's (greedy, grammar mask, log-probs)
+    assert manifest["tensorrt"]["kernels"]["kernels"] == 6
     e = manifest["ranks"][0]["engine"]
     assert e["plugin_layers"] == 4 and e["collectives"] == 0 and 0 < e["activation_bytes"] <= e["workspace_bytes"]
 

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from runtime._native import _ops
 from runtime.core.constraints import (
@@ -22,19 +21,7 @@ from runtime.core.sampler import Sampler
 from runtime.core.sampling import SamplingParams
 from runtime.core.sequence import Sequence
 
-EOS = 0
-
-
-@pytest.fixture(scope="module")
-def grammars() -> Grammars:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ['{"name": "Kiln", "age": 3}', "123-45", "yes no maybe", '{"a": [1, 2, 3]}'] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
-    return Grammars(tokenizer, (EOS,))
+EOS = 0  # the grammars fixture's end of sequence (tests/conftest.py)
 
 
 def test_the_mask_allows_what_the_grammar_allows(grammars):

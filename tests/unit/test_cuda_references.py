@@ -138,9 +138,20 @@ def test_every_kernel_but_the_sampling_ones_has_a_reference():
     assert set(REFERENCES) <= kernels  # none names a kernel that is not there
 
 
+def test_the_grammar_mask_and_top_logprobs():
+    logits = randn(3, 300, seed=13)
+    bits = torch.tensor([[0x55555555, -1, 0, 0x0F0F0F0F, 7, -(2**31), 1, 3, 0, -1]], dtype=torch.int32)
+    launcher = checked(lambda ln: (sampling.mask_bits(ln, logits, torch.tensor([1]), bits),
+                                   sampling.top_logprobs(ln, logits, torch.tensor([0, 2, 4], dtype=torch.int32), 8)))
+    assert {key.split(".")[0] for key in launcher.checked} == {"_mask_bits_kernel", "_top_logprobs_kernel"}
+    assert bool(torch.isinf(logits[1]).any()) and not bool(torch.isinf(logits[[0, 2]]).any())
+
+
 @pytest.mark.parametrize("module,name,old,new", [
     (rows, "_gated_act_kernel", "g / (1.0 + tl.exp(z)) * u", "g / (1.0 + tl.exp(z)) * g"),
     (gemm, "int4_gemv", "(q - 8.0) * s[:, None] + z[:, None]", "(q - 8.0) * s[:, None]"),
+    (sampling, "_mask_bits_kernel", "& 1) != 0", "& 1) == 0"),
+    (sampling, "_top_logprobs_kernel", "(offs > last_id)", "(offs >= last_id)"),
 ])
 def test_a_mutated_kernel_is_caught(module, name, old, new, monkeypatch):
     monkeypatch.setattr(module, name, mutated(getattr(module, name), old, new))
@@ -148,6 +159,11 @@ def test_a_mutated_kernel_is_caught(module, name, old, new, monkeypatch):
     with pytest.raises(KernelMismatch, match=name):
         if module is rows:
             rows.gated_act(CheckingLauncher(), "silu", x, x + 1)
+        elif name == "_mask_bits_kernel":
+            bits = torch.tensor([[0x00FF00FF, 5]], dtype=torch.int32)
+            sampling.mask_bits(CheckingLauncher(), x, torch.tensor([1]), bits)
+        elif name == "_top_logprobs_kernel":  # the second pass finds the first again
+            sampling.top_logprobs(CheckingLauncher(), x, torch.tensor([0, 1], dtype=torch.int32), 3)
         else:
             q, s, z = int4.quantize(randn(16, 64, seed=12), 32)[:3]
             gemm.linear_int4(CheckingLauncher(), x, gemm.pack_int4(q), s, z, 32)

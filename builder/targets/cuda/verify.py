@@ -77,10 +77,10 @@ def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]],
 
 def check_kernels(executor, launcher, variants: set[str], manifest: Manifest) -> str:
     """Runs the build's two step shapes (a prefill chunk beside a one-token query, then a decode of the chunk's
-    sequence, each with its greedy tokens) with real tokens through `launcher`, a CheckingLauncher: the first
+    sequence, each with its device sampler's kernels: greedy, a grammar mask, log-probs) with real tokens through `launcher`, a CheckingLauncher: the first
     launch of each variant, in the first layer, runs in the interpreter and against its reference. One line, or a
     KilnError naming a kernel that differs or a variant no step launched."""
-    from runtime.backends.cuda.kernels import sampling
+    from runtime.backends.cuda.sampler import launch_sampler_kernels
 
     block = manifest.block_size
     chunk = step_chunk(manifest.limits.max_num_tokens, manifest.limits.max_seq_len)
@@ -97,7 +97,7 @@ def check_kernels(executor, launcher, variants: set[str], manifest: Manifest) ->
                           torch.tensor([0]))]
     try:
         for meta in steps:
-            sampling.greedy(launcher, executor.run(DeviceStep.of(meta, executor.device)))
+            launch_sampler_kernels(launcher, executor.run(DeviceStep.of(meta, executor.device)).float())
     except KernelMismatch as exc:
         raise KilnError(f"verify: {exc}") from None
     missing = sorted(variants - set(launcher.checked))

@@ -222,7 +222,7 @@ def engine_program(doc: dict, compiled: CompiledRank) -> dict:
 
 
 def write_kernels(out: Path, lowered, cc: str, vocab_size: int | None) -> dict:
-    """The plugin's kernels, and with vocab_size (a one-rank engine) the greedy sampler's, compiled by Triton for
+    """The plugin's kernels, and with vocab_size (a one-rank engine) the device sampler's, compiled by Triton for
     compute capability cc, as kernels/ (the cuda target's index)."""
     triton = find_triton()
     variants = sampler_kernels(vocab_size) if vocab_size else {}

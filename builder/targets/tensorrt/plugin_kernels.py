@@ -70,11 +70,12 @@ def layer_kernels(attrs: dict, activations: str, kv_dtype: str, block_size: int)
 
 
 def sampler_kernels(vocab_size: int) -> dict:
-    """{variant key: (Kernel, Variant)} of the greedy sampler a one-rank engine's executor runs on its logits
-    (runtime/backends/cuda/sampler.py), so a greedy step copies back token ids, not logits."""
-    from runtime.backends.cuda.kernels import sampling
+    """{variant key: (Kernel, Variant)} of the device sampler a one-rank engine's executor runs on its logits
+    (runtime/backends/cuda/sampler.py: greedy, grammar mask, log-probs), so a greedy step copies back token ids,
+    not logits."""
+    from runtime.backends.cuda.sampler import launch_sampler_kernels
 
     launcher = RecordingLauncher()
-    sampling.greedy(launcher, torch.empty(2, vocab_size, dtype=torch.float32, device="meta"))
+    launch_sampler_kernels(launcher, torch.empty(2, vocab_size, dtype=torch.float32, device="meta"))
     return {key: (launcher.kernels[key], v) for key, v in launcher.seen.items()}
 

@@ -88,7 +88,7 @@ def _copies(args: Sequence) -> list:
 
 def _difference(before: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """Largest |ours - theirs| where either wrote, as a share of the largest |theirs| there (inf where one
-    wrote NaN and the other did not); integers must be equal (1.0 when not)."""
+    wrote NaN or an infinity and the other did not); integers must be equal (1.0 when not)."""
     if not (ours.dtype.is_floating_point or ours.dtype == torch.float8_e4m3fn):
         return 0.0 if torch.equal(ours, theirs) else 1.0
     old, a, b = before.float(), ours.float(), theirs.float()
@@ -96,9 +96,9 @@ def _difference(before: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor) 
     if not bool(wrote.any()):
         return 0.0
     a, b = a[wrote], b[wrote]
-    if bool((a.isnan() != b.isnan()).any()):
+    if bool((a.isnan() != b.isnan()).any()) or bool(((a.isinf() | b.isinf()) & (a != b)).any()):
         return float("inf")
-    finite = ~b.isnan()
+    finite = b.isfinite()  # an infinity written by both is equal
     scale = float(b[finite].abs().max()) if bool(finite.any()) else 0.0
     diff = float((a[finite] - b[finite]).abs().max()) if bool(finite.any()) else 0.0
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))

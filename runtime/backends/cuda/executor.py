@@ -14,10 +14,10 @@ import torch
 
 from runtime.backends.base import Executor
 from runtime.backends.cuda.graphs import DecodeGraphs
-from runtime.backends.cuda.kernels import attention, rows, sampling
+from runtime.backends.cuda.kernels import attention, rows
 from runtime.backends.cuda.launch import ALIGNMENT, Launcher
 from runtime.backends.cuda.ops import OpContext, make_binders
-from runtime.backends.cuda.sampler import DeviceSampler
+from runtime.backends.cuda.sampler import DeviceSampler, launch_sampler_kernels
 from runtime.backends.cuda.step import DeviceStep
 from runtime.format.engine_format import RankFile
 from runtime.backends.cpu.executor import KVCacheStorage
@@ -83,11 +83,11 @@ class CudaExecutor(Executor):
         return logits.float() if self.device_logits else logits.float().cpu()
 
     def run_meta(self, meta: StepMetadata) -> None:
-        """A step over meta tensors, its greedy tokens too: what a build's dry run records
-        (builder/targets/cuda/compile.py)."""
+        """A step over meta tensors, its device sampler's kernels too (greedy, grammar mask, log-probs): what a
+        build's dry run records (builder/targets/cuda/compile.py)."""
         logits = self.run(DeviceStep.of(meta, self.device))
         if logits is not None and self.device_logits:
-            sampling.greedy(self.launcher, logits.float())
+            launch_sampler_kernels(self.launcher, logits.float())
 
     def run(self, step: DeviceStep, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """The program over a step already on the device; its logits stay there."""

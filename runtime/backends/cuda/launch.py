@@ -39,6 +39,10 @@ class KernelError(RuntimeError):
     """A kernel cannot be launched here (a variant the engine lacks, a misaligned tensor, no GPU runtime)."""
 
 
+class MissingVariant(KernelError):
+    """The engine holds no compiled form of a kernel variant asked for (it was built without it)."""
+
+
 @dataclass(frozen=True)
 class Kernel:
     """A Triton kernel: its Python function (never decorated, so it can be compiled or interpreted) and launch
@@ -153,7 +157,7 @@ class Launcher:
         v = variant_of(k, args, constexprs)
         _check_aligned(k, args)
         if self.allowed is not None and v.key not in self.allowed:
-            raise KernelError(f"kernel {v.name} ({dict(v.constexprs)}, {[t for _, t in v.signature]}) is not among "
+            raise MissingVariant(f"kernel {v.name} ({dict(v.constexprs)}, {[t for _, t in v.signature]}) is not among "
                               "the engine's compiled kernels; rebuild the engine with this Kiln")
         if any(g <= 0 for g in grid):
             return None

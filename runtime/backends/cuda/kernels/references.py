@@ -224,3 +224,27 @@ def expert_gemv(grid, x, experts, w, scales, zeros, y, N, K, ROWS_PER_X, FORMAT,
 def greedy(grid, logits_ptr, out_ptr, V, stride, TILE):
     rows = grid[0]
     out_ptr[:rows] = _rows(logits_ptr, rows, V, stride).float().argmax(-1).to(out_ptr.dtype)
+
+
+@references("sampling", "_mask_bits_kernel")
+def mask_bits(grid, logits_ptr, rows_ptr, bits_ptr, V, words, stride, TILE):
+    chosen = rows_ptr[:grid[0]].tolist()
+    bits = bits_ptr.reshape(-1)[:grid[0] * words].view(grid[0], words)
+    v = torch.arange(V)
+    inside = v < 32 * words
+    allowed = torch.zeros(grid[0], V, dtype=torch.bool)
+    allowed[:, inside] = ((bits[:, v[inside] // 32] >> (v[inside] % 32)) & 1) != 0
+    logits = _rows(logits_ptr, max(chosen) + 1, V, stride)
+    for m, row in enumerate(chosen):
+        logits[row].masked_fill_(~allowed[m], float("-inf"))
+
+
+@references("sampling", "_top_logprobs_kernel")
+def top_logprobs(grid, logits_ptr, tokens_ptr, chosen_ptr, values_ptr, ids_ptr, V, K, stride, TILE):
+    rows = grid[0]
+    logp = torch.log_softmax(_rows(logits_ptr, rows, V, stride).float(), dim=-1)
+    chosen_ptr[:rows] = logp.gather(1, tokens_ptr[:rows].long().unsqueeze(1)).squeeze(1)
+    if K:
+        values, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
+        values_ptr.reshape(-1)[:rows * K] = values[:, :K].reshape(-1)
+        ids_ptr.reshape(-1)[:rows * K] = ids[:, :K].reshape(-1).to(ids_ptr.dtype)

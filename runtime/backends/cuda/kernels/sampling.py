@@ -4,7 +4,11 @@ The same rules as runtime/core/sampler.py (the CPU sampler, which says why they 
 program per row looping over the vocabulary in tiles of TILE, so any V works with one compiled variant:
 - apply_penalties / hold_back: the repetition, frequency and presence penalties and min_tokens' held-back ids,
   in place, over the few ids the host lists per row (two kernels: held-back ids are not penalised ids);
+- mask_bits: a grammar's mask (runtime/core/constraints.py) applied in place: -inf wherever the row's bit is clear,
+  32 tokens a word, as _ops.mask_rows_bits does on the host;
 - greedy: argmax, ties to the lowest token id;
+- top_logprobs: log_softmax's value of each row's chosen token and its k largest values, ties to the lower id,
+  found in k passes over the row (k <= 20), so only R x (k + 1) numbers reach the host;
 - sample: p = exp(logits / temperature - max), softmax's numerators (the kept set and the race's winner do
   not depend on the common 1 / sum); top-k and top-p keep the tokens with p >= a threshold found by
   bisection on the bits of a float32 (positive floats order as their bits), one pass over the row per step,
@@ -79,6 +83,59 @@ def _greedy_kernel(logits_ptr, out_ptr, V, stride, TILE: tl.constexpr):
         best_id = tl.where(better, offs, best_id)
     top = tl.reduce(best, 0, tl.standard._elementwise_max)
     tl.store(out_ptr + row, tl.reduce(tl.where(best == top, best_id, V), 0, tl.standard._elementwise_min))
+
+
+@kernel(num_warps=4)
+def _mask_bits_kernel(logits_ptr, rows_ptr, bits_ptr, V, words, stride, TILE: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + m)
+    lanes = tl.arange(0, TILE)
+    minus_inf = tl.full([TILE], float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty)
+    for start in range(0, V, TILE):
+        offs = start + lanes
+        word = offs // 32
+        bits = tl.load(bits_ptr + m * words + word, mask=(offs < V) & (word < words), other=0)
+        allowed = ((bits >> (offs % 32)) & 1) != 0  # an arithmetic shift keeps bit 0 right for bit 31 too
+        tl.store(logits_ptr + row * stride + offs, minus_inf, mask=(offs < V) & ~allowed)
+
+
+@kernel(num_warps=4)
+def _top_logprobs_kernel(logits_ptr, tokens_ptr, chosen_ptr, values_ptr, ids_ptr, V, K, stride, TILE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, TILE)
+    base = logits_ptr + row * stride
+    # log-sum-exp in one pass: each lane's running max and its sum of exp(x - max)
+    most = tl.full([TILE], float("-inf"), tl.float32)
+    total = tl.zeros([TILE], tl.float32)
+    for start in range(0, V, TILE):
+        offs = start + lanes
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        grown = tl.maximum(most, x)
+        shift = tl.where(grown > float("-inf"), grown, 0.0)  # no -inf - -inf: exp(-inf - 0) is 0
+        total = total * tl.exp(most - shift) + tl.exp(x - shift)
+        most = grown
+    top = tl.reduce(most, 0, tl.standard._elementwise_max)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    lse = top + tl.log(tl.sum(total * tl.exp(most - top), axis=0))
+    token = tl.load(tokens_ptr + row).to(tl.int64)
+    tl.store(chosen_ptr + row, tl.load(base + token).to(tl.float32) - lse)
+    # the k largest, one pass each: the largest (value, -id) below the last one found
+    last, last_id = float("inf"), -1
+    for j in range(K):
+        best = tl.full([TILE], float("-inf"), tl.float32)
+        best_id = tl.full([TILE], V, tl.int32)
+        for start in range(0, V, TILE):
+            offs = start + lanes
+            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            below = (offs < V) & ((x < last) | ((x == last) & (offs > last_id)))
+            better = below & ((x > best) | ((x == best) & (offs < best_id)))
+            best = tl.where(better, x, best)
+            best_id = tl.where(better, offs, best_id)
+        found = tl.reduce(best, 0, tl.standard._elementwise_max)
+        found_id = tl.reduce(tl.where(best == found, best_id, V), 0, tl.standard._elementwise_min)
+        tl.store(values_ptr + row * K + j, found - lse)
+        tl.store(ids_ptr + row * K + j, found_id)
+        last, last_id = found, found_id
 
 
 @kernel(num_warps=4)
@@ -226,6 +283,41 @@ def greedy(launcher: Launcher, logits: torch.Tensor, tile: int = 1024) -> torch.
     out = torch.empty(R, dtype=torch.int32, device=logits.device)
     launcher.launch(_greedy_kernel, (R,), [logits, out, V, logits.stride(0)], TILE=tile)
     return out
+
+
+def mask_bits(launcher: Launcher, logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor,
+              tile: int = 1024) -> None:
+    """Set to -inf, in place, logits[rows[m], v] wherever bit v % 32 of bits[m, v // 32] is clear (and every v past
+    the words): a grammar's mask. logits [R, V]; rows int64 [M]; bits int32 [M, words], llguidance's bitmask."""
+    _check_logits("mask_bits", logits)
+    if rows.dtype != torch.int64 or rows.dim() != 1 or bits.dtype != torch.int32 or bits.dim() != 2 \
+            or bits.shape[0] != rows.shape[0] or not bits.is_contiguous():
+        raise ValueError(f"mask_bits: rows must be int64 [M] and bits contiguous int32 [M, words], got "
+                         f"{tuple(rows.shape)} {rows.dtype} and {tuple(bits.shape)} {bits.dtype}")
+    V = logits.shape[1]
+    launcher.launch(_mask_bits_kernel, (rows.shape[0],), [logits, rows, bits, V, bits.shape[1], logits.stride(0)],
+                    TILE=tile)
+
+
+TOP_LOGPROBS_MAX = 20  # OpenAI's limit; the kernel takes one pass over the row per alternative
+
+
+def top_logprobs(launcher: Launcher, logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                 tile: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [R, V] and tokens int32 [R] -> (float32 [R]: log_softmax of each row at its token; float32 [R, k] and
+    int32 [R, k]: the row's k largest log_softmax values and their ids, largest first, ties to the lower id).
+    Values within float32 rounding of torch's log_softmax (the sum is taken in another order)."""
+    _check_logits("top_logprobs", logits)
+    _check_rows("top_logprobs", logits, tokens=(tokens, torch.int32))
+    if not 0 <= k <= TOP_LOGPROBS_MAX:
+        raise ValueError(f"top_logprobs: k must be between 0 and {TOP_LOGPROBS_MAX}, got {k}")
+    R, V = logits.shape
+    chosen = torch.empty(R, dtype=torch.float32, device=logits.device)
+    values = torch.empty(R, max(k, 1), dtype=torch.float32, device=logits.device)  # k = 0: never written
+    ids = torch.empty(R, max(k, 1), dtype=torch.int32, device=logits.device)
+    launcher.launch(_top_logprobs_kernel, (R,), [logits, tokens, chosen, values, ids, V, k, logits.stride(0)],
+                    TILE=tile)
+    return chosen, values[:, :k], ids[:, :k]
 
 
 def sample(launcher: Launcher, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
