@@ -2,7 +2,8 @@
 in output tok/s, on Kiln's server and vLLM's CPU build (which ships xgrammar and llguidance) side by side.
 
     python benchmarks/structured.py [--kiln-engine engines/smollm2-135m] [--vllm /tmp/venv-vllm/bin/python]
-        [--concurrency 1,32] [--temperatures 0,1] [--max-tokens 256] [--threads N] [--rounds 3] [--out FILE.json]
+        [--concurrency 1,32] [--temperatures 0,1] [--max-tokens 256] [--threads N] [--rounds 3] [--stream]
+        [--out FILE.json]
 
 The load is benchmarks/structured_schemas.py's 30 schemas, each asked for in a chat request ("Give <what> as
 JSON.") with response_format json_schema (strict). At each concurrency c and temperature, the same requests (30, or
@@ -38,7 +39,7 @@ MODEL = "smollm2-135m"
 
 
 async def level(base_url: str, concurrency: int, temperature: float, max_tokens: int,
-                lengths: list[int] | None = None, round_: int = 0) -> dict:
+                lengths: list[int] | None = None, round_: int = 0, stream: bool = False) -> dict:
     """Constrained requests, or (lengths given) the same requests free, each generating as many tokens as its
     constrained run did: the same work, so the tok/s ratio is what constraining costs."""
     count = 10 if concurrency == 1 else max(len(SCHEMAS), concurrency)
@@ -57,17 +58,17 @@ async def level(base_url: str, concurrency: int, temperature: float, max_tokens:
         else:
             body.update(ignore_eos=True, max_tokens=max(1, lengths[i]))
         async with limit:
-            response = await http.post("/v1/chat/completions", json=body)
-        if response.status_code != 200:
-            print(f"structured: HTTP {response.status_code} for {what}: {response.text[:200]}", file=sys.stderr)
+            out = await (streamed(http, body) if stream else whole(http, body))
+        if out is None:
+            print(f"structured: request for {what} failed", file=sys.stderr)
             return 0, False, False
-        out = response.json()
+        text, finish, tokens = out
         try:
-            jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+            jsonschema.validate(json.loads(text), schema)
             valid = True
         except (ValueError, jsonschema.ValidationError):
             valid = False
-        return out["usage"]["completion_tokens"], valid, out["choices"][0]["finish_reason"] == "length"
+        return tokens, valid, finish == "length"
 
     async with httpx.AsyncClient(base_url=base_url, timeout=None,
                                  limits=httpx.Limits(max_connections=concurrency + 4)) as http:
@@ -77,6 +78,34 @@ async def level(base_url: str, concurrency: int, temperature: float, max_tokens:
     tokens = sum(t for t, _, _ in results)
     return {"requests": count, "tokens": tokens, "tok_s": tokens / wall, "valid": sum(v for _, v, _ in results) / count,
             "cut": sum(c and not v for _, v, c in results), "lengths": [t for t, _, _ in results]}
+
+
+async def whole(http: httpx.AsyncClient, body: dict) -> tuple[str, str, int] | None:
+    """(text, finish_reason, completion tokens) of a request answered whole; None if it failed."""
+    response = await http.post("/v1/chat/completions", json=body)
+    if response.status_code != 200:
+        return None
+    out = response.json()
+    return out["choices"][0]["message"]["content"], out["choices"][0]["finish_reason"], out["usage"]["completion_tokens"]
+
+
+async def streamed(http: httpx.AsyncClient, body: dict) -> tuple[str, str, int] | None:
+    """The same, the answer streamed (server-sent events, usage in the last chunk)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, tokens = [], None, 0
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return None
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk.get("choices") or ():
+                text.append(choice["delta"].get("content") or "")
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return "".join(text), finish, tokens
 
 
 def measure(name: str, base_url: str, args) -> list[dict]:
@@ -89,9 +118,10 @@ def measure(name: str, base_url: str, args) -> list[dict]:
         for concurrency in args.concurrency:
             rounds = []  # constrained then free, round after round: the ratio of each pair, taken at the same load
             for round_ in range(args.rounds):
-                constrained = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens, None, round_))
+                constrained = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens, None, round_,
+                                                args.stream))
                 free = asyncio.run(level(base_url, concurrency, temperature, args.max_tokens, constrained["lengths"],
-                                         round_))
+                                         round_, args.stream))
                 rounds.append((constrained, free))
             rows.append({"server": name, "temperature": temperature, "concurrency": concurrency,
                          "valid": statistics.fmean(c["valid"] for c, _ in rounds),
@@ -121,6 +151,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--rounds", type=int, default=3,
                         help="constrained / free pairs per level; the figures are the pairs' medians")
+    parser.add_argument("--stream", action="store_true", help="stream the answers (server-sent events), as chat "
+                        "applications do; the tok/s still count completion tokens over the level's wall time")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
     rows, load = [], [os.getloadavg()]
