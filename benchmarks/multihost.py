@@ -8,13 +8,12 @@ Each figure is `engine-run bench`'s ITL p50 (a decode step: its sequences take o
 run first with both ranks in one namespace (one host: they talk over loopback), then with `--nnodes 2` over hosts 0
 and 1 with every host's sending rate limited (tc tbf). The planner's prediction is its communication term for the
 step over that link less the same over one host's loopback (builder/planning/planner.py's all-reduce, all-gather
-and transfer with the cpu device's figures), printed beside the measured extra time over one host. The two hosts
+and transfer with the cpu device's link and node-link latency), printed beside the measured extra time over one host. The two hosts
 share this machine's two cores, as the ranks of one host do."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from builder.planning.plan import load_devices  # noqa: E402
-from builder.planning.planner import allgather, allreduce, transfer  # noqa: E402
+from builder.planning.planner import Link, allgather, allreduce, transfer  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB = 576, 30, 49152  # SmolLM2-135M
 
@@ -56,19 +55,21 @@ def bench(hosts: Hosts, engine: Path, concurrency: list[int], output_len: int, n
 
 
 def predicted_extra_ms(shape: str, rate: str, batch: int) -> float:
-    """What the planner's link model adds to a decode step of `batch` sequences when the ranks' link is `rate` instead
-    of one host's loopback (the cpu device of plans/devices.toml): its all-reduces (tp) or hand-over (pp) and the
-    logits' gather (tp), float32 activations, the same latency."""
+    """What the planner's link model adds to a decode step of `batch` sequences when the ranks' link is `rate` between
+    two hosts instead of one host's loopback (the cpu device of plans/devices.toml: its link, and its node link's
+    latency, fitted at 1 Gbit/s, at this rate): its all-reduces (tp) or hand-over (pp) and the logits' gather (tp),
+    float32 activations. Only the exchanges: the namespace hosts share one machine's cores."""
     cpu = load_devices()["cpu"]
     scale = {"gbit": 1e9, "mbit": 1e6}[rate[-4:]]
-    link = dataclasses.replace(cpu, link_gbs=float(rate[:-4]) * scale / 8 / 1e9)
+    loopback = Link(cpu.link_gbs, cpu.link_latency_us)
+    between = Link(float(rate[:-4]) * scale / 8 / 1e9, cpu.node_link_latency_us)
 
-    def comm(device) -> float:
+    def comm(link: Link) -> float:
         if shape == "tp2":
-            return (2 * LAYERS + 1) * allreduce(device, 2, batch * HIDDEN * 4) + allgather(device, 2, batch * VOCAB * 4)
-        return transfer(device, batch * HIDDEN * 4)
+            return (2 * LAYERS + 1) * allreduce(link, 2, batch * HIDDEN * 4) + allgather(link, 2, batch * VOCAB * 4)
+        return transfer(link, batch * HIDDEN * 4)
 
-    return 1e3 * (comm(link) - comm(cpu))
+    return 1e3 * (comm(between) - comm(loopback))
 
 
 def build(tp: int, pp: int, out: Path) -> Path:

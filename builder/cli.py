@@ -180,6 +180,8 @@ def plan_command(
     price: Optional[list[str]] = typer.Option(None, "--price", help="DEVICE=USD per device-hour (repeatable; "
                                                                     "overrides the catalog's)."),
     max_batch: int = typer.Option(256, "--max-batch", help="Largest batch a replica runs."),
+    nodes: int = typer.Option(1, "--nodes", help="Hosts a replica's ranks are spread over (`engine-run --nnodes`): "
+                                                 "exchanges between hosts are priced at the device's node link."),
     show_all: bool = typer.Option(False, "--all", help="List every candidate, not the best 12 and one misfit per "
                                                        "device and format."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
@@ -210,7 +212,7 @@ def plan_command(
     shape = shapes.load_shape(model)
     workload = planner.Workload(input_tokens, output_tokens, users, latency, ttft, itl)
     report = planner.plan_candidates(shape, device, tp, pp, weights, kv_dtype, workload, prices, max_batch,
-                                     load_plan(plan) if plan else None)
+                                     load_plan(plan) if plan else None, nodes)
     best = report.recommended
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))

@@ -20,7 +20,14 @@ from tqdm import tqdm
 from builder.errors import KilnError
 from builder.graph.ir import Graph
 from runtime import __version__
-from runtime.format.engine_format import FORMAT_VERSION, EngineError, Manifest, sha256_file, write_rank_file
+from runtime.format.engine_format import (
+    FORMAT_VERSION,
+    TOKENIZER_FILES,
+    EngineError,
+    Manifest,
+    sha256_file,
+    write_rank_file,
+)
 
 
 def build_id(model_identity: dict, plan: dict, passes: list[dict]) -> str:
@@ -91,6 +98,8 @@ def _complete(manifest: dict, memory: list[dict], shares: list[dict], accuracy: 
 def _finish(directory: Path, model, manifest: dict) -> None:
     """The tokenizer, manifest.json and report.md beside the rank files (the manifest last but the report)."""
     model.write_tokenizer(directory)
+    manifest["tokenizer_files"] = {name: sha256_file(directory / name) for name in TOKENIZER_FILES
+                                   if (directory / name).is_file()}
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     (directory / "report.md").write_text(render_report(manifest))
     for path in directory.rglob("*"):

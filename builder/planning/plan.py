@@ -52,6 +52,8 @@ class Device:
     link_gbs: float = 0.0                  # one direction, per device
     link_latency_us: float = 0.0           # one small all-reduce
     gpus_per_node: int = 1
+    node_link_gbs: float = 0.0             # between nodes (hosts): one direction, per device; 0: none known
+    node_link_latency_us: float = 0.0      # one small all-reduce between nodes
     bandwidth_efficiency: float = 0.7
     compute_efficiency: float = 0.5
     price_per_hour: float | None = None    # USD

@@ -23,6 +23,7 @@ whose efficiencies are calibrated against `engine-run bench` on the machine Kiln
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 from builder.targets import target
 from dataclasses import asdict, dataclass, field, replace
 
@@ -81,6 +82,7 @@ class Candidate:
     weights: str
     kv_dtype: str
     plan: Plan | None = None
+    nodes: int = 1                                    # hosts the ranks are spread over, in order (node_of)
     problem: str | None = None                        # why it does not fit (None: it fits)
     weight_gib: float = 0.0                           # the fullest rank's
     workspace_gib: float = 0.0
@@ -151,7 +153,8 @@ def _price_kv(c: Candidate, ranks: list[RankMemoryPlan], windows: tuple[int, ...
 
 
 def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, batches: list[int]) -> None:
-    """Fill in the candidate's memory plan, roofline and (with users) sizing."""
+    """Fill in the candidate's memory plan, roofline and (with users) sizing. Spread over c.nodes hosts, a tp group
+    whose ranks are on two hosts and a pipeline hand-over between hosts go over the device's node link."""
     plan = c.plan
     # The cpu runtime gives windowed layers a pool of their own; the GPU backends one pool for all.
     windows = group_windows(model.layer_windows) if target(plan.target).WINDOWED_POOLS else (0,)
@@ -220,7 +223,11 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
     compute = device_compute(device, plan.quant.method) * device.compute_efficiency
     bandwidth = device.bandwidth_gbs * 1e9 * device.bandwidth_efficiency
     if device.kind == "cpu":  # one host: its ranks share its cores and its memory bandwidth
-        compute, bandwidth = compute / c.devices, bandwidth / c.devices
+        compute, bandwidth = compute / (c.devices // c.nodes), bandwidth / (c.devices // c.nodes)
+    within, between = Link(device.link_gbs, device.link_latency_us), Link(device.node_link_gbs,
+                                                                        device.node_link_latency_us)
+    tp_link = between if node_of(c, 0) != node_of(c, c.tp - 1) else within
+    crossing = sum(node_of(c, s * c.tp) != node_of(c, (s + 1) * c.tp) for s in range(c.pp - 1))
 
     def step(tokens: int, sequences: int, context: float) -> float:
         """Seconds of one step through every stage: `tokens` tokens of `sequences` sequences of `context`
@@ -235,10 +242,12 @@ def price(model: ModelShape, c: Candidate, device: Device, workload: Workload, b
             flops = 2 * tokens * (params + vocab * model.hidden_size) \
                 + 4 * tokens * context * q_heads * model.head_dim * layers
             total += max((read + kv) / bandwidth, flops / compute)
-            total += (2 * layers + 1) * allreduce(device, c.tp, tokens * model.hidden_size * float_bytes)
+            total += (2 * layers + 1) * allreduce(tp_link, c.tp, tokens * model.hidden_size * float_bytes)
             if vocab:  # the last stage's vocabulary shards gather a logits row a sequence
-                total += allgather(device, c.tp, sequences * model.vocab_size * float_bytes)
-        return total + (c.pp - 1) * transfer(device, tokens * model.hidden_size * float_bytes)
+                total += allgather(tp_link, c.tp, sequences * model.vocab_size * float_bytes)
+        handed = tokens * model.hidden_size * float_bytes
+        total += (c.pp - 1 - crossing) * transfer(within, handed)
+        return total + (crossing * transfer(between, handed) if crossing else 0.0)
 
     c.prefill_s = step(workload.input_tokens, 1, workload.input_tokens / 2)
     context = workload.input_tokens + workload.output_tokens / 2
@@ -260,21 +269,34 @@ def device_compute(device: Device, weights: str) -> float:
     return tflops * 1e12
 
 
-def allreduce(device: Device, tp: int, message: float) -> float:
+class Link(NamedTuple):
+    """What ranks exchange over: GB/s one way per device, and the time of one small message."""
+
+    gbs: float
+    latency_us: float
+
+
+def node_of(c: Candidate, rank: int) -> int:
+    """The host of a rank when c's ranks (tp ranks of a stage together, stage after stage) are spread evenly over
+    c.nodes hosts in order."""
+    return rank // (c.devices // c.nodes)
+
+
+def allreduce(link: Link, tp: int, message: float) -> float:
     if tp == 1:
         return 0.0
-    return device.link_latency_us * 1e-6 + 2 * (tp - 1) / tp * message / (device.link_gbs * 1e9)
+    return link.latency_us * 1e-6 + 2 * (tp - 1) / tp * message / (link.gbs * 1e9)
 
 
-def allgather(device: Device, tp: int, message: float) -> float:
+def allgather(link: Link, tp: int, message: float) -> float:
     """Every rank ends with the whole `message`, each having held 1/tp of it."""
     if tp == 1:
         return 0.0
-    return device.link_latency_us * 1e-6 + (tp - 1) / tp * message / (device.link_gbs * 1e9)
+    return link.latency_us * 1e-6 + (tp - 1) / tp * message / (link.gbs * 1e9)
 
 
-def transfer(device: Device, message: float) -> float:
-    return device.link_latency_us * 1e-6 + message / (device.link_gbs * 1e9)
+def transfer(link: Link, message: float) -> float:
+    return link.latency_us * 1e-6 + message / (link.gbs * 1e9)
 
 
 def size(c: Candidate, workload: Workload, device: Device) -> dict:
@@ -308,6 +330,7 @@ class Report:
     workload: Workload
     candidates: list[Candidate]
     unbuildable: list[tuple[str, str]]      # (candidate, why the plan is refused)
+    nodes: int = 1                          # hosts the ranks are spread over
 
     @property
     def recommended(self) -> Candidate | None:
@@ -316,7 +339,7 @@ class Report:
 
     def to_dict(self) -> dict:
         best = self.recommended
-        return {"model": asdict(self.model), "workload": asdict(self.workload),
+        return {"model": asdict(self.model), "workload": asdict(self.workload), "nodes": self.nodes,
                 "candidates": [c.to_dict() for c in self.candidates],
                 "unbuildable": [{"candidate": n, "why": w} for n, w in self.unbuildable],
                 "recommended": best.to_dict() if best else None}
@@ -325,10 +348,12 @@ class Report:
 def plan_candidates(model: ModelShape, devices: list[str] | None = None, tps: list[int] | None = None,
                     pps: list[int] | None = None, weights: list[str] | None = None,
                     kv_dtypes: list[str] | None = None, workload: Workload | None = None,
-                    prices: dict[str, float] | None = None, max_batch: int = 256, plan: Plan | None = None) -> Report:
+                    prices: dict[str, float] | None = None, max_batch: int = 256, plan: Plan | None = None,
+                    nodes: int = 1) -> Report:
     """Every candidate priced and ranked: fitting ones first; with users, those that meet the
     objectives, by cost (then devices); without, by decode tokens/s per device at the batch the KV
-    cache holds."""
+    cache holds. nodes: the ranks are spread over that many hosts (candidates whose ranks do not divide evenly
+    among them are left out), talking between hosts over the devices' node link."""
     workload = workload or Workload()
     workload.check()
     catalog = load_devices()
@@ -350,11 +375,20 @@ def plan_candidates(model: ModelShape, devices: list[str] | None = None, tps: li
     for p in pps or []:
         if not 1 <= p <= model.num_layers:
             raise PlanningError(f"--pp {p}: must be between 1 and the model's {model.num_layers} layers")
+    if nodes < 1:
+        raise PlanningError(f"--nodes {nodes}: must be >= 1")
+    if nodes > 1:
+        unlinked = [n for n in names if not catalog[n].node_link_gbs]
+        if unlinked:
+            raise PlanningError(f"--nodes {nodes}: device {unlinked[0]!r} has no node link in plans/devices.toml "
+                                "(node_link_gbs, node_link_latency_us)")
+    if plan is not None and (plan.tp * plan.pp) % nodes:
+        raise PlanningError(f"--nodes {nodes}: the plan's {plan.tp * plan.pp} ranks do not divide among {nodes} hosts")
     batches = [b for b in BATCHES if b <= max_batch]
     if plan is not None:  # one plan, priced as written
-        c = Candidate(plan.device, plan.tp, plan.pp, plan.quant.method, plan.kv_cache.dtype, plan)
+        c = Candidate(plan.device, plan.tp, plan.pp, plan.quant.method, plan.kv_cache.dtype, plan, nodes)
         price(model, c, catalog[plan.device], workload, [b for b in batches if b <= plan.limits.max_batch_size])
-        return Report(model, workload, [c], [])
+        return Report(model, workload, [c], [], nodes)
     formats = weights or (["source"] if model.source_bytes else []) + list(WEIGHT_FORMATS)
     candidates, unbuildable = [], []
     for name in names:
@@ -366,7 +400,8 @@ def plan_candidates(model: ModelShape, devices: list[str] | None = None, tps: li
                     if fitted_at is not None and not pps:
                         break  # deeper pipelines only where shallower ones do not fit
                     for tp in tps or TPS:
-                        if (not tps and tp > device.gpus_per_node) or tp > model.num_heads or pp > model.num_layers:
+                        if (not tps and tp > device.gpus_per_node) or tp > model.num_heads or pp > model.num_layers \
+                                or (tp * pp) % nodes:
                             continue
                         label = f"{name} tp={tp} pp={pp} {fmt} kv={kv}"
                         try:
@@ -375,13 +410,13 @@ def plan_candidates(model: ModelShape, devices: list[str] | None = None, tps: li
                         except PlanError as exc:
                             unbuildable.append((label, str(exc).split(": ", 1)[-1]))
                             continue
-                        c = Candidate(name, tp, pp, fmt, kv, plan)
+                        c = Candidate(name, tp, pp, fmt, kv, plan, nodes)
                         price(model, c, device, workload, batches)
                         candidates.append(c)
                         if c.fits and fitted_at is None:
                             fitted_at = pp
     candidates.sort(key=lambda c: _rank_key(c, catalog))
-    return Report(model, workload, candidates, unbuildable)
+    return Report(model, workload, candidates, unbuildable, nodes)
 
 
 def _rank_key(c: Candidate, catalog: dict[str, Device]) -> tuple:

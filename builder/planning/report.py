@@ -17,7 +17,8 @@ def plan_toml(c: Candidate, model: ModelShape, workload: Workload) -> str:
     """The candidate as a plan file for `engine-build build --plan`."""
     p = c.plan
     sizing = f"; {c.sizing['replicas']} replica(s) for {workload.users} users" if c.sizing else ""
-    lines = [f"# Written by `engine-build plan` for {model.name}: {c.device}, tp={c.tp}, pp={c.pp}, "
+    spread = f" over {c.nodes} hosts (`--nnodes {c.nodes}` at run time)" if c.nodes > 1 else ""
+    lines = [f"# Written by `engine-build plan` for {model.name}: {c.device}, tp={c.tp}, pp={c.pp}{spread}, "
              f"{c.weights} weights, {c.kv_dtype} KV cache{sizing}.",
              f"# Per rank: weights {c.weight_gib:.2f} GiB, KV cache {c.kv_gib:.2f} GiB = {c.kv_tokens} tokens, "
              f"{c.sequences} sequences of {workload.context} tokens.",
@@ -97,6 +98,9 @@ def summary_lines(report: Report) -> list[str]:
                 f"{m.active_parameters / 1e9:.2f} B parameters read a token of {m.parameters / 1e9:.2f} B; tp ranks "
                 "split the experts and all-reduce each mixture's output (hidden_size x 2 bytes a token)"]
                if m.num_experts else []),
+             *([f"ranks spread over {report.nodes} hosts in order: tp groups or pipeline hand-overs that cross "
+                f"hosts are priced at the devices' node link (plans/devices.toml node_link_*)"]
+               if report.nodes > 1 else []),
              f"workload: {w.input_tokens}-token prompts, {w.output_tokens}-token answers"
              + (f", {w.users:,} concurrent users" if w.users else "")
              + "".join(f", {name} <= {value:g} s" for name, value in

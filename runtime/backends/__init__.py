@@ -66,8 +66,8 @@ def open_engine(path: str | Path, world_size: int | None = None, check_hashes: b
 
 
 def check_files(path: Path, manifest: Manifest, backend: str | None = None, check_hashes: bool = True) -> None:
-    """The files `backend` reads are there and, with check_hashes, match the manifest's sha256; every file the
-    manifest lists with backend None."""
+    """The files `backend` reads, and the tokenizer files, are there and, with check_hashes, match the manifest's
+    sha256; every file the manifest lists with backend None."""
     names = [backend] if backend else backends_for(manifest.target)
     for entry in manifest.ranks:
         files = dict.fromkeys(f for name in names for f in module(name).rank_files(path, manifest, entry))
@@ -78,6 +78,13 @@ def check_files(path: Path, manifest: Manifest, backend: str | None = None, chec
             if check_hashes and sha256_file(file) != digest:
                 raise EngineError(f"{file}: sha256 does not match the manifest (corrupt or modified); "
                                   "rebuild the engine")
+    for name, digest in manifest.tokenizer_files:
+        file = path / name
+        if not file.is_file():
+            raise EngineError(f"{path}: tokenizer file {name} is missing; rebuild the engine")
+        if check_hashes and sha256_file(file) != digest:
+            raise EngineError(f"{file}: sha256 does not match the manifest (the tokenizer, chat template or sampling "
+                              "defaults were changed after the build); rebuild the engine")
 
 
 def check_target(path: Path, manifest: Manifest, backend: str | None = None) -> str:

@@ -6,7 +6,8 @@ A copy is fetched file by file into a folder of its own and renamed into place o
 its sha256 matches the manifest, so an interrupted fetch leaves nothing that looks complete. A cached copy is
 checked again each time it is used: a corrupt, modified or missing file is refused in one line naming it and the
 copy to remove. The manifest hashes every file the engine's backends read
-(rank files, kernels, plugin); the tokenizer and generation config are taken as served."""
+(rank files, kernels, plugin) and its tokenizer files; the report, and the tokenizer files of an engine built
+before they were hashed, are taken as served."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from pathlib import Path
 from runtime.backends import backend as backend_module
 from runtime.backends import backends_for
 from runtime.format.cache import cache_root
-from runtime.format.engine_format import EngineError, Manifest, sha256_file
+from runtime.format.engine_format import TOKENIZER_FILES, EngineError, Manifest, sha256_file
 
-COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "report.md")  # unhashed
+COMPANIONS = TOKENIZER_FILES + ("report.md",)  # fetched unchecked where the manifest has no sha256 for them
 CHUNK = 1 << 20
 
 
@@ -51,6 +52,8 @@ def local_engine(engine: str | Path) -> str:
         for path, digest in _hashed_files(partial, manifest):
             _download(base + path.relative_to(partial).as_posix(), path, digest)
         for name in COMPANIONS:
+            if name in dict(manifest.tokenizer_files):
+                continue  # fetched and checked with the hashed files
             try:
                 (partial / name).write_bytes(_get(base + name))
             except EngineError:
@@ -68,8 +71,8 @@ def local_engine(engine: str | Path) -> str:
 
 
 def _hashed_files(root: Path, manifest: Manifest) -> list[tuple[Path, str]]:
-    """Every file any backend of the engine's target reads, with its sha256, once."""
-    files: dict[Path, str] = {}
+    """Every file any backend of the engine's target reads, and the hashed tokenizer files, with their sha256."""
+    files: dict[Path, str] = {root / name: digest for name, digest in manifest.tokenizer_files}
     for name in backends_for(manifest.target):
         for entry in manifest.ranks:
             files.update(dict(backend_module(name).rank_files(root, manifest, entry)))

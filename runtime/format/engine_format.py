@@ -24,6 +24,10 @@ from runtime.format.kv_groups import KVGroups, PoolSizing, group_windows, pool_b
 from runtime.format.special_tokens import SpecialTokens
 
 ENGINE_FORMAT = "kiln-engine"
+# What the runtime reads beside the rank files to tokenize, render chats and default sampling: hashed in the
+# manifest's "tokenizer_files" as the rank files are, so a changed template or vocabulary is refused like a changed
+# weight (engines built before carry none and are taken as they are)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 RANK_FORMAT = "kiln-rank"
 # Bump when this runtime can no longer read older engines the same way. 2: IR nodes carry their
 # layer, and the weight formats were reorganised.
@@ -126,6 +130,7 @@ class Manifest:
     trt_kernels: dict | None = None   # tensorrt target: the plugin's compiled kernels (as `cuda`)
     ep: int = 1                       # expert parallelism (builder.planning.plan.Plan.ep)
     activation_modes: tuple[str, ...] = ()  # the paths the build's gate allows (auto; else the one built)
+    tokenizer_files: tuple[tuple[str, str], ...] = ()  # (TOKENIZER_FILES name, sha256); () before they were hashed
 
     @property
     def group(self) -> int:
@@ -191,7 +196,8 @@ class Manifest:
             cuda=doc.get("cuda"), trt_plugin=((doc.get("tensorrt") or {}).get("plugins") or [None])[0],
             trt_kernels=(doc.get("tensorrt") or {}).get("kernels"), ep=int(plan.get("ep", 1)),
             activation_modes=tuple((doc.get("activation_choice") or {}).get("allowed")
-                                   or [_built_activations(plan["quant"].get("activations", "f32"))]))
+                                   or [_built_activations(plan["quant"].get("activations", "f32"))]),
+            tokenizer_files=tuple(sorted((doc.get("tokenizer_files") or {}).items())))
 
     def kv_groups(self, kv_cache_gib: float | None, windowed: bool = True) -> KVGroups:
         """The KV pools every rank allocates (the scheduler hands out one block id space per group): the build's

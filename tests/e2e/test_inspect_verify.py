@@ -13,7 +13,8 @@ import pytest
 
 from builder.build import build_engine
 from conftest import exact_plan
-from runtime.format.engine_format import FORMAT_VERSION
+from runtime.core.engine import LLMEngine
+from runtime.format.engine_format import FORMAT_VERSION, EngineError
 from test_build import assert_one_line_error, engine_build
 from test_tensorrt import tensorrt_plan
 
@@ -132,6 +133,25 @@ def test_verify_refuses_a_rank_file_with_a_flipped_byte(cpu_engine, tmp_path):
     proc = engine_build("verify", engine)
     assert_one_line_error(proc, rf"{engine}/rank0\.engine: sha256 does not match the manifest")
     assert proc.stdout == ""  # refused before any logits were computed
+
+
+def test_a_changed_chat_template_or_a_missing_tokenizer_is_refused_in_one_line(cpu_engine, tmp_path):
+    """The tokenizer files are hashed as the rank files are: a template edited after the build is refused by verify
+    and at start-up, a deleted tokenizer named."""
+    manifest = json.loads((cpu_engine / "manifest.json").read_text())
+    assert set(manifest["tokenizer_files"]) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    engine = tmp_path / "template"
+    shutil.copytree(cpu_engine, engine)
+    config = json.loads((engine / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    (engine / "tokenizer_config.json").write_text(json.dumps(config))
+    assert_one_line_error(engine_build("verify", engine),
+                          rf"{engine}/tokenizer_config\.json: sha256 does not match the manifest \(the tokenizer")
+    with pytest.raises(EngineError, match=r"tokenizer_config\.json: sha256 does not match"):
+        LLMEngine.from_dir(engine)
+    (engine / "tokenizer_config.json").unlink()
+    with pytest.raises(EngineError, match="tokenizer file tokenizer_config.json is missing"):
+        LLMEngine.from_dir(engine)
 
 
 def test_verify_refuses_a_newer_format_version(cpu_engine, tmp_path):

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from builder.planning.plan import load_devices
-from builder.planning.planner import Workload, plan_candidates
+from builder.planning.planner import Link, Workload, allgather, allreduce, node_of, plan_candidates, transfer
 from builder.planning.report import plan_toml
 from builder.planning.shapes import PlanningError, load_shape
 from runtime.format.engine_format import GIB
@@ -180,3 +180,41 @@ def test_hugging_face_names_and_nested_text_configs_are_read(tmp_path):
 def load_shape_fields():
     return {"vocab_size": 262208, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
             "num_attention_heads": 32, "num_key_value_heads": 16, "tie_word_embeddings": True}
+
+
+def test_ranks_over_hosts_pay_the_node_link_where_they_cross_it():
+    """tp=8 pp=2 on H100s over two hosts: each tp group stays on its host, the one hand-over crosses, so each decode
+    step costs exactly one node-link transfer more than one link transfer; tp=2 over two hosts sends every
+    all-reduce and the logits' gather across."""
+    shape = load_shape("llama-3.1-70b")
+    device = load_devices()["nvidia-h100-80gb"]
+    within = Link(device.link_gbs, device.link_latency_us)
+    between = Link(device.node_link_gbs, device.node_link_latency_us)
+    one, two = (candidate(plan_candidates(shape, devices=["nvidia-h100-80gb"], weights=["none"], tps=[8], pps=[2],
+                                          nodes=n), 8, 2) for n in (1, 2))
+    assert [node_of(two, r) for r in range(16)] == [0] * 8 + [1] * 8 and two.nodes == 2
+    handed = 8 * shape.hidden_size * 2  # 8 sequences' hidden states, 2 bytes each
+    assert two.decode[8] - one.decode[8] == pytest.approx(transfer(between, handed) - transfer(within, handed))
+    cpu = load_devices()["cpu"]
+    small = load_shape("smollm2-135m")
+    apart = candidate(plan_candidates(small, devices=["cpu"], weights=["source"], tps=[2], pps=[1], nodes=2), 2,
+                      weights="source")
+    together = candidate(plan_candidates(small, devices=["cpu"], weights=["source"], tps=[2], pps=[1]), 2,
+                         weights="source")
+    links = {Link(cpu.link_gbs, cpu.link_latency_us): "loopback",
+             Link(cpu.node_link_gbs, cpu.node_link_latency_us): "node"}
+    exchanges = {name: (2 * small.num_layers + 1) * allreduce(link, 2, small.hidden_size * 4)
+                 + allgather(link, 2, small.vocab_size * 4) for link, name in links.items()}
+    # the rest of the step: on two hosts each rank has a host's cores and memory to itself
+    assert apart.decode[1] - exchanges["node"] < together.decode[1] - exchanges["loopback"]
+    assert apart.decode[1] - together.decode[1] < exchanges["node"] - exchanges["loopback"]
+
+
+def test_hosts_the_ranks_do_not_divide_among_or_a_device_without_a_node_link_are_refused():
+    shape = load_shape("smollm2-135m")
+    spread = plan_candidates(shape, devices=["cpu"], weights=["source"], nodes=2)
+    assert spread.candidates and all(c.devices % 2 == 0 for c in spread.candidates)
+    with pytest.raises(PlanningError, match="'nvidia-l4' has no node link"):
+        plan_candidates(shape, devices=["nvidia-l4"], nodes=2)
+    with pytest.raises(PlanningError, match="must be >= 1"):
+        plan_candidates(shape, devices=["cpu"], nodes=0)
