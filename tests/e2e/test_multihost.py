@@ -1,7 +1,7 @@
 """Across hosts, on hosts made on this machine (benchmarks/hosts.py: network namespaces on one bridge, 1 Gbit/s
-links): the shipped model's tp=2 engine split over two hosts with `engine-run generate --nnodes 2`, the second
-host given only the engine's URL (served over HTTP by the first), answers greedy chat prompts with the one-host
-engine's exact text; a corrupted copy on that host is refused in one line; a host lost mid-run ends the group in
+links): the shipped model's tp=2 and pp=2 engines split over two hosts with `engine-run generate --nnodes 2`, the
+second host given only the engine's URL (served over HTTP by the first), answer greedy chat prompts with the
+one-host engine's exact text; a corrupted copy on that host is refused in one line; a host lost mid-run ends the group in
 one line within the rank timeout instead of hanging; two Ray Serve replicas spread over a Ray cluster of two
 hosts answer as one host does, and keep answering when one host is lost. The hosts share this machine's CPUs and
 files: each host keeps its own Kiln cache folder, so a host given a URL really fetches and checks the engine."""
@@ -97,6 +97,20 @@ def test_tp2_over_two_hosts_answers_as_one_host_with_the_engine_fetched(hosts, s
     assert refused.returncode == 1
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "rank1.engine" in lines[0] and "corrupt or partial" in lines[0], refused.stderr
+
+
+def test_pp2_over_two_hosts_answers_as_one_host(hosts, served, smollm2_engines, tmp_path):
+    """The pipeline's two stages on hosts 0 and 2 (the second given the URL): each step's hidden states cross the
+    link once, and the text is the one-host engine's."""
+    engine = smollm2_engines(1, 2)
+    assert engine.parent == served[0].parent  # host 0's file server has it too
+    alone = subprocess.run(generate(engine), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    leader, worker = group(hosts, (engine, served[1].rsplit("/", 1)[0] + "/" + engine.name), tmp_path)
+    out, err = leader.communicate(timeout=300)
+    assert leader.returncode == 0, err[-2000:]
+    assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
+    assert out == alone.stdout and out.count("--- [") == len(CHAT)
 
 
 def test_a_host_lost_mid_run_ends_the_group_in_one_line(hosts, served, tmp_path):
