@@ -182,7 +182,7 @@ def add_openai_routes(app: FastAPI, models: dict[str, EngineLoop], tiers: dict[s
                                          answer.prompt_logprobs, grammar)
                 requests.append((f"{answer.rid}-{p * body.n + i}", ids, params))
         try:
-            outputs = await pool.submit(requests, arrival)
+            outputs = await pool.submit(requests, arrival, whole=not body.stream)
         except Overloaded:
             raise APIError(429, f"the server is at capacity ({pool.max_waiting} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None

@@ -83,9 +83,11 @@ class EngineLoop:
         return len(self._streams)
 
     async def submit(self, requests: list[tuple[str, list[int], SamplingParams]], arrival: float,
-                     hand_off: bool = False, handoffs: dict | None = None) -> asyncio.Queue:
+                     hand_off: bool = False, handoffs: dict | None = None, whole: bool = False) -> asyncio.Queue:
         """Queue requests that share one output queue; Overloaded, or APIError when the engine refuses them.
-        hand_off and handoffs: disaggregated serving (LLMEngine.add_request(hand_off=True), add_prefilled)."""
+        hand_off and handoffs: disaggregated serving (LLMEngine.add_request(hand_off=True), add_prefilled). whole
+        (the client reads final outputs only) matters to ReplicaPool, which may start such requests again on another
+        replica; one engine has nowhere else to."""
         with self._lock:
             if self._num_pending + self._num_waiting + len(requests) > self.max_waiting:
                 raise Overloaded()

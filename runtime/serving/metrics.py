@@ -47,6 +47,8 @@ class ServerMetrics:
             "any: one token per step is decoding without speculation).", registry=r)
         self.requests_finished = Counter("kiln_requests_finished", "Engine requests finished, by reason.",
                                          ["finish_reason"], registry=r)
+        self.requests_restarted = Counter("kiln_requests_restarted", "Requests started again on another replica "
+                                          "after theirs failed (replicas only).", registry=r)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0)
 
     def update(self, stats: EngineStats) -> None:

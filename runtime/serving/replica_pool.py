@@ -110,10 +110,14 @@ class ReplicaPool:
     def num_unfinished(self) -> int:
         return len(self._calls)
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]], arrival: float) -> asyncio.Queue:
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]], arrival: float,
+                     whole: bool = False) -> asyncio.Queue:
+        """whole: the client reads only the requests' final outputs (nothing streamed to it), so if their replica
+        fails they may start again on another whatever they had produced; otherwise only those that had produced
+        no token yet do."""
         outputs: asyncio.Queue = asyncio.Queue()
-        ids = [rid for rid, _, _ in requests]
         last_token: dict[str, float] = {}
+        handoffs = None
         if self.prefill is None:
             call = await self._start(self.handle, requests)
         else:  # prefill workers give the first token and the K/V; decode workers go on from there
@@ -132,9 +136,10 @@ class ReplicaPool:
                 return outputs
             handoffs = {rid: first[rid].kv_handoff for rid, _, _ in decoding}
             call = await self._start(self.handle, decoding, handoffs=handoffs)
-            ids = [rid for rid, _, _ in decoding]
-        task = asyncio.get_running_loop().create_task(self._pump(call, ids, outputs, arrival, last_token))
-        self._calls.update(dict.fromkeys(ids, task))
+            requests = decoding
+        task = asyncio.get_running_loop().create_task(
+            self._pump(call, requests, outputs, arrival, last_token, whole, handoffs))
+        self._calls.update(dict.fromkeys((rid for rid, _, _ in requests), task))
         return outputs
 
     async def _prefill(self, requests) -> dict[str, RequestOutput]:
@@ -184,30 +189,60 @@ class ReplicaPool:
             raise refused.error()
         return call
 
-    async def _pump(self, call, ids: list[str], outputs: asyncio.Queue, arrival: float, last_token: dict) -> None:
-        unfinished = set(ids)
+    async def _pump(self, call, requests, outputs: asyncio.Queue, arrival: float, last_token: dict, whole: bool,
+                    handoffs: dict | None) -> None:
+        """The call's outputs into the queue. If its replica dies (or shuts down) mid-call, the requests that can
+        start again (whole ones, and any that had no token yet) go to another replica, up to RETRIES times; the
+        others end in an error saying so."""
+        pending = {request[0]: request for request in requests}  # not finished yet
+        emitted: set[str] = set()  # have queued a token: a streaming client has seen it
         try:
-            async for batch in call:
-                if isinstance(batch, Refused):
-                    raise batch.error()
-                now = time.monotonic()
-                for out in batch:
-                    self._observe(out, now, arrival, last_token)
-                    outputs.put_nowait(out)
-                    if out.finished:
-                        unfinished.discard(out.request_id)
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        except Exception as exc:  # the replica died mid-request, or shut down: these requests end in an error
-            log.warning("a replica failed %d running request(s): %s", len(unfinished), exc)
-            for rid in unfinished:
-                outputs.put_nowait(RequestOutput(rid, "", "", [], True, "error", 0, 0,
-                                                 error=f"the replica running it failed ({type(exc).__name__})"))
-                self.metrics.requests_finished.labels("error").inc()
+            for attempt in range(self.RETRIES + 1):
+                try:
+                    async for batch in call:
+                        if isinstance(batch, Refused):
+                            raise batch.error()
+                        now = time.monotonic()
+                        for out in batch:
+                            self._observe(out, now, arrival, last_token)
+                            outputs.put_nowait(out)
+                            if out.token_ids:
+                                emitted.add(out.request_id)
+                            if out.finished:
+                                pending.pop(out.request_id, None)
+                    return
+                except asyncio.CancelledError:
+                    call.cancel()
+                    raise
+                except Exception as exc:  # the replica died mid-call, or shut down
+                    again = [r for rid, r in pending.items() if whole or rid not in emitted]
+                    self._fail([rid for rid in pending if whole is False and rid in emitted], exc, outputs)
+                    if not again or attempt == self.RETRIES:
+                        self._fail([r[0] for r in again], exc, outputs)
+                        return
+                    log.warning("a replica failed %d running request(s) (%s); %d start again on another",
+                                len(pending), exc, len(again))
+                    pending = {r[0]: r for r in again}
+                    for rid in pending:
+                        last_token.pop(rid, None)
+                    kept = {"handoffs": {rid: handoffs[rid] for rid in pending}} if handoffs else {}
+                    try:
+                        call = await self._start(self.handle, again, **kept)
+                    except APIError as refused:
+                        self._fail(list(pending), refused, outputs)
+                        return
+                    self.metrics.requests_restarted.inc(len(again))
         finally:
-            for rid in ids:
-                self._calls.pop(rid, None)
+            for request in requests:
+                self._calls.pop(request[0], None)
+
+    def _fail(self, ids: list[str], exc: Exception, outputs: asyncio.Queue) -> None:
+        for rid in ids:
+            outputs.put_nowait(RequestOutput(rid, "", "", [], True, "error", 0, 0,
+                                             error=f"the replica running it failed ({type(exc).__name__})"))
+            self.metrics.requests_finished.labels("error").inc()
+        if ids:
+            log.warning("a replica failed %d running request(s): %s", len(ids), exc)
 
     def _observe(self, out: RequestOutput, now: float, arrival: float, last_token: dict) -> None:
         """Latency and token metrics; last_token: request id -> when its latest token came."""

@@ -196,6 +196,43 @@ def test_killing_a_replica_fails_only_its_requests_and_it_is_replaced(server):
     kill_mid_run(server, lambda pid: os.kill(pid, signal.SIGKILL), error_says="replica")
 
 
+def test_whole_answers_on_a_killed_replica_start_again_on_the_other(server):
+    """Requests answered whole (not streamed) reach the client only when finished: those running on a replica that
+    is killed start again on the other one and answer in full, with the text an undisturbed run gives."""
+    deadline = time.monotonic() + 90
+    while len(replicas(server)) < 2 and time.monotonic() < deadline:  # the replacement of an earlier test's kill
+        time.sleep(0.5)
+    before, restarted = replicas(server), server.metric("kiln_requests_restarted_total")
+    prompts = random_prompts(8, seed=11)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            tasks = [asyncio.create_task(complete(http, p, 1500, stream=False)) for p in prompts]
+            while True:  # every request routed: they are running, on one replica or the other
+                during = await asyncio.to_thread(replicas, server)
+                routed = {rid: during[rid]["routed"] - before.get(rid, {}).get("routed", 0) for rid in during}
+                if sum(routed.values()) >= len(prompts) or time.monotonic() > deadline + 60:
+                    break
+                await asyncio.sleep(0.1)
+            victim = max(routed, key=routed.get)
+            while "pid" not in during.get(victim, {}):
+                await asyncio.sleep(0.2)
+                during = await asyncio.to_thread(replicas, server)
+            os.kill(int(during[victim]["pid"]), signal.SIGKILL)
+            return routed[victim], await asyncio.gather(*tasks)
+
+    on_victim, results = asyncio.run(scenario())
+    assert on_victim >= 1 and [r["status"] for r in results] == [200] * len(prompts), results
+    assert all(r["finish_reason"] == "length" for r in results)
+    assert server.metric("kiln_requests_restarted_total") - restarted >= 1
+
+    async def undisturbed():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            return await asyncio.gather(*(complete(http, p, 1500, stream=False) for p in prompts))
+
+    assert [r["text"] for r in asyncio.run(undisturbed())] == [r["text"] for r in results]
+
+
 def test_a_dead_rank_of_a_two_rank_replica_fails_only_its_requests(tiny_llama_dir, tmp_path):
     """Replicas of a tp=2 engine: SIGKILL of one replica's rank-1 process ends that replica's engine (its
     requests fail); it refuses new ones, and Serve's health check replaces it."""
