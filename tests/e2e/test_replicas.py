@@ -207,7 +207,7 @@ def test_whole_answers_on_a_killed_replica_start_again_on_the_other(server):
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-            tasks = [asyncio.create_task(complete(http, p, 1500, stream=False)) for p in prompts]
+            tasks = [asyncio.create_task(complete(http, p, 600, stream=False)) for p in prompts]
             while True:  # every request routed: they are running, on one replica or the other
                 during = await asyncio.to_thread(replicas, server)
                 routed = {rid: during[rid]["routed"] - before.get(rid, {}).get("routed", 0) for rid in during}
@@ -228,7 +228,7 @@ def test_whole_answers_on_a_killed_replica_start_again_on_the_other(server):
 
     async def undisturbed():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-            return await asyncio.gather(*(complete(http, p, 1500, stream=False) for p in prompts))
+            return await asyncio.gather(*(complete(http, p, 600, stream=False) for p in prompts))
 
     assert [r["text"] for r in asyncio.run(undisturbed())] == [r["text"] for r in results]
 
