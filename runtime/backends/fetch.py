@@ -51,8 +51,9 @@ def local_engine(engine: str | Path) -> str:
     try:
         for path, digest in _hashed_files(partial, manifest):
             _download(base + path.relative_to(partial).as_posix(), path, digest)
+        hashed = dict(manifest.tokenizer_files)
         for name in COMPANIONS:
-            if name in dict(manifest.tokenizer_files):
+            if name in hashed:
                 continue  # fetched and checked with the hashed files
             try:
                 (partial / name).write_bytes(_get(base + name))

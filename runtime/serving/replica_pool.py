@@ -216,7 +216,7 @@ class ReplicaPool:
                     raise
                 except Exception as exc:  # the replica died mid-call, or shut down
                     again = [r for rid, r in pending.items() if whole or rid not in emitted]
-                    self._fail([rid for rid in pending if whole is False and rid in emitted], exc, outputs)
+                    self._fail([rid for rid in pending if not whole and rid in emitted], exc, outputs)
                     if not again or attempt == self.RETRIES:
                         self._fail([r[0] for r in again], exc, outputs)
                         return
