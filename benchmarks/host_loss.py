@@ -26,10 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hosts import Hosts, available
+from hosts import RAY_ENV, Hosts, available, ray_cluster
 
 REPO = Path(__file__).resolve().parents[1]
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}  # a cluster of these hosts only
 PROMPTS = ["What is the capital of France?", "List three colors.", "Write a haiku about the sea.",
            "Explain what a CPU cache is in two sentences.", "Give me a short packing list for a weekend trip."]
 
@@ -122,41 +121,53 @@ def run(args, hosts: Hosts, work: Path) -> dict:
     engine = args.engine.resolve()
     files = hosts.popen(0, [sys.executable, "-m", "http.server", "8482", "--bind", hosts.address(0), "--directory",
                             str(engine.parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, address = f"http://{hosts.address(0)}:8482/{engine.name}", f"{hosts.address(0)}:6399"
+    url = f"http://{hosts.address(0)}:8482/{engine.name}"
     try:
-        for host in (0, 1):
-            start = ["--head", "--port", "6399", "--include-dashboard", "false"] if host == 0 else ["--address",
-                                                                                               address]
-            ray = subprocess.run(hosts.command(host, ["ray", "start", *start, "--node-ip-address", hosts.address(host),
-                                                      "--num-cpus", "1", "--disable-usage-stats"]),
-                                 env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(work / f"cache{host}")),
-                                 capture_output=True, text=True, timeout=180)
-            if ray.returncode:
-                raise SystemExit(f"host_loss: ray start on host {host} failed: {ray.stderr.strip()[-600:]}")
-        serve = hosts.popen(0, [sys.executable, "-m", "runtime.cli", "serve", url, "--model-name", "smollm2",
-                                "--replicas", "2", "--spread", "--routing", "round-robin", "--ray-address", address,
-                                "--host", hosts.address(0), "--port", "8000", "--threads", "1"], cwd=REPO,
-                            env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(work / "cache0")),
-                            stdout=open(work / "serve.log", "w"), stderr=subprocess.STDOUT)
-        load = hosts.popen(0, [sys.executable, __file__, "--client", f"http://{hosts.address(0)}:8000",
-                               "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),
-                               "--timeout", str(args.timeout)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-        if load.stdout.readline().strip() != "started":
-            raise SystemExit(f"host_loss: the load never started; see {work / 'serve.log'}")
-        started = time.monotonic()
-        print(f"[{0:6.1f}s] load started: {args.concurrency} clients for {args.seconds:g} s", flush=True)
-        time.sleep(args.kill_at)
-        hosts.kill(1)
-        killed_at = time.monotonic() - started
-        print(f"[{killed_at:6.1f}s] host 1 killed (its raylet, its replica)", flush=True)
-        records = json.loads(load.stdout.readline())
-        load.wait(timeout=60)
-        print(f"[{time.monotonic() - started:6.1f}s] load done; serve still running: {serve.poll() is None}")
-        return {"records": records, "killed_at_s": killed_at, "serve_alive": serve.poll() is None,
-                **summary(records, killed_at)}
+        with ray_cluster(hosts, [0, 1], [work / "cache0", work / "cache1"]) as address:
+            return load_and_loss(args, hosts, work, url, address)
+    except RuntimeError as exc:  # a ray start that failed
+        raise SystemExit(f"host_loss: {exc}") from None
     finally:
-        subprocess.run(hosts.command(0, ["ray", "stop", "--force"]), capture_output=True, timeout=120)
         files.kill()
+
+
+def load_and_loss(args, hosts: Hosts, work: Path, url: str, address: str) -> dict:
+    serve = hosts.popen(0, [sys.executable, "-m", "runtime.cli", "serve", url, "--model-name", "smollm2",
+                            "--replicas", "2", "--spread", "--routing", "round-robin", "--ray-address", address,
+                            "--host", hosts.address(0), "--port", "8000", "--threads", "1"], cwd=REPO,
+                        env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(work / "cache0")),
+                        stdout=open(work / "serve.log", "w"), stderr=subprocess.STDOUT)
+    load = hosts.popen(0, [sys.executable, __file__, "--client", f"http://{hosts.address(0)}:8000",
+                           "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),
+                           "--timeout", str(args.timeout)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    if load.stdout.readline().strip() != "started":
+        raise SystemExit(f"host_loss: the load never started; see {work / 'serve.log'}")
+    started = time.monotonic()
+    print(f"[{0:6.1f}s] load started: {args.concurrency} clients for {args.seconds:g} s", flush=True)
+    time.sleep(args.kill_at)
+    hosts.kill(1)
+    killed_at = time.monotonic() - started
+    print(f"[{killed_at:6.1f}s] host 1 killed (its raylet, its replica)", flush=True)
+    records = json.loads(load.stdout.readline())
+    load.wait(timeout=60)
+    print(f"[{time.monotonic() - started:6.1f}s] load done; serve still running: {serve.poll() is None}")
+    return {"records": records, "killed_at_s": killed_at, "serve_alive": serve.poll() is None,
+            **summary(records, killed_at)}
+
+
+def report(result: dict) -> None:
+    """The summary, each failed request and the first answer after the loss, printed."""
+    for name in ("before", "in_flight_at_the_loss", "after", "after_the_first_answer_from_host_0_alone"):
+        p = result[name]
+        latency = f"p50 {p['p50_s']:.2f} s, p99 {p['p99_s']:.2f} s" if p["served"] else "none served"
+        print(f"{name.replace('_', ' ')}: {p['requests']} requests, {p['served']} served ({latency}), failed "
+              f"{p['failed'] or 'none'}")
+    for r in result["records"]:
+        if r["outcome"] != "ok":
+            print(f"failed at {r['end']:.1f} s ({'streamed' if r['streamed'] else 'whole'}, started {r['start']:.1f} s): "
+                  f"{r['outcome']}: {r['said'][:200]}")
+    first = result["first_answer_after_the_loss_s"]
+    print("first answer after the loss: " + ("none" if first is None else f"{first:.2f} s after it"))
 
 
 def main() -> None:
@@ -179,17 +190,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work, Hosts(2, rate="1gbit") as hosts:
         result = run(args, hosts, Path(work))
     load.append(os.getloadavg()[0])
-    for name in ("before", "in_flight_at_the_loss", "after", "after_the_first_answer_from_host_0_alone"):
-        p = result[name]
-        latency = f"p50 {p['p50_s']:.2f} s, p99 {p['p99_s']:.2f} s" if p["served"] else "none served"
-        print(f"{name.replace('_', ' ')}: {p['requests']} requests, {p['served']} served ({latency}), failed "
-              f"{p['failed'] or 'none'}")
-    for r in result["records"]:
-        if r["outcome"] != "ok":
-            print(f"failed at {r['end']:.1f} s ({'streamed' if r['streamed'] else 'whole'}, started {r['start']:.1f} s): "
-                  f"{r['outcome']}: {r['said'][:200]}")
-    first = result["first_answer_after_the_loss_s"]
-    print("first answer after the loss: " + ("none" if first is None else f"{first:.2f} s after it"))
+    report(result)
     print(f"load average (1 min) before, after: {load[0]:.1f}, {load[1]:.1f}")
     if args.out:
         args.out.write_text(json.dumps({**result, "load": load}, indent=2) + "\n")

@@ -5,6 +5,8 @@ own on one bridge, links limited to a chosen rate, and everything removed at the
         hosts.address(0)                        # "10.231.7.1"
         proc = hosts.popen(1, ["python", ...])  # runs inside host 1's namespace
         hosts.set_rate("10gbit")
+        with ray_cluster(hosts, [0, 1], caches) as address:  # Ray's head on host 0, a worker on host 1
+            ...
 
 Each host is a namespace `kiln-<tag>-<i>` with loopback and one veth (eth0, 10.231.<net>.<i+1>/24) whose other end is
 on a bridge in the root namespace that has no address: the hosts reach each other and nothing else (no route leaves
@@ -17,11 +19,15 @@ holds on all (a test of engines reaching a host gives each host its own cache fo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}  # a cluster of these hosts only
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -126,3 +132,27 @@ class Hosts:
         for name in self.names:
             _ip("netns", "del", name, check=False)  # its veth end goes with it, and the pair with that
         _ip("link", "del", self.bridge, check=False)
+
+
+@contextlib.contextmanager
+def ray_cluster(hosts: Hosts, members: Sequence[int], caches: Sequence[Path], resources: Sequence[dict] = (),
+                port: int = 6399) -> Iterator[str]:
+    """A Ray cluster of hosts `members`, the first one the head: yields the head's address. Each member runs one
+    CPU's worth of Ray with its own Kiln cache folder (caches[i], KILN_CACHE_DIR, which the replicas it runs inherit)
+    and the custom resources resources[i] (e.g. {"kiln_decode": 1}); everything stopped at the end, even on
+    failure."""
+    address = f"{hosts.address(members[0])}:{port}"
+    try:
+        for i, host in enumerate(members):
+            start = ["--head", "--port", str(port), "--include-dashboard", "false"] if i == 0 else ["--address",
+                                                                                                  address]
+            extra = ["--resources", json.dumps(resources[i])] if i < len(resources) and resources[i] else []
+            ray = subprocess.run(hosts.command(host, ["ray", "start", *start, "--node-ip-address", hosts.address(host),
+                                                      "--num-cpus", "1", "--disable-usage-stats", *extra]),
+                                 env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(caches[i])),
+                                 capture_output=True, text=True, timeout=180)
+            if ray.returncode:
+                raise RuntimeError(f"ray start on host {host} failed: {ray.stderr.strip()[-600:]}")
+        yield address
+    finally:  # the hosts share one process table: `ray stop` on one ends every member's daemons
+        subprocess.run(hosts.command(members[0], ["ray", "stop", "--force"]), capture_output=True, timeout=120)

@@ -15,7 +15,10 @@ A decode engine without the blocks free at that moment queues the request as it 
 one: it recomputes prompt + first token when admitted, and the answer is the same.
 
 The handoff is plain data (numpy byte arrays): Ray's object store moves it between processes
-through shared memory on one host. Engines with one rank and a CPU KV cache (KVCacheStorage) only.
+through shared memory on one host and over the network between hosts. It carries the wall-clock time
+it was read out, so the decode engine can count each hand-over's bytes and time (EngineStats; across
+hosts the time is only as good as the hosts' clock agreement). Engines with one rank and a CPU KV
+cache (KVCacheStorage) only.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class KVHandoff:
     k: list[np.ndarray]         # per layer: uint8 bytes of [len(prompt), kv heads, head dim] in layout.dtype
     v: list[np.ndarray]
     source_blocks: tuple[int, ...]  # the prefill engine's block ids it was read from, in token order
+    made_at: float = 0.0            # wall-clock time (time.time()) the prefill engine read it out
 
     @property
     def num_bytes(self) -> int:

@@ -109,6 +109,9 @@ class EngineStats:
     spec_accepted_tokens: int = 0    # of those, the ones that stood
     spec_steps: int = 0              # sequence-steps that verified guesses
     spec_emitted_tokens: int = 0     # tokens those sequence-steps emitted
+    kv_handoffs: int = 0             # prefilled requests taken from another engine (add_prefilled)
+    kv_handoff_bytes: int = 0        # their K/V bytes
+    kv_handoff_seconds: float = 0.0  # summed wall-clock time from the prefill engine reading each out to here
     extra: dict = field(default_factory=dict)
 
     @property
@@ -161,6 +164,7 @@ class LLMEngine:
         self.peak_in_flight = 0
         self._ids = itertools.count()
         self.prompt_tokens = self.generated_tokens = 0
+        self.handoffs = [0, 0, 0.0]  # taken by add_prefilled: count, bytes, seconds (EngineStats.kv_handoff_*)
 
     def _speculator(self, options: EngineOptions) -> Speculator | None:
         config = options.speculative
@@ -222,6 +226,9 @@ class LLMEngine:
         request = self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop))
         request.detok.update(seq.output_token_ids)  # the first token's text: the prefill engine's output gave it
         self.prompt_tokens += seq.num_prompt_tokens
+        self.handoffs[0] += 1
+        self.handoffs[1] += handoff.num_bytes
+        self.handoffs[2] += max(0.0, time.time() - handoff.made_at) if handoff.made_at else 0.0
         return request_id
 
     def _params(self, params: SamplingParams | None) -> SamplingParams:
@@ -240,7 +247,7 @@ class LLMEngine:
         blocks = self.scheduler.block_manager.blocks_needed(seq.num_prompt_tokens)
         seq.kv_handoff = KVHandoff(list(seq.prompt_token_ids), seq.output_token_ids[0],
                                    seq.logprobs[0] if seq.logprobs else None, seq.seed, self.kv_layout, k, v,
-                                   tuple(seq.block_table[:blocks]))
+                                   tuple(seq.block_table[:blocks]), time.time())
 
     def _layer_tables(self, seq: Sequence) -> list[list[int]]:
         return layer_tables(self.executor.cache, self.kv_layout, self.scheduler.block_manager.tables(seq))
@@ -384,7 +391,8 @@ class LLMEngine:
             prefix_queries=bm.prefix_cache_queries, prefix_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens, batches_in_flight=len(self.in_flight),
-            peak_batches_in_flight=self.peak_in_flight,
+            peak_batches_in_flight=self.peak_in_flight, kv_handoffs=self.handoffs[0],
+            kv_handoff_bytes=self.handoffs[1], kv_handoff_seconds=self.handoffs[2],
             **({} if spec is None else dict(spec_proposed_tokens=spec.proposed_tokens,
                                             spec_accepted_tokens=spec.accepted_tokens, spec_steps=spec.spec_steps,
                                             spec_emitted_tokens=spec.emitted_tokens)))

@@ -135,7 +135,9 @@ class ReplicaPool:
             if not decoding:
                 return outputs
             handoffs = {rid: first[rid].kv_handoff for rid, _, _ in decoding}
-            call = await self._start(self.handle, decoding, handoffs=handoffs)
+            # streamed: the client has its first token while a decode worker takes the K/V (in _pump); whole: a
+            # decode worker that refuses it is the request's HTTP error
+            call = await self._start(self.handle, decoding, handoffs=handoffs) if whole else None
             requests = decoding
         task = asyncio.get_running_loop().create_task(
             self._pump(call, requests, outputs, arrival, last_token, whole, handoffs))
@@ -191,12 +193,19 @@ class ReplicaPool:
 
     async def _pump(self, call, requests, outputs: asyncio.Queue, arrival: float, last_token: dict, whole: bool,
                     handoffs: dict | None) -> None:
-        """The call's outputs into the queue. If its replica dies (or shuts down) mid-call, the requests that can
+        """The call's outputs into the queue (a call of None: a disaggregated request's decode call, started
+        here). If its replica dies (or shuts down) mid-call, the requests that can
         start again (whole ones, and any that had no token yet) go to another replica, up to RETRIES times; the
         others end in an error saying so."""
         pending = {request[0]: request for request in requests}  # not finished yet
         emitted: set[str] = set()  # have queued a token: a streaming client has seen it
         try:
+            if call is None:  # disaggregated and streamed: the decode call starts here
+                try:
+                    call = await self._start(self.handle, requests, handoffs=handoffs)
+                except APIError as refused:
+                    self._fail(list(pending), refused, outputs, f"no decode worker took it: {refused.message}")
+                    return
             for attempt in range(self.RETRIES + 1):
                 try:
                     async for batch in call:
@@ -236,10 +245,10 @@ class ReplicaPool:
             for request in requests:
                 self._calls.pop(request[0], None)
 
-    def _fail(self, ids: list[str], exc: Exception, outputs: asyncio.Queue) -> None:
+    def _fail(self, ids: list[str], exc: Exception, outputs: asyncio.Queue, error: str | None = None) -> None:
         for rid in ids:
             outputs.put_nowait(RequestOutput(rid, "", "", [], True, "error", 0, 0,
-                                             error=f"the replica running it failed ({type(exc).__name__})"))
+                                             error=error or f"the replica running it failed ({type(exc).__name__})"))
             self.metrics.requests_finished.labels("error").inc()
         if ids:
             log.warning("a replica failed %d running request(s): %s", len(ids), exc)

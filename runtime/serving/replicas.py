@@ -60,6 +60,9 @@ from runtime.serving.replica_metrics import cpu_seconds, gpu_figures, rss_bytes
 from runtime.serving.replica_pool import KilnIngress, Refused
 
 APP_NAME = "kiln"
+# Disaggregated workers go to the nodes started with their role's Ray resource (`ray start --resources
+# '{"kiln_prefill": 1}'`), where any node of the cluster has it; anywhere otherwise.
+ROLE_RESOURCES = {"KilnPrefill": "kiln_prefill", "KilnDecode": "kiln_decode"}
 ROUTING_STATS_PERIOD_S = 1.0
 
 
@@ -142,7 +145,8 @@ class KilnReplica:
         if stats is not None:
             figures.update(running=stats.num_running, waiting=stats.num_waiting, kv_usage=stats.kv_usage,
                            prefix_queries=stats.prefix_queries, prefix_hits=stats.prefix_hits,
-                           preemptions=stats.num_preemptions)
+                           preemptions=stats.num_preemptions, kv_handoffs=stats.kv_handoffs,
+                           kv_handoff_bytes=stats.kv_handoff_bytes, kv_handoff_seconds=stats.kv_handoff_seconds)
         figures.update(gpu_figures())
         return figures
 
@@ -159,10 +163,14 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
     and KilnDecode workers). pools: per model, its KV block_size, blocks_per_replica and max_batch_size. sources:
     the URL an engine directory was fetched from (runtime/backends/fetch.py), which each replica fetches again on
     its own node. ingress_node: the address of the node the ingress must run on (the one `engine-run serve` runs
-    on), so that the endpoint outlives any other node."""
+    on), so that the endpoint outlives any other node. Prefill and decode workers each go to the nodes that have
+    their role's resource (ROLE_RESOURCES) where some node has it."""
     sources = sources or {}
+    import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
+
+    roles = role_resources() if ray.is_initialized() else set()
 
     def engines(model: ModelSpec, role: str, count: int, max_count: int | None = None):
         pool = pools[model.name]
@@ -174,8 +182,9 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
                 "upscale_delay_s": 5, "downscale_delay_s": 60}}
         name = role if len(fleet.models) == 1 else f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model.name)}"
         spread = {"max_replicas_per_node": 1} if model.plan.spread else {}  # Serve places one a node
+        placed = {"resources": {ROLE_RESOURCES[role]: 0.001}} if ROLE_RESOURCES.get(role) in roles else {}
         deployment = serve.deployment(
-            KilnReplica, name=name, ray_actor_options={"num_cpus": 0}, **spread,
+            KilnReplica, name=name, ray_actor_options={"num_cpus": 0, **placed}, **spread,
             max_ongoing_requests=pool["max_batch_size"] + max_waiting,
             health_check_period_s=model.plan.health_check_period_s, health_check_timeout_s=30,
             graceful_shutdown_timeout_s=drain_timeout,
@@ -202,6 +211,13 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
                                ray_actor_options={"num_cpus": 0, **pinned},
                                max_ongoing_requests=10_000)
     return ingress.bind(deployments, fleet.tiers, max_waiting, max_request_bytes, keys, metrics_open)
+
+
+def role_resources() -> set[str]:
+    """The disaggregation roles' resources (ROLE_RESOURCES) that some node of the connected Ray cluster has."""
+    import ray
+
+    return set(ROLE_RESOURCES.values()) & set(ray.cluster_resources())
 
 
 def application(fleet: Fleet, options: EngineOptions, **server):  # server: build_app's keywords, sources too
@@ -282,9 +298,12 @@ def serve_replicas(fleet: Fleet, options: EngineOptions, *, host: str = "127.0.0
         except Exception as exc:  # a replica's constructor failed: its first line says why
             raise EngineError(f"the replicas did not start: {str(exc).strip().splitlines()[-1]}") from None
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        roles = role_resources()
         for model in fleet.models:
             plan = model.plan
-            scaling = (f"{plan.prefill_replicas} prefill and {plan.replicas} decode" if plan.prefill_replicas
+            scaling = (f"{plan.prefill_replicas} prefill{' (on kiln_prefill nodes)' * ('kiln_prefill' in roles)} and "
+                       f"{plan.replicas} decode{' (on kiln_decode nodes)' * ('kiln_decode' in roles)}"
+                       if plan.prefill_replicas
                        else f"{plan.replicas}-{plan.max_replicas} (autoscaled)" if plan.max_replicas
                        else str(plan.replicas))
             print(f"Kiln is serving {model.name} at http://{shown}:{port}/v1 from {scaling} replica(s), "

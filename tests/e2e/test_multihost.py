@@ -3,12 +3,15 @@ links): the shipped model's tp=2 and pp=2 engines split over two hosts with `eng
 second host given only the engine's URL (served over HTTP by the first), answer greedy chat prompts with the
 one-host engine's exact text; a corrupted copy on that host is refused in one line; a host lost mid-run ends the group in
 one line within the rank timeout instead of hanging; two Ray Serve replicas spread over a Ray cluster of two
-hosts answer as one host does, and keep answering when one host is lost. The hosts share this machine's CPUs and
+hosts answer as one host does, and keep answering when one host is lost; a disaggregated engine's prefill worker on
+one host and decode worker on another answer as one host does, the K/V of each prompt crossing the link. The hosts share this machine's CPUs and
 files: each host keeps its own Kiln cache folder, so a host given a URL really fetches and checks the engine."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from hosts import Hosts, available  # noqa: E402
+from hosts import RAY_ENV, Hosts, available, ray_cluster  # noqa: E402
 
 CHAT = ["What is the capital of France?", "List three colors."]
 PORT = 29640
@@ -81,7 +84,7 @@ def test_tp2_over_two_hosts_answers_as_one_host_with_the_engine_fetched(hosts, s
     assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
     assert out == alone.stdout and out.count("--- [") == len(CHAT)
     cached = list((tmp_path / "host2-cache" / "engines").iterdir())
-    assert [p.name for p in cached] == [__import__("json").loads((engine / "manifest.json").read_text())["build_id"]]
+    assert [p.name for p in cached] == [json.loads((engine / "manifest.json").read_text())["build_id"]]
 
     # the copy corrupted on host 2: refused there in one line, before any rank starts
     rank1 = cached[0] / "rank1.engine"
@@ -130,9 +133,6 @@ def test_a_host_lost_mid_run_ends_the_group_in_one_line(hosts, served, tmp_path)
     assert lines and lines[-1].startswith("engine-run: error:") and "rank 1" in lines[-1], err[-2000:]
 
 
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}  # a cluster of this test's hosts only
-
-
 def in_host(hosts, host: int, code: str, timeout: float = 120) -> str:
     """Python run on `host` (the test's own namespace reaches none of them): its stdout, failing on an error."""
     done = subprocess.run(hosts.command(host, [sys.executable, "-c", code]), cwd=REPO, capture_output=True,
@@ -160,46 +160,117 @@ for prompt in prompts:
 print(json.dumps(answers))
 """
 
-def test_two_replicas_on_two_hosts_answer_and_survive_a_host_lost(hosts, served, smollm2_default_engine, tmp_path):
-    """`engine-run serve URL --replicas 2 --spread --ray-address` on a Ray cluster of hosts 0 and 1: one replica a
-    host, each fetching the engine by URL; greedy answers equal one host's; all of host 1's processes killed, the
-    endpoint keeps answering from host 0."""
+METRICS = """
+import httpx, json, sys, time
+url, wanted, deadline = {url!r}, {wanted!r}, time.monotonic() + 30
+while True:  # the replicas report their figures about once a second
+    text = httpx.get(url + "/metrics", timeout=10).text
+    rows = [line.split() for line in text.splitlines() if line.startswith("kiln_replica_")]
+    figures = {{}}
+    for name, value in rows:
+        key, replica = name.split("{{")[0][len("kiln_replica_"):], name.split('replica="')[1].split('"')[0]
+        figures.setdefault(replica, {{}})[key] = float(value)
+    if sum(f.get("kv_handoffs", 0) for f in figures.values()) >= wanted or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps(figures))
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, tmp_path_factory):
+    """A Ray cluster of hosts 0 (the head, with the kiln_prefill resource) and 1 (kiln_decode), each with its own
+    Kiln cache folder: (its address, the cache folders)."""
+    caches = [tmp_path_factory.mktemp(f"ray-cache{host}") for host in (0, 1)]
+    with ray_cluster(hosts, [0, 1], caches, [{"kiln_prefill": 1}, {"kiln_decode": 1}]) as address:
+        yield address, caches
+
+
+def serve_on(hosts, cluster, url: str, *args: str) -> subprocess.Popen:
+    address, caches = cluster
+    return hosts.popen(0, [sys.executable, "-m", "runtime.cli", "serve", url, "--model-name", "smollm2", *args,
+                           "--ray-address", address, "--host", hosts.address(0), "--port", "8000", "--threads", "1"],
+                       cwd=REPO, env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(caches[0])),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stop(serve: subprocess.Popen) -> None:
+    """SIGTERM: the server shuts its Serve application down, leaving the cluster for the next test."""
+    serve.terminate()
+    try:
+        serve.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        serve.kill()
+
+
+def one_host_answers(engine) -> list[str]:
+    alone = subprocess.run(generate(engine), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    return [part.split("\n", 1)[1].strip() for part in alone.stdout.split("--- [")[1:]]
+
+
+@pytest.fixture(scope="module")
+def engine_url(hosts, smollm2_default_engine):
+    """The one-rank engine's URL: a static file server on host 0 over the folder that holds it."""
     engine = smollm2_default_engine
     files = hosts.popen(0, [sys.executable, "-m", "http.server", "8481", "--bind", hosts.address(0), "--directory",
                             str(engine.parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://{hosts.address(0)}:8481/{engine.name}"
-    address = f"{hosts.address(0)}:6399"
-    for host in (0, 1):
-        env = dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(tmp_path / f"cache{host}"))
-        start = (["--head", "--port", "6399", "--include-dashboard", "false"] if host == 0 else ["--address", address])
-        ray = subprocess.run(hosts.command(host, ["ray", "start", *start, "--node-ip-address", hosts.address(host),
-                                                  "--num-cpus", "1", "--disable-usage-stats"]),
-                             env=env, capture_output=True, text=True, timeout=180)
-        assert ray.returncode == 0, ray.stderr[-2000:]
-    serve = hosts.popen(0, [sys.executable, "-m", "runtime.cli", "serve", url, "--model-name", "smollm2", "--replicas",
-                            "2", "--spread", "--routing", "round-robin", "--ray-address", address, "--host",
-                            hosts.address(0), "--port", "8000", "--threads", "1"], cwd=REPO,
-                        env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(tmp_path / "cache0")),
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)
+    assert files.poll() is None
+    yield f"http://{hosts.address(0)}:8481/{engine.name}"
+    files.kill()
+
+
+def test_disaggregated_prefill_and_decode_on_two_hosts(hosts, cluster, engine_url, smollm2_default_engine):
+    """`engine-run serve URL --disaggregate 1:1 --ray-address` on the cluster: the prefill worker on host 0 (the
+    kiln_prefill node), the decode worker on host 1 (kiln_decode), each prompt's K/V handed over the 1 Gbit/s link;
+    greedy answers equal one host's, and /metrics counts every hand-over with the prompt's K/V bytes."""
+    engine = smollm2_default_engine
+    serve = serve_on(hosts, cluster, engine_url, "--disaggregate", "1:1")
+    try:
+        base = f"http://{hosts.address(0)}:8000"
+        answers = json.loads(in_host(hosts, 0, ASK.format(url=base, prompts=CHAT, patience=240), timeout=300))
+        assert answers == one_host_answers(engine)
+        figures = json.loads(in_host(hosts, 0, METRICS.format(url=base, wanted=len(CHAT))))
+        decode = [f for f in figures.values() if f.get("kv_handoffs")]
+        assert len(figures) == 2 and len(decode) == 1 and decode[0]["kv_handoffs"] == len(CHAT), figures
+        per_token = json.loads((engine / "manifest.json").read_text())["memory"]["ranks"][0]["kv_bytes_per_token"]
+        prompt_tokens = decode[0]["kv_handoff_bytes"] / per_token
+        assert prompt_tokens == int(prompt_tokens) and 20 * len(CHAT) < prompt_tokens < 100 * len(CHAT), figures
+        assert 0 < decode[0]["kv_handoff_seconds"] < 30
+        pids = [set(map(int, subprocess.run(["ip", "netns", "pids", hosts.names[host]], capture_output=True,
+                                            text=True).stdout.split())) for host in (0, 1)]
+        prefill = next(f for f in figures.values() if f is not decode[0])
+        assert int(prefill["pid"]) in pids[0] and int(decode[0]["pid"]) in pids[1], (figures, pids)
+    finally:
+        stop(serve)
+    # the decode worker's host fetched the engine by URL: cleared, for the next test's host 1 to fetch it again
+    shutil.rmtree(cluster[1][1] / "engines")
+
+
+
+
+def test_two_replicas_on_two_hosts_answer_and_survive_a_host_lost(hosts, cluster, engine_url,
+                                                                  smollm2_default_engine):
+    """`engine-run serve URL --replicas 2 --spread --ray-address` on the cluster of hosts 0 and 1: one replica a
+    host, each fetching the engine by URL; greedy answers equal one host's; all of host 1's processes killed, the
+    endpoint keeps answering from host 0."""
+    engine = smollm2_default_engine
+    serve = serve_on(hosts, cluster, engine_url, "--replicas", "2", "--spread", "--routing", "round-robin")
     try:
         base = f"http://{hosts.address(0)}:8000"
         prompts = [CHAT[0]] * 4 + [CHAT[1]] * 4
-        answers = __import__("json").loads(in_host(hosts, 0, ASK.format(url=base, prompts=prompts, patience=240),
-                                                   timeout=300))
-        alone = subprocess.run(generate(engine), cwd=REPO, capture_output=True, text=True, timeout=300)
-        expected = [part.split("\n", 1)[1].strip() for part in alone.stdout.split("--- [")[1:]]
+        answers = json.loads(in_host(hosts, 0, ASK.format(url=base, prompts=prompts, patience=240), timeout=300))
+        expected = one_host_answers(engine)
         assert answers[:4] == [expected[0]] * 4 and answers[4:] == [expected[1]] * 4, (answers, expected)
         # --spread puts at most one replica on a node, so with two nodes each has one: host 1's fetched its copy
-        assert [p.name for p in (tmp_path / "cache1" / "engines").iterdir()] == [
-            __import__("json").loads((engine / "manifest.json").read_text())["build_id"]]
+        assert [p.name for p in (cluster[1][1] / "engines").iterdir()] == [
+            json.loads((engine / "manifest.json").read_text())["build_id"]]
 
         hosts.kill(1)  # host 1 lost: its raylet, its replica, its rank
         # a request routed to the lost replica before Ray marks its node dead may wait out its 30 s: it is retried
-        after = __import__("json").loads(in_host(hosts, 0, ASK.format(url=base, prompts=CHAT, patience=200),
-                                                 timeout=260))
+        after = json.loads(in_host(hosts, 0, ASK.format(url=base, prompts=CHAT, patience=200), timeout=260))
         assert after == expected
         assert serve.poll() is None
     finally:
         serve.kill()
-        files.kill()
-        subprocess.run(hosts.command(0, ["ray", "stop", "--force"]), capture_output=True, timeout=120)
