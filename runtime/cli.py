@@ -252,14 +252,23 @@ def serve(
     if fleet_file is not None:
         if engines or model_name is not None:
             fail("--fleet names the engines and their model names; leave out ENGINE and --model-name")
-        if replicas != 1 or max_replicas is not None or disaggregate is not None or routing != "prefix" or spread:
-            fail("with --fleet, replicas, max_replicas, disaggregate, routing and spread go in the fleet file, per "
-                 "model")
+        if (replicas != 1 or max_replicas is not None or disaggregate is not None or routing != "prefix" or spread
+                or (nnodes != 1 and ray_address is not None)):
+            fail("with --fleet, replicas, max_replicas, disaggregate, routing, spread and nnodes go in the fleet file, "
+                 "per model")
         fleet = load_fleet(fleet_file)
     else:
-        plan = (ReplicaPlan.disaggregated(disaggregate, max_replicas=max_replicas, routing=routing, spread=spread)
-                if disaggregate is not None else
-                ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing, spread=spread))
+        placed = nnodes if ray_address is not None else 1  # Ray places each replica's hosts
+        if placed > 1 and (node_rank or master_addr):
+            fail("with --ray-address, Ray places each replica's --nnodes hosts; leave out --node-rank and "
+                 "--master-addr")
+        try:
+            plan = (ReplicaPlan.disaggregated(disaggregate, max_replicas=max_replicas, routing=routing, spread=spread,
+                                              nnodes=placed) if disaggregate is not None else
+                    ReplicaPlan(replicas=replicas, max_replicas=max_replicas, routing=routing, spread=spread,
+                                nnodes=placed))
+        except ValueError as exc:
+            fail(str(exc))
         fleet = from_arguments(engines or [str(DEFAULT_ENGINE)], model_name, plan)
     # Refuse a bad engine or a taken port before anything listens: the files' hashes are checked
     # here once, not again by the ranks.
@@ -273,9 +282,11 @@ def serve(
     options = engine_options(max_batch_size, max_num_tokens, max_seq_len, kv_cache_gib, threads, rank_timeout,
                              backend, prefill_chunk, speculative, draft, speculative_k, adaptive_k, activations)
     options = dataclasses.replace(options, check_hashes=False)
-    if nnodes > 1 and (len(fleet.models) != 1 or fleet.on_ray or ray_address is not None):
-        fail("--nnodes spreads one engine's ranks over hosts: one engine, without replicas, --fleet or --ray-address")
-    nodes = host_group(nnodes, node_rank, master_addr, master_port, str(fleet.models[0].engine), options)
+    if nnodes > 1 and ray_address is None and (len(fleet.models) != 1 or fleet.on_ray):
+        fail("--nnodes without --ray-address spreads one engine's ranks over hosts you start it on: one engine, "
+             "without replicas or --fleet (with --ray-address, Ray places each replica's hosts)")
+    nodes = (host_group(nnodes, node_rank, master_addr, master_port, str(fleet.models[0].engine), options)
+             if ray_address is None else None)
     server = {"max_waiting": max_waiting, "max_request_bytes": max_request_bytes, "metrics_open": metrics_open}
     if fleet.on_ray or ray_address is not None:
         try:

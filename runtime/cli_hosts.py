@@ -7,7 +7,8 @@ import typer
 
 NNODES = typer.Option(1, "--nnodes", min=1,
                       help="Hosts the engine's ranks run on: run the same command once on each, with its "
-                           "--node-rank; host 0 schedules (and serves or prints), the others only compute.")
+                           "--node-rank; host 0 schedules (and serves or prints), the others only compute. "
+                           "serve --ray-address: Ray places each replica's ranks on this many nodes.")
 NODE_RANK = typer.Option(0, "--node-rank", min=0, help="This host's place among --nnodes (0: the scheduling one).")
 MASTER_ADDR = typer.Option(None, "--master-addr",
                            help="With --nnodes: host 0's address, as the other hosts reach it.")

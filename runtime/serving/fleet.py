@@ -6,7 +6,8 @@ file says more, per model:
     [[models]]
     name = "smollm2-fast"          # what clients send as "model"
     engine = "engines/fast"        # relative to this file
-    replicas = 2                   # also max_replicas, routing, spread, disaggregate, threads, kv_cache_gib, backend
+    replicas = 2                   # also max_replicas, routing, spread, nnodes, disaggregate, threads, kv_cache_gib,
+                                   # backend
 
     [[models]]
     name = "smollm2"
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
 
 ROUTING_POLICIES = ("prefix", "round-robin")
 HEALTH_CHECK_PERIOD_S = 2.0
-MODEL_KEYS = {"name", "engine", "replicas", "max_replicas", "routing", "spread", "disaggregate", "threads",
-              "kv_cache_gib", "backend"}
+MODEL_KEYS = {"name", "engine", "replicas", "max_replicas", "routing", "spread", "nnodes", "disaggregate",
+              "threads", "kv_cache_gib", "backend"}
 TIER_KEYS = {"models", "probe_tokens", "min_mean_logprob", "max_prompt_tokens", "confidence"}
 CONFIDENCE_RULES = ("mean", "min")
 
@@ -54,6 +55,7 @@ class ReplicaPlan:
     health_check_period_s: float = HEALTH_CHECK_PERIOD_S
     prefill_replicas: int = 0        # disaggregated: this many prefill workers, and `replicas` decode workers
     spread: bool = False             # at most one of the model's replicas (of each role) on a Ray node
+    nnodes: int = 1                  # Ray nodes each replica's ranks spread over (a placement group, STRICT_SPREAD)
 
     @classmethod
     def disaggregated(cls, spec: str, **fields) -> ReplicaPlan:
@@ -74,6 +76,13 @@ class ReplicaPlan:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise ValueError(f"--max-replicas {self.max_replicas} is below --replicas {self.replicas}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if self.nnodes > 1 and self.prefill_replicas:
+            raise ValueError("--disaggregate hands K/V between one-rank engines; it cannot be combined with --nnodes")
+        if self.nnodes > 1 and self.spread:
+            raise ValueError("--nnodes already puts each replica's hosts on separate nodes; leave out --spread "
+                             "(Ray Serve cannot combine the two)")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing {self.routing!r}: choose one of {', '.join(ROUTING_POLICIES)}")
 
@@ -91,7 +100,8 @@ class ModelSpec:
 
     @property
     def on_ray(self) -> bool:
-        return self.plan.replicas > 1 or self.plan.max_replicas is not None or self.plan.prefill_replicas > 0
+        return (self.plan.replicas > 1 or self.plan.max_replicas is not None or self.plan.prefill_replicas > 0
+                or self.plan.nnodes > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +210,7 @@ def load_fleet(path: Path) -> Fleet:
         engine = (Path(path).parent / entry["engine"]).resolve()
         disaggregate = entry.get("disaggregate")
         fields = {"max_replicas": entry.get("max_replicas"), "routing": entry.get("routing", "prefix"),
-                  "spread": bool(entry.get("spread", False))}
+                  "spread": bool(entry.get("spread", False)), "nnodes": entry.get("nnodes", 1)}
         try:
             plan = (ReplicaPlan.disaggregated(disaggregate, **fields) if disaggregate is not None
                     else ReplicaPlan(replicas=int(entry.get("replicas", 1)), **fields))

@@ -50,6 +50,7 @@ from runtime.serving.fleet import (
 )
 from runtime.serving.prompts import context_len
 from runtime.serving.protocol import APIError
+from runtime.serving.ray_rank_group import bundles, failures, start_group
 
 if TYPE_CHECKING:
     from runtime.serving.auth import ApiKeys
@@ -71,9 +72,12 @@ ROUTING_STATS_PERIOD_S = 1.0
 class KilnReplica:
     """One engine (its EngineLoop, LLMEngine and rank processes) as a Ray Serve replica."""
 
-    async def __init__(self, engine: str, options: EngineOptions, max_waiting: int):
-        engine = local_engine(engine)  # a URL: this node's checked copy (runtime/backends/fetch.py)
-        self.engine_loop = EngineLoop(lambda: open_llm_engine(engine, options), max_waiting)
+    async def __init__(self, engine: str, options: EngineOptions, max_waiting: int, nnodes: int = 1):
+        source, engine = engine, local_engine(engine)  # a URL: this node's checked copy (runtime/backends/fetch.py)
+        nodes, self.rank_hosts = None, []
+        if nnodes > 1:  # this node is host 0 of the replica's rank group; the others start their ranks now
+            nodes, self.rank_hosts = start_group(source, options, nnodes)
+        self.engine_loop = EngineLoop(lambda: open_llm_engine(engine, options, nodes), max_waiting)
         loop = asyncio.get_running_loop()
         settled = loop.create_future()
 
@@ -85,7 +89,8 @@ class KilnReplica:
                                on_exit=lambda: loop.call_soon_threadsafe(settle))
         await settled
         if not self.engine_loop.ready:  # Serve reports the constructor's error and retries it
-            raise RuntimeError(f"the engine did not start: {self.engine_loop.failure}")
+            raise RuntimeError(f"the engine did not start: {self.engine_loop.failure}"
+                               + "".join(f"; {said}" for said in failures(self.rank_hosts)))
         self._cpu_seconds = (time.monotonic(), cpu_seconds())
 
     def describe(self) -> dict:
@@ -132,6 +137,9 @@ class KilnReplica:
         """Serve's health check: raising marks the replica unhealthy, and Serve replaces it."""
         if not self.engine_loop.ready:
             raise RuntimeError(f"the engine stopped: {self.engine_loop.failure}")
+        ended = failures(self.rank_hosts)
+        if ended:  # a host of its rank group is gone: the engine would fail at its next step
+            raise RuntimeError(f"the replica's rank group lost a host: {ended[0]}")
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load, cache and process figures; the router and the ingress's /metrics read them."""
@@ -181,10 +189,13 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
                 "target_ongoing_requests": max(1, pool["max_batch_size"] // 2), "look_back_period_s": 10,
                 "upscale_delay_s": 5, "downscale_delay_s": 60}}
         name = role if len(fleet.models) == 1 else f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model.name)}"
-        spread = {"max_replicas_per_node": 1} if model.plan.spread else {}  # Serve places one a node
+        placement = {"max_replicas_per_node": 1} if model.plan.spread else {}  # Serve places one a node
+        if model.plan.nnodes > 1:  # a placement group a replica, a bundle a node (runtime/serving/ray_rank_group.py)
+            placement = {"placement_group_bundles": bundles(model.plan.nnodes),
+                         "placement_group_strategy": "STRICT_SPREAD"}
         placed = {"resources": {ROLE_RESOURCES[role]: 0.001}} if ROLE_RESOURCES.get(role) in roles else {}
         deployment = serve.deployment(
-            KilnReplica, name=name, ray_actor_options={"num_cpus": 0, **placed}, **spread,
+            KilnReplica, name=name, ray_actor_options={"num_cpus": 0, **placed}, **placement,
             max_ongoing_requests=pool["max_batch_size"] + max_waiting,
             health_check_period_s=model.plan.health_check_period_s, health_check_timeout_s=30,
             graceful_shutdown_timeout_s=drain_timeout,
@@ -194,7 +205,8 @@ def build_app(fleet: Fleet, options: dict[str, EngineOptions], pools: dict[str, 
                                        "blocks_per_replica": pool["blocks_per_replica"], "model": model.name},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
             **scaling)
-        return deployment.bind(sources.get(str(model.engine), str(model.engine)), options[model.name], max_waiting)
+        return deployment.bind(sources.get(str(model.engine), str(model.engine)), options[model.name], max_waiting,
+                               model.plan.nnodes)
 
     deployments = {}
     for model in fleet.models:
@@ -235,8 +247,12 @@ def application(fleet: Fleet, options: EngineOptions, **server):  # server: buil
         if model.plan.prefill_replicas and manifest.world_size != 1:
             raise EngineError(f"--disaggregate hands K/V between one-rank engines; {model.engine} has "
                               f"{manifest.world_size} ranks")
+        if manifest.world_size % model.plan.nnodes:
+            raise EngineError(f"--nnodes {model.plan.nnodes}: {model.engine} has {manifest.world_size} rank(s), which "
+                              f"{model.plan.nnodes} nodes cannot share evenly")
         if chosen.num_threads is None:  # the host's cores shared between every replica's ranks (spread: one a node)
-            ranks = manifest.world_size if model.plan.spread else all_ranks
+            ranks = (manifest.world_size // model.plan.nnodes if model.plan.spread or model.plan.nnodes > 1
+                     else all_ranks)
             chosen = dataclasses.replace(chosen, num_threads=max(1, usable_cpus() // ranks))
         backend = opened[model.name].backend
         per_model[model.name] = chosen
@@ -288,6 +304,9 @@ def serve_replicas(fleet: Fleet, options: EngineOptions, *, host: str = "127.0.0
         signal.signal(sig, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: (reload.set(), stop.set()))
     try:  # the ingress on this node: the endpoint outlives any other node
+        alive, wanted = sum(1 for node in ray.nodes() if node["Alive"]), max(m.plan.nnodes for m in fleet.models)
+        if alive < wanted:
+            raise EngineError(f"--nnodes {wanted}: each replica needs {wanted} Ray nodes; the cluster has {alive}")
         app = application(fleet, options, drain_timeout=drain_timeout, ingress_node=ray.util.get_node_ip_address(),
                           **server)
         serve.start(http_options={"host": host, "port": port})

@@ -4,7 +4,8 @@ second host given only the engine's URL (served over HTTP by the first), answer 
 one-host engine's exact text; a corrupted copy on that host is refused in one line; a host lost mid-run ends the group in
 one line within the rank timeout instead of hanging; two Ray Serve replicas spread over a Ray cluster of two
 hosts answer as one host does, and keep answering when one host is lost; a disaggregated engine's prefill worker on
-one host and decode worker on another answer as one host does, the K/V of each prompt crossing the link. The hosts share this machine's CPUs and
+one host and decode worker on another answer as one host does, the K/V of each prompt crossing the link; a tp=2
+replica whose ranks Ray places on two hosts answers as one host does. The hosts share this machine's CPUs and
 files: each host keeps its own Kiln cache folder, so a host given a URL really fetches and checks the engine."""
 
 from __future__ import annotations
@@ -248,6 +249,26 @@ def test_disaggregated_prefill_and_decode_on_two_hosts(hosts, cluster, engine_ur
     shutil.rmtree(cluster[1][1] / "engines")
 
 
+
+
+def test_a_replica_whose_ranks_ray_places_on_two_hosts(hosts, cluster, served):
+    """`engine-run serve TP2_URL --nnodes 2 --ray-address`: Serve places the replica in a placement group of two
+    bundles on separate nodes; its rank 1 runs on host 1 (which fetches the engine by URL) and the greedy answers
+    equal one host's."""
+    engine, url = served
+    serve = serve_on(hosts, cluster, url, "--nnodes", "2")
+    try:
+        answers = json.loads(in_host(hosts, 0, ASK.format(url=f"http://{hosts.address(0)}:8000", prompts=CHAT,
+                                                          patience=240), timeout=300))
+        assert answers == one_host_answers(engine)
+        build_id = json.loads((engine / "manifest.json").read_text())["build_id"]
+        assert [p.name for p in (cluster[1][1] / "engines").iterdir()] == [build_id]  # rank 1's host fetched it
+        out = subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True, text=True).stdout.split()
+        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in out if Path(f"/proc/{pid}/cmdline").exists()]
+        assert any(b"RankHost" in line for line in cmdlines), "no rank host actor on host 1"
+    finally:
+        stop(serve)
+    shutil.rmtree(cluster[1][1] / "engines")
 
 
 def test_two_replicas_on_two_hosts_answer_and_survive_a_host_lost(hosts, cluster, engine_url,

@@ -27,6 +27,30 @@ def test_bad_plans_are_refused():
         ReplicaPlan(routing="random")
     with pytest.raises(ValueError, match="cannot be combined with --disaggregate"):
         ReplicaPlan.disaggregated("1:1", max_replicas=4)
+    with pytest.raises(ValueError, match="--nnodes must be >= 1"):
+        ReplicaPlan(nnodes=0)
+    with pytest.raises(ValueError, match="one-rank engines; it cannot be combined with --nnodes"):
+        ReplicaPlan.disaggregated("1:1", nnodes=2)
+    with pytest.raises(ValueError, match="leave out --spread"):
+        ReplicaPlan(spread=True, nnodes=2)
+
+
+def test_a_replica_over_several_nodes_is_placed_by_a_strict_spread_placement_group(tmp_path):
+    """nnodes > 1 needs Ray even with one replica; its deployment asks for one bundle a node, strictly spread."""
+    pytest.importorskip("ray.serve")
+    from runtime.serving.fleet import Fleet, ModelSpec
+    from runtime.serving.replicas import build_app
+
+    plan = ReplicaPlan(replicas=1, nnodes=2)
+    model = ModelSpec("m", tmp_path, plan)
+    assert model.on_ray and not ModelSpec("m", tmp_path, ReplicaPlan(replicas=1)).on_ray
+    app = build_app(Fleet((model,)), {"m": None}, {"m": {"block_size": 16, "blocks_per_replica": 64,
+                                                            "max_batch_size": 8}})
+    replicas = app._bound_deployment.init_args[0]["m"]["replicas"]._bound_deployment
+    config = replicas._replica_config
+    assert config.placement_group_strategy == "STRICT_SPREAD" and config.max_replicas_per_node is None
+    assert len(config.placement_group_bundles) == 2
+    assert replicas.init_args[3] == 2  # KilnReplica's nnodes
 
 
 def test_app_builder_names_its_arguments():
