@@ -151,8 +151,9 @@ def serve_disaggregated(hosts: Hosts, url: str, members: list[int], work: Path, 
         try:
             for rate in rates:
                 hosts.set_rate(rate)
-                done = subprocess.run(hosts.command(0, [sys.executable, __file__, "--client", f"http://"
-                                                        f"{hosts.address(0)}:8000", "--requests", str(requests)]),
+                base = f"http://{hosts.address(0)}:8000"
+                done = subprocess.run(hosts.command(0, [sys.executable, __file__, "--client", base, "--requests",
+                                                        str(requests)]),
                                       cwd=REPO, capture_output=True, text=True, timeout=1200)
                 if done.returncode:
                     raise SystemExit(f"multihost: the client failed: {done.stderr.strip()[-600:]}; see "
@@ -198,7 +199,8 @@ def disaggregated(hosts: Hosts, engine: Path, rates: list[str], requests: int) -
 
 def build(tp: int, pp: int, out: Path) -> Path:
     if not (out / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "builder.cli", "build", "--tp", str(tp), "--pp", str(pp), "--out", str(out), "--force"],
+        subprocess.run([sys.executable, "-m", "builder.cli", "build", "--tp", str(tp), "--pp", str(pp), "--out",
+                        str(out), "--force"],
                        check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return out
 

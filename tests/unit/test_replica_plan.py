@@ -58,3 +58,19 @@ def test_app_builder_names_its_arguments():
         app_builder({"replicas": "2"})
     with pytest.raises(ValueError, match="known: .*routing"):
         app_builder({"engine": "engines/x", "replica": "2"})
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (["--node-rank", "1"], "Ray places each replica's --nnodes hosts; leave out --node-rank and --master-addr"),
+    (["--spread"], "leave out --spread"),
+    (["--disaggregate", "1:1"], "cannot be combined with --nnodes"),
+])
+def test_serve_refuses_what_ray_placed_hosts_cannot_take_in_one_line(extra, said):
+    from typer.testing import CliRunner
+
+    from runtime.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "engines/none", "--nnodes", "2", "--ray-address", "10.0.0.1:6379",
+                                      *extra])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code != 0 and len(lines) == 1 and said in lines[0], result.output
