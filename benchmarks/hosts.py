@@ -144,15 +144,22 @@ def ray_cluster(hosts: Hosts, members: Sequence[int], caches: Sequence[Path], re
     address = f"{hosts.address(members[0])}:{port}"
     try:
         for i, host in enumerate(members):
-            start = ["--head", "--port", str(port), "--include-dashboard", "false"] if i == 0 else ["--address",
-                                                                                                  address]
-            extra = ["--resources", json.dumps(resources[i])] if i < len(resources) and resources[i] else []
-            ray = subprocess.run(hosts.command(host, ["ray", "start", *start, "--node-ip-address", hosts.address(host),
-                                                      "--num-cpus", "1", "--disable-usage-stats", *extra]),
-                                 env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(caches[i])),
-                                 capture_output=True, text=True, timeout=180)
-            if ray.returncode:
-                raise RuntimeError(f"ray start on host {host} failed: {ray.stderr.strip()[-600:]}")
+            ray_join(hosts, host, None if i == 0 else address, caches[i], resources[i] if i < len(resources) else {},
+                     port)
         yield address
     finally:  # the hosts share one process table: `ray stop` on one ends every member's daemons
         subprocess.run(hosts.command(members[0], ["ray", "stop", "--force"]), capture_output=True, timeout=120)
+
+
+def ray_join(hosts: Hosts, host: int, address: str | None, cache: Path, resources: dict, port: int = 6399) -> None:
+    """Ray started on `host`: the head (address None, on `port`) or a worker joining the head at `address`, with one
+    CPU, its own Kiln cache folder and the custom `resources`; RuntimeError if `ray start` fails."""
+    start = ["--head", "--port", str(port), "--include-dashboard", "false"] if address is None else ["--address",
+                                                                                                    address]
+    extra = ["--resources", json.dumps(resources)] if resources else []
+    ray = subprocess.run(hosts.command(host, ["ray", "start", *start, "--node-ip-address", hosts.address(host),
+                                              "--num-cpus", "1", "--disable-usage-stats", *extra]),
+                         env=dict(os.environ, **RAY_ENV, KILN_CACHE_DIR=str(cache)), capture_output=True, text=True,
+                         timeout=180)
+    if ray.returncode:
+        raise RuntimeError(f"ray start on host {host} failed: {ray.stderr.strip()[-600:]}")

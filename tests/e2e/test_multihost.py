@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from hosts import RAY_ENV, Hosts, available, ray_cluster  # noqa: E402
+from hosts import RAY_ENV, Hosts, available, ray_cluster, ray_join  # noqa: E402
 
 CHAT = ["What is the capital of France?", "List three colors."]
 PORT = 29640
@@ -251,23 +251,44 @@ def test_disaggregated_prefill_and_decode_on_two_hosts(hosts, cluster, engine_ur
 
 
 
+FAILS = """
+import httpx, json, time
+url, deadline = {url!r}, time.monotonic() + 120
+while time.monotonic() < deadline:  # until a request is answered with an error
+    r = httpx.post(url + "/v1/chat/completions", timeout=90, json={{"model": "smollm2", "max_tokens": 8,
+                   "messages": [{{"role": "user", "content": "Hi"}}]}})
+    if r.status_code != 200:
+        print(json.dumps({{"status": r.status_code, "message": r.json()["error"]["message"]}}))
+        break
+    time.sleep(1)
+"""
+
+
 def test_a_replica_whose_ranks_ray_places_on_two_hosts(hosts, cluster, served):
     """`engine-run serve TP2_URL --nnodes 2 --ray-address`: Serve places the replica in a placement group of two
     bundles on separate nodes; its rank 1 runs on host 1 (which fetches the engine by URL) and the greedy answers
-    equal one host's."""
+    equal one host's. Host 1 lost: requests end in a one-line error within the rank timeout, nothing hangs, and the
+    server stays up (Serve cannot place a new group on one node); host 1 then rejoins the cluster."""
     engine, url = served
-    serve = serve_on(hosts, cluster, url, "--nnodes", "2")
+    serve = serve_on(hosts, cluster, url, "--nnodes", "2", "--rank-timeout", "10")
+    base = f"http://{hosts.address(0)}:8000"
     try:
-        answers = json.loads(in_host(hosts, 0, ASK.format(url=f"http://{hosts.address(0)}:8000", prompts=CHAT,
-                                                          patience=240), timeout=300))
+        answers = json.loads(in_host(hosts, 0, ASK.format(url=base, prompts=CHAT, patience=240), timeout=300))
         assert answers == one_host_answers(engine)
         build_id = json.loads((engine / "manifest.json").read_text())["build_id"]
         assert [p.name for p in (cluster[1][1] / "engines").iterdir()] == [build_id]  # rank 1's host fetched it
-        out = subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True, text=True).stdout.split()
-        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in out if Path(f"/proc/{pid}/cmdline").exists()]
-        assert any(b"RankHost" in line for line in cmdlines), "no rank host actor on host 1"
+        pids = subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True, text=True).stdout.split()
+        titles = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids if Path(f"/proc/{pid}/cmdline").exists()]
+        assert any(b"RankHost" in title for title in titles), "no rank host actor on host 1"
+
+        hosts.kill(1)
+        lost = time.monotonic()
+        said = json.loads(in_host(hosts, 0, FAILS.format(url=base), timeout=150))
+        assert said["status"] in (500, 503) and "\n" not in said["message"], said
+        assert time.monotonic() - lost < 100 and serve.poll() is None
     finally:
         stop(serve)
+        ray_join(hosts, 1, cluster[0], cluster[1][1], {"kiln_decode": 1})  # back for the next test
     shutil.rmtree(cluster[1][1] / "engines")
 
 
