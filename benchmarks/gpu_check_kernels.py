@@ -89,12 +89,14 @@ def _kv_write_case(cache_dtype: torch.dtype, kv_scale: float) -> Case:
                 torch.cat([k_ref, v_ref]), check)
 
 
-def _paged_case(act: torch.dtype, cache_dtype: torch.dtype, kv_scale: float, seed: int) -> Case:
-    """A prefill chunk of 11 after a cached prefix of 9, two decodes, a one-token prompt; GQA 4/2, head_dim 32."""
+def _paged_case(act: torch.dtype, cache_dtype: torch.dtype, kv_scale: float, seed: int, splits: int = 0) -> Case:
+    """A prefill chunk of 11 after a cached prefix of 9, two decodes, a one-token prompt; GQA 4/2, head_dim 32.
+    splits: decodes alone (300, 13, 70 and 1 keys) through decode_attention, up to that many splits of 32 keys."""
     from runtime.backends.cuda.kernels import attention as gpu
     from runtime.ops import attention as native
 
-    steps, nh, nkv, hd, bs = [(20, 11), (13, 1), (6, 1), (1, 1)], 4, 2, 32, 4
+    steps = [(300, 1), (13, 1), (70, 1), (1, 1)] if splits else [(20, 11), (13, 1), (6, 1), (1, 1)]
+    nh, nkv, hd, bs = 4, 2, 32, 4
     g = torch.Generator().manual_seed(seed)
     per_seq = [-(-c // bs) for c, _ in steps]
     order = torch.randperm(sum(per_seq) + 2, generator=g).tolist()
@@ -120,12 +122,17 @@ def _paged_case(act: torch.dtype, cache_dtype: torch.dtype, kv_scale: float, see
 
     def run(L, q, kc, vc, bt, cl, qs):
         out = torch.empty_like(q)
-        gpu.paged_attention(L, out, q, kc, vc, bt, cl, qs, hd ** -0.5, num_heads=nh, kv_scale=kv_scale, window=0,
-                            max_query_len=max(qlens))
+        if splits:
+            gpu.decode_attention(L, out, q, kc, vc, bt, cl, qs, hd ** -0.5, num_heads=nh, kv_scale=kv_scale,
+                                 splits=splits, min_keys=32)
+        else:
+            gpu.paged_attention(L, out, q, kc, vc, bt, cl, qs, hd ** -0.5, num_heads=nh, kv_scale=kv_scale, window=0,
+                                max_query_len=max(qlens))
         return out.float()
 
-    tol = 1e-5 if act == torch.float32 else 2 * torch.finfo(act).eps * v_cache.float().nan_to_num().abs().max().item()
-    return Case(f"attention.paged {str(act)[6:]} act, {str(cache_dtype)[6:]} cache",
+    largest = v_cache.float().nan_to_num().abs().max().item() * kv_scale  # what v reads as (fp8: times its scale)
+    tol = 1e-5 if act == torch.float32 else 2 * torch.finfo(act).eps * largest
+    return Case(f"attention.{'decode split' if splits else 'paged'} {str(act)[6:]} act, {str(cache_dtype)[6:]} cache",
                 (q, k_cache, v_cache, tables, ctx_lens, qsl), run, expected.reshape(q.shape[0], -1), ("abs", tol))
 
 
@@ -267,7 +274,9 @@ def all_cases() -> list[Case]:
                             _kv_write_case(torch.float8_e4m3fn, 0.0625),
                             _paged_case(torch.float32, torch.float32, 1.0, 0),
                             _paged_case(torch.bfloat16, torch.bfloat16, 1.0, 1),
-                            _paged_case(torch.float32, torch.float8_e4m3fn, 0.02, 2)]
+                            _paged_case(torch.float32, torch.float8_e4m3fn, 0.02, 2),
+                            _paged_case(torch.float32, torch.float32, 1.0, 3, splits=6),
+                            _paged_case(torch.bfloat16, torch.float8_e4m3fn, 0.02, 4, splits=16)]
             + _gemm_cases() + _sampling_cases())
 
 

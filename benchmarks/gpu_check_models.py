@@ -3,7 +3,8 @@
 Random-weight checkpoints: a Llama-3.1-8B-shaped one (plans/models.toml's llama-3.1-8b, with Llama 3.1's rope
 scaling) saved in bf16, and the unit tests' tiny llama (tests/conftest.py's recipe) for --interpret; both saved by
 transformers as Hugging Face directories with a small byte-level BPE tokenizer and a chat template (throughput
-needs token ids, not words). The device's copy bandwidth, and transformers' own decode speed on a checkpoint."""
+needs token ids, not words). The device's copy bandwidth, transformers' own decode speed on a checkpoint, and the
+throughput section's goals (issue 68's figures for an H100)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hid
                   num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
                   max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1,
                   eos_token_id=2)
+LONG_CONTEXT = 4096 - 64  # the 8B bf16 engine's long-context decode row (its max_seq_len is 4096)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -109,3 +111,40 @@ def transformers_decode(path: Path, batches, new_tokens: int, log=print) -> list
                      "tok/s": b * (new_tokens - 1) / (full - one), "step ms": 1e3 * (full - one) / (new_tokens - 1)})
         log(f"transformers: decode batch {b}: {rows[-1]['tok/s']:.1f} tok/s")
     return rows
+
+
+def goal(text: str, met: bool | None, figure: str) -> dict:
+    return {"goal": text, "figure": figure, "status": "not measured" if met is None else "met" if met else "missed"}
+
+
+def throughput_goals(rows: list[dict]) -> list[dict]:
+    """The throughput section's goals from its rows (engine, mode, tok/s, step ms, share of copy bw)."""
+    rate = {(r["engine"], r["mode"]): r["tok/s"] for r in rows}
+    step = {(r["engine"], r["mode"]): r["step ms"] for r in rows}
+    share = next((r.get("share of copy bw") for r in rows if (r["engine"], r["mode"]) == ("8B bf16", "decode batch 1")),
+                 None)
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    def check(text: str, value: float | None, met, unit: str = "x") -> dict:
+        return goal(text, None if value is None else met(value), "not measured" if value is None else
+                    f"{value:.2f}{unit}")
+
+    b1 = rate.get(("8B bf16", "decode batch 1"))
+    return [check("8B bf16 batch-1 decode >= 85% of measured copy bandwidth (80% at the least)",
+                  None if share is None else 100 * share, lambda v: v >= 85, "%"),
+            check(f"8B bf16 decode at context {LONG_CONTEXT} <= 1.15x the 128-token step",
+                  ratio(step.get(("8B bf16", f"decode batch 1, context {LONG_CONTEXT}")),
+                        step.get(("8B bf16", "decode batch 1"))), lambda v: v <= 1.15),
+            check("8B fp8 >= 1.6x bf16 at batch 1", ratio(rate.get(("8B fp8", "decode batch 1")), b1),
+                  lambda v: v >= 1.6),
+            check("8B fp8 batch-8 step <= 1.2x its batch-1 step", ratio(step.get(("8B fp8", "decode batch 8")),
+                                                                      step.get(("8B fp8", "decode batch 1"))),
+                  lambda v: v <= 1.2),
+            check("8B int4 >= 2.0x bf16 at batch 1 (1.6x at the least)",
+                  ratio(rate.get(("8B int4", "decode batch 1")), b1), lambda v: v >= 2.0),
+            check("8B bf16 >= 9,500 tok/s at batch 64", rate.get(("8B bf16", "decode batch 64")),
+                  lambda v: v >= 9500, " tok/s"),
+            check("8B bf16 >= 22,000 tok/s at batch 256", rate.get(("8B bf16", "decode batch 256")),
+                  lambda v: v >= 22000, " tok/s")]

@@ -186,3 +186,93 @@ def test_variants_do_not_depend_on_token_count():
                             max_query_len=max_query_len)
         keys.append(sorted(launcher.seen))
     assert len(keys[0]) == 2 and keys[0] == keys[1]
+
+
+# ---------------------------------------------------------------------------------------- split decode attention
+
+def run_split(step, num_heads, splits, min_keys, act_dtype=torch.float32, kv_scale=1.0, window=0):
+    """(decode_attention's output as f32, the C kernel's f32) for a step of one query a sequence."""
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, _ = step
+    q = q.to(act_dtype)
+    scale = k_cache.shape[3] ** -0.5
+    out = torch.zeros_like(q)
+    gpu.decode_attention(InterpreterLauncher(), out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                         scale, num_heads=num_heads, splits=splits, kv_scale=kv_scale, window=window,
+                         min_keys=min_keys)
+    expected = torch.empty(q.shape[0], num_heads, k_cache.shape[3])
+    native.paged_attention(expected, q.float().reshape(q.shape[0], num_heads, -1), k_cache, v_cache, block_tables,
+                           context_lens, query_start_loc, scale, kv_scale=kv_scale, window=window)
+    return out.float(), expected.reshape(q.shape[0], -1)
+
+
+# Decodes of contexts from one key to several splits' worth: 1 and 33 keys need one split of 32, 100 four, 300 all.
+DECODES = [(300, 1), (1, 1), (100, 1), (33, 1), (7, 1)]
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_split_decode_attention_equals_the_one_program_kernel(splits):
+    """Each sequence's keys split over up to `splits` programs (32 keys at the least), merged: the C kernel's
+    output within F32_TOL, GQA group of 3 (rows padded to 16)."""
+    step = make_step(DECODES, num_heads=6, num_kv_heads=2, head_dim=32, block_size=8, cache_dtype=torch.float32)
+    out, expected = run_split(step, num_heads=6, splits=splits, min_keys=32)
+    torch.testing.assert_close(out, expected, atol=F32_TOL, rtol=0)
+
+
+def test_split_decode_attention_with_a_window_fp8_and_bf16():
+    """A sliding window whose earlier blocks were given back (-1 and NaN in the cache), an fp8 cache with its
+    scale, bf16 activations: each against the C kernel on the same caches."""
+    window, block_size = 40, 4
+    steps = [(200, 1), (45, 1), (9, 1)]
+    step = make_step(steps, num_heads=4, num_kv_heads=2, head_dim=16, block_size=block_size,
+                     cache_dtype=torch.float32, seed=3)
+    _, k_cache, v_cache, block_tables, _, _, _ = step
+    for s, (ctx, _) in enumerate(steps):
+        for b in range(max(ctx - window, 0) // block_size):
+            k_cache[block_tables[s, b]] = v_cache[block_tables[s, b]] = float("nan")
+            block_tables[s, b] = -1
+    out, expected = run_split(step, num_heads=4, splits=4, min_keys=16, window=window)
+    torch.testing.assert_close(out, expected, atol=F32_TOL, rtol=0)
+
+    fp8 = make_step(DECODES, num_heads=4, num_kv_heads=1, head_dim=32, block_size=16,
+                    cache_dtype=torch.float8_e4m3fn, kv_scale=0.02, seed=4)
+    out, expected = run_split(fp8, num_heads=4, splits=5, min_keys=32, kv_scale=0.02)
+    torch.testing.assert_close(out, expected, atol=F32_TOL, rtol=0)
+
+    low = make_step(DECODES, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, cache_dtype=torch.bfloat16,
+                    seed=5)
+    out, expected = run_split(low, num_heads=4, splits=8, min_keys=32, act_dtype=torch.bfloat16)
+    torch.testing.assert_close(out, expected, atol=low_precision_tol(torch.bfloat16, low[2].float().nan_to_num()), rtol=0)
+
+
+def test_split_decode_leaves_a_batch_slot_without_a_query_and_zeroes_one_without_keys():
+    """Graph padding: a slot whose query_start_loc does not advance is not written; a context of 0 gives 0."""
+    q, k_cache, v_cache, tables, ctx, _, _ = make_step([(50, 1), (20, 1)], num_heads=2, num_kv_heads=1,
+                                                       head_dim=16, block_size=4, cache_dtype=torch.float32)
+    ctx = torch.tensor([50, 20, 0], dtype=torch.int32)
+    tables = torch.cat([tables, torch.zeros(1, tables.shape[1], dtype=torch.int32)])
+    qsl = torch.tensor([0, 1, 1, 2], dtype=torch.int32)  # the second sequence has no query; the third's context 0
+    out = torch.full_like(q, 7.0)
+    gpu.decode_attention(InterpreterLauncher(), out, q, k_cache, v_cache, tables, ctx, qsl, 0.25, num_heads=2,
+                         splits=4, min_keys=16)
+    expected = torch.empty(1, 2, 16)
+    native.paged_attention(expected, q[:1].reshape(1, 2, 16), k_cache, v_cache, tables[:1], ctx[:1], qsl[:2], 0.25)
+    torch.testing.assert_close(out[0], expected.reshape(-1), atol=F32_TOL, rtol=0)
+    assert torch.equal(out[1], torch.zeros(32))
+
+
+def test_decode_splits_fill_the_multiprocessors_and_share_one_variant():
+    """Two programs a multiprocessor, at most MAX_SPLITS; the split count is not part of any variant."""
+    assert gpu.decode_splits(1, 8, 132) == 32 and gpu.decode_splits(4, 8, 132) == 9
+    assert gpu.decode_splits(256, 8, 132) == 1 and gpu.decode_splits(1, 1, 2) == 4
+    meta = torch.device("meta")
+    k_cache = torch.empty(64, 16, 2, 64, dtype=torch.bfloat16, device=meta)
+    keys = []
+    for seqs, splits in ((1, 32), (64, 2)):
+        launcher = RecordingLauncher()
+        i32 = {"dtype": torch.int32, "device": meta}
+        q = torch.empty(seqs, 8 * 64, dtype=torch.bfloat16, device=meta)
+        gpu.decode_attention(launcher, torch.empty_like(q), q, k_cache, torch.empty_like(k_cache),
+                             torch.empty(seqs, 4, **i32), torch.empty(seqs, **i32), torch.empty(seqs + 1, **i32),
+                             0.125, num_heads=8, splits=splits)
+        keys.append(sorted(launcher.seen))
+    assert keys[0] == keys[1] and len(keys[0]) == 2

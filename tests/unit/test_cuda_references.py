@@ -167,3 +167,35 @@ def test_a_mutated_kernel_is_caught(module, name, old, new, monkeypatch):
         else:
             q, s, z = int4.quantize(randn(16, 64, seed=12), 32)[:3]
             gemm.linear_int4(CheckingLauncher(), x, gemm.pack_int4(q), s, z, 32)
+
+
+def split_decode(launcher, dtype=torch.float32, window=0):
+    """decode_attention over three sequences (300, 70 and 5 keys) in up to 6 splits of at least 32 keys."""
+    nh, nkv, hd, bs = 4, 2, 16, 8
+    k_cache, v_cache = randn(48, bs, nkv, hd, seed=20, dtype=dtype), randn(48, bs, nkv, hd, seed=21, dtype=dtype)
+    tables = torch.randperm(48, generator=torch.Generator().manual_seed(22))[:3 * 16].view(3, 16).to(torch.int32)
+    out = torch.zeros(3, nh * hd, dtype=dtype)
+    attention.decode_attention(launcher, out, randn(3, nh * hd, seed=23, dtype=dtype), k_cache, v_cache, tables,
+                               torch.tensor([300, 70, 5], dtype=torch.int32),
+                               torch.tensor([0, 1, 2, 3], dtype=torch.int32), hd ** -0.5, num_heads=nh, splits=6,
+                               window=window, min_keys=32)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_decode_attention(dtype):
+    for window in (0, 100):
+        launcher = checked(lambda ln: split_decode(ln, dtype, window))
+        assert {key.split(".")[0] for key in launcher.checked} == {"paged_attention_split_kernel",
+                                                                 "attention_merge_kernel"}
+
+
+@pytest.mark.parametrize("name,old,new", [
+    ("paged_attention_split_kernel", "key_end = tl.minimum(key_start + chunk, context_len)",
+     "key_end = tl.minimum(key_start + chunk - 1, context_len)"),      # each split drops its last key
+    ("attention_merge_kernel", "weight = tl.exp2(m - top)", "weight = tl.exp2(m - m)"),  # splits not rescaled
+])
+def test_a_mutated_split_attention_kernel_is_caught(name, old, new, monkeypatch):
+    monkeypatch.setattr(attention, name, mutated(getattr(attention, name), old, new))
+    with pytest.raises(KernelMismatch, match=name):
+        split_decode(CheckingLauncher())

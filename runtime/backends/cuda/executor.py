@@ -28,6 +28,7 @@ from runtime.backends.step import StepMetadata
 
 ACTIVATION_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = ("f32", "f16", "bf16", "fp8")
+INTERPRETER_MULTIPROCESSORS = 4  # the split count's "GPU" where there is none (the interpreter, a build's dry run)
 
 
 def _placed(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -59,6 +60,12 @@ class CudaExecutor(Executor):
         # and the attention kernel masks by position.
         self.cache = KVCacheStorage(attention_layers(doc), pools, block_size, kv_dtype, self.device)
         self.rope_tables: dict[tuple, torch.Tensor] = {}   # one per distinct rope, shared by its layers
+        # Decode steps split each context over the multiprocessors, unless the engine's kernels predate the split
+        # kernels (they then run paged_attention, as when they were compiled).
+        self.split_decode = launcher.allowed is None or any(
+            key.split(".")[0] == attention.paged_attention_split_kernel.name for key in launcher.allowed)
+        self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                                if self.device.type == "cuda" else INTERPRETER_MULTIPROCESSORS)
         self.step: DeviceStep | None = None
         hooks = Hooks(attention=self._attention, gather_last=self._gather_last, qkv_attention=self._qkv_attention,
                       **self._collectives(collectives or {}))
@@ -125,6 +132,12 @@ class CudaExecutor(Executor):
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         attention.kv_write(self.launcher, k, v, k_cache, v_cache, step.slot_mapping, kv_scale)
         out = torch.empty(q.shape[0], attrs["num_heads"] * attrs["head_dim"], dtype=self.dtype, device=self.device)
+        if step.max_query_len == 1 and self.split_decode:  # a decode step: each context split over the GPU
+            splits = attention.decode_splits(step.context_lens.shape[0], k_cache.shape[2], self.multiprocessors)
+            attention.decode_attention(self.launcher, out, q, k_cache, v_cache, step.block_tables, step.context_lens,
+                                       step.query_start_loc, attrs["scale"], num_heads=attrs["num_heads"],
+                                       splits=splits, kv_scale=kv_scale, window=attrs.get("window", 0))
+            return out
         attention.paged_attention(self.launcher, out, q, k_cache, v_cache, step.block_tables, step.context_lens,
                                   step.query_start_loc, attrs["scale"], num_heads=attrs["num_heads"],
                                   kv_scale=kv_scale, window=attrs.get("window", 0), max_query_len=step.max_query_len)

@@ -10,6 +10,12 @@ marks a block given back behind a sliding window (never read), float8_e4m3fn cac
   16 rows. Prefill chunks and decodes share one launch and one compiled variant: the grid's last axis is
   the number of query tiles of the longest query (1 on a decode step, so a captured graph stays valid).
 
+- `decode_attention`: a decode step (one query a sequence) split over the context, so that a few sequences still
+  fill the GPU: `paged_attention_split_kernel` has one program per (sequence, kv head, split) and writes each
+  split's running max, sum and unnormalised output; `attention_merge_kernel` combines a head's splits. The grid's
+  split axis is fixed for a batch size (so a captured graph stays valid); how many of those splits a sequence
+  uses is computed on the device from its context length (at least SPLIT_MIN_KEYS keys a split).
+
 Constexprs hold model constants and tile sizes only (never a token count or batch size), so the build can
 compile every variant ahead of time from one recording.
 """
@@ -177,6 +183,152 @@ def paged_attention(launcher: Launcher, out: torch.Tensor, q: torch.Tensor, k_ca
                     HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size, GROUP=group,
                     BLOCK_M=block_m, BLOCK_N=block_n, WINDOWED=window > 0,
                     QUANTIZED=k_cache.dtype == torch.float8_e4m3fn)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- split decode attention
+
+SPLIT_MIN_KEYS = 256   # keys a split covers at the least: shorter contexts use fewer splits
+MAX_SPLITS = 32
+
+
+@kernel(num_warps=4, num_stages=2)
+def paged_attention_split_kernel(part_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                                 query_start_loc_ptr, q_row_stride, block_table_stride, num_kv_heads, scale,
+                                 kv_scale, window, min_keys,
+                                 HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 WINDOWED: tl.constexpr, QUANTIZED: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_begin < 1:  # no query (an empty slot of the batch)
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    pos = context_len - 1  # the sequence's one query
+    lo = 0
+    if WINDOWED:  # whole tiles before the window are skipped; their blocks may have been given back
+        lo = tl.maximum(pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    splits = tl.minimum(tl.maximum(tl.cdiv(context_len - lo, min_keys), 1), tl.num_programs(2))
+    if split >= splits:
+        return
+    chunk = tl.cdiv(tl.cdiv(context_len - lo, splits), BLOCK_N) * BLOCK_N
+    key_start = lo + split * chunk
+    key_end = tl.minimum(key_start + chunk, context_len)
+
+    r = tl.arange(0, BLOCK_M)  # row r: query head kv_head * GROUP + r
+    row_ok = r < GROUP
+    head = kv_head * GROUP + r
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    in_head = d < HEAD_DIM
+    q = tl.load(q_ptr + q_begin.to(tl.int64) * q_row_stride + (head * HEAD_DIM)[:, None] + d[None, :],
+                mask=row_ok[:, None] & in_head[None, :], other=0.0)
+    qk_scale = scale * 1.4426950408889634
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    row_sum = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PADDED], 0.0, tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for key0 in range(key_start, key_end, BLOCK_N):
+        key = key0 + tl.arange(0, BLOCK_N)
+        block = tl.load(table + key // BLOCK_SIZE, mask=key < key_end, other=-1)
+        key_ok = (key < key_end) & (block >= 0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
+        at = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        kv_mask = key_ok[:, None] & in_head[None, :]
+        k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + at, mask=kv_mask, other=0.0)
+        if QUANTIZED:
+            k = k.to(tl.float32) * kv_scale
+            v = v.to(tl.float32) * kv_scale
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = key_ok[None, :] & (r[:, None] >= 0)
+        if WINDOWED:
+            visible = visible & (key[None, :] > pos - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
+        p = tl.exp2(s - m_new[:, None])
+        correction = tl.exp2(m - m_new)
+        row_sum = row_sum * correction + tl.reduce(p, 1, tl.standard._sum_combine)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    # part [seqs, heads, splits, HEAD_DIM_PADDED + 2]: the unnormalised output, then max (base 2) and sum
+    width = HEAD_DIM_PADDED + 2
+    row = part_ptr + ((seq.to(tl.int64) * num_kv_heads * GROUP + head) * tl.num_programs(2) + split) * width
+    tl.store(row[:, None] + d[None, :], acc, mask=row_ok[:, None])
+    tl.store(row + HEAD_DIM_PADDED, tl.where(row_sum > 0, m, float("-inf")), mask=row_ok)  # -inf: saw no key
+    tl.store(row + HEAD_DIM_PADDED + 1, row_sum, mask=row_ok)
+
+
+@kernel(num_warps=4, num_stages=1)
+def attention_merge_kernel(out_ptr, part_ptr, context_lens_ptr, query_start_loc_ptr, out_row_stride, num_splits,
+                           window, min_keys,
+                           HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SPLITS_PADDED: tl.constexpr, WINDOWED: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_begin < 1:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(context_len - window, 0) // BLOCK_N * BLOCK_N
+    splits = tl.minimum(tl.maximum(tl.cdiv(context_len - lo, min_keys), 1), num_splits)
+    i = tl.arange(0, SPLITS_PADDED)
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    width = HEAD_DIM_PADDED + 2
+    rows = part_ptr + ((seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + i) * width
+    used = i < splits
+    m = tl.load(rows + HEAD_DIM_PADDED, mask=used, other=float("-inf"))
+    total = tl.load(rows + HEAD_DIM_PADDED + 1, mask=used, other=0.0)
+    acc = tl.load(rows[:, None] + d[None, :], mask=used[:, None], other=0.0)
+    top = tl.maximum(tl.reduce(m, 0, tl.standard._elementwise_max), -1.0e30)  # finite: no split may have a key
+    weight = tl.exp2(m - top)  # each split's share, in the scale of the largest max
+    row_sum = tl.reduce(total * weight, 0, tl.standard._sum_combine)
+    o = tl.reduce(acc * weight[:, None], 0, tl.standard._sum_combine)
+    o = o / tl.where(row_sum > 0, row_sum, 1.0)  # a sequence that sees no key (graph padding) stays 0
+    tl.store(out_ptr + q_begin.to(tl.int64) * out_row_stride + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, multiprocessors: int) -> int:
+    """The split axis of a decode step's grid: enough programs for two per multiprocessor, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, cdiv(2 * multiprocessors, max(1, num_seqs * num_kv_heads))))
+
+
+def decode_attention(launcher: Launcher, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, scale: float, *, num_heads: int, splits: int,
+                     kv_scale: float = 1.0, window: int = 0, min_keys: int = SPLIT_MIN_KEYS) -> torch.Tensor:
+    """paged_attention for a step whose sequences have one query each (or none), each sequence's keys split in
+    up to `splits` parts (decode_splits) that run side by side and are merged. Same arguments and result."""
+    fn = "decode_attention"
+    _, block_size, num_kv_heads, head_dim = _check_caches(fn, k_cache, v_cache, kv_scale)
+    if num_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"{fn}: num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    _check_rows(fn, "q", q, num_heads * head_dim)
+    _check_rows(fn, "out", out, num_heads * head_dim)
+    if not 1 <= splits <= MAX_SPLITS or min_keys < 1 or window < 0:
+        raise ValueError(f"{fn}: splits must be in 1..{MAX_SPLITS} (got {splits}), min_keys >= 1 (got {min_keys}), "
+                         f"window >= 0 (got {window})")
+    num_seqs = context_lens.shape[0]
+    group = num_heads // num_kv_heads
+    head_dim_padded = _padded(head_dim)
+    block_n = 32 if head_dim_padded <= 128 else 16
+    part = torch.empty(num_seqs, num_heads, splits, head_dim_padded + 2, dtype=torch.float32, device=q.device)
+    launcher.launch(paged_attention_split_kernel, (num_seqs, num_kv_heads, splits),
+                    (part, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, q.stride(0),
+                     block_tables.stride(0), num_kv_heads, float(scale), float(kv_scale), int(window), int(min_keys)),
+                    HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size, GROUP=group,
+                    BLOCK_M=_block_m(group), BLOCK_N=block_n, WINDOWED=window > 0,
+                    QUANTIZED=k_cache.dtype == torch.float8_e4m3fn)
+    launcher.launch(attention_merge_kernel, (num_seqs, num_heads),
+                    (out, part, context_lens, query_start_loc, out.stride(0), splits, int(window), int(min_keys)),
+                    HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_N=block_n,
+                    SPLITS_PADDED=next_power_of_2(MAX_SPLITS), WINDOWED=window > 0)
     return out
 
 

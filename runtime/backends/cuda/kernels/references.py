@@ -148,6 +148,77 @@ def paged_attention(grid, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables
         out_all[begin:end] = o.reshape(end - begin, width).to(out_ptr.dtype)
 
 
+def _decode_splits(context: int, window: int, block_n: int, min_keys: int, most: int) -> tuple[int, int, int]:
+    """A decode query's split of its keys, as the split kernels compute it: (first key, splits, keys a split)."""
+    lo = max(context - window, 0) // block_n * block_n if window > 0 else 0
+    splits = min(max(-(-(context - lo) // min_keys), 1), most)
+    chunk = -(-(-(-(context - lo) // splits)) // block_n) * block_n
+    return lo, splits, chunk
+
+
+@references("attention", "paged_attention_split_kernel")
+def paged_attention_split(grid, part_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                          query_start_loc_ptr, q_row_stride, block_table_stride, num_kv_heads, scale, kv_scale,
+                          window, min_keys, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N,
+                          WINDOWED, QUANTIZED):
+    seqs, _, most = grid
+    num_heads = num_kv_heads * GROUP
+    starts = query_start_loc_ptr[:seqs + 1].tolist()
+    q_all = _rows(q_ptr, max(starts[-1], 1), num_heads * HEAD_DIM, q_row_stride)
+    k_flat = k_cache_ptr.view(-1, num_kv_heads, HEAD_DIM)
+    v_flat = v_cache_ptr.view(-1, num_kv_heads, HEAD_DIM)
+    part = part_ptr.view(seqs, num_heads, most, HEAD_DIM_PADDED + 2)
+    for s in range(seqs):
+        if starts[s + 1] - starts[s] < 1:
+            continue
+        context = int(context_lens_ptr[s])
+        lo, splits, chunk = _decode_splits(context, window if WINDOWED else 0, BLOCK_N, min_keys, most)
+        q = q_all[starts[s]].float().view(num_kv_heads, GROUP, HEAD_DIM)
+        for i in range(splits):
+            first = lo + i * chunk
+            key = torch.arange(first, max(first, min(first + chunk, context)))
+            block = block_tables_ptr.view(-1)[s * block_table_stride + key // BLOCK_SIZE].long()
+            slot = block.clamp(min=0) * BLOCK_SIZE + key % BLOCK_SIZE
+            k, v = k_flat[slot].float(), v_flat[slot].float()
+            if QUANTIZED:
+                k, v = k * kv_scale, v * kv_scale
+            k, v = k.to(q_ptr.dtype).float(), v.to(q_ptr.dtype)
+            visible = block >= 0
+            if WINDOWED:
+                visible &= key > context - 1 - window
+            scores = torch.einsum("hgd,khd->hgk", q, k) * (scale * 1.4426950408889634)  # base 2, as the kernel
+            scores = scores.masked_fill(~visible, float("-inf"))
+            top = scores.amax(-1).clamp(min=-1.0e30) if len(key) else torch.full((num_kv_heads, GROUP), -1.0e30)
+            p = torch.exp2(scores - top[..., None])
+            acc = torch.einsum("hgk,khd->hgd", p.to(v.dtype).float(), v.float())
+            row = part[s, :, i]
+            row[:, :HEAD_DIM_PADDED] = 0.0
+            row[:, :HEAD_DIM] = acc.reshape(num_heads, HEAD_DIM)
+            total = p.sum(-1)
+            row[:, HEAD_DIM_PADDED] = torch.where(total > 0, top, float("-inf")).reshape(num_heads)
+            row[:, HEAD_DIM_PADDED + 1] = total.reshape(num_heads)
+
+
+@references("attention", "attention_merge_kernel")
+def attention_merge(grid, out_ptr, part_ptr, context_lens_ptr, query_start_loc_ptr, out_row_stride, num_splits,
+                    window, min_keys, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_N, SPLITS_PADDED, WINDOWED):
+    seqs, num_heads = grid
+    starts = query_start_loc_ptr[:seqs + 1].tolist()
+    out_all = _rows(out_ptr, max(starts[-1], 1), num_heads * HEAD_DIM, out_row_stride)
+    part = part_ptr.view(seqs, num_heads, num_splits, HEAD_DIM_PADDED + 2)
+    for s in range(seqs):
+        if starts[s + 1] - starts[s] < 1:
+            continue
+        _, splits, _ = _decode_splits(int(context_lens_ptr[s]), window if WINDOWED else 0, BLOCK_N, min_keys,
+                                      num_splits)
+        used = part[s, :, :splits]
+        m, total = used[..., HEAD_DIM_PADDED], used[..., HEAD_DIM_PADDED + 1]
+        weight = torch.exp2(m - m.amax(-1, keepdim=True).clamp(min=-1.0e30))
+        row_sum = (total * weight).sum(-1)
+        o = (used[..., :HEAD_DIM] * weight[..., None]).sum(1) / torch.where(row_sum > 0, row_sum, 1.0)[:, None]
+        out_all[starts[s]] = o.reshape(-1).to(out_ptr.dtype)
+
+
 # ------------------------------------------------------------------------------------------------- gemm
 
 def _linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, T: int, bias, HAS_BIAS: bool,
