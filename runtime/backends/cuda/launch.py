@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import math
@@ -61,8 +62,12 @@ class Kernel:
         return self.fn.__module__
 
     def arg_names(self) -> list[str]:
+        return list(self._params)
+
+    @functools.cached_property
+    def _params(self) -> tuple[str, ...]:
         code = self.fn.__code__
-        return list(code.co_varnames[:code.co_argcount])
+        return code.co_varnames[:code.co_argcount]
 
 
 def kernel(num_warps: int = 4, num_stages: int = 2) -> Callable[[Callable], Kernel]:
@@ -82,7 +87,7 @@ class Variant:
     num_warps: int
     num_stages: int
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """A stable, readable name for the index: kernel + a digest of everything that shapes the binary."""
         doc = json.dumps([self.module, self.name, self.constexprs, self.signature, self.num_warps, self.num_stages])
@@ -113,17 +118,31 @@ def arg_type(value) -> str:
     raise KernelError(f"kernel argument of type {type(value).__name__} ({value!r}) is not a tensor, int or float")
 
 
+_VARIANTS: dict[tuple, Variant] = {}  # (kernel, argument types, constexprs as given) -> its variant
+
+
 def variant_of(k: Kernel, args: Sequence, constexprs: dict) -> Variant:
+    """The variant a launch asks for. Memoized: an eager step launches a few hundred kernels, and working the
+    variant (and its key's digest) out again each time cost about 40 us a launch on the host."""
+    types = tuple(arg_type(a) for a in args)
+    memo = (k, types, tuple(constexprs.items()))
+    v = _VARIANTS.get(memo)
+    if v is None:
+        v = _VARIANTS[memo] = _variant(k, types, constexprs)
+    return v
+
+
+def _variant(k: Kernel, types: tuple[str, ...], constexprs: dict) -> Variant:
     names = k.arg_names()
     runtime = [n for n in names if n not in constexprs]
-    if len(runtime) != len(args):
-        raise KernelError(f"{k.name}: {len(args)} arguments given, the kernel takes {len(runtime)} "
+    if len(runtime) != len(types):
+        raise KernelError(f"{k.name}: {len(types)} arguments given, the kernel takes {len(runtime)} "
                           f"({', '.join(runtime)}) besides the constexprs")
     unknown = set(constexprs) - set(names)
     if unknown:
         raise KernelError(f"{k.name}: no parameter named {', '.join(sorted(unknown))}")
     return Variant(k.module, k.name, tuple((n, _plain(constexprs[n])) for n in names if n in constexprs),
-                   tuple((n, arg_type(a)) for n, a in zip(runtime, args)), k.num_warps, k.num_stages)
+                   tuple(zip(runtime, types)), k.num_warps, k.num_stages)
 
 
 def _plain(value):
