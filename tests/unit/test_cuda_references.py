@@ -150,6 +150,7 @@ def test_the_grammar_mask_and_top_logprobs():
 @pytest.mark.parametrize("module,name,old,new", [
     (rows, "_gated_act_kernel", "g / (1.0 + tl.exp(z)) * u", "g / (1.0 + tl.exp(z)) * g"),
     (gemm, "int4_gemv", "(q - 8.0) * s[:, None] + z[:, None]", "(q - 8.0) * s[:, None]"),
+    (gemm, "fp8_gemv1", "((b & 0x7F) << 7)", "((b & 0x3F) << 7)"),  # the exponent's top bit lost
     (sampling, "_mask_bits_kernel", "& 1) != 0", "& 1) == 0"),
     (sampling, "_top_logprobs_kernel", "(offs > last_id)", "(offs >= last_id)"),
 ])
@@ -162,6 +163,9 @@ def test_a_mutated_kernel_is_caught(module, name, old, new, monkeypatch):
         elif name == "_mask_bits_kernel":
             bits = torch.tensor([[0x00FF00FF, 5]], dtype=torch.int32)
             sampling.mask_bits(CheckingLauncher(), x, torch.tensor([1]), bits)
+        elif name == "fp8_gemv1":
+            q, s = fp8.quantize(randn(16, 64, seed=12), True)[:2]
+            gemm.linear_fp8(CheckingLauncher(), x[:1], q, s)
         elif name == "_top_logprobs_kernel":  # the second pass finds the first again
             sampling.top_logprobs(CheckingLauncher(), x, torch.tensor([0, 1], dtype=torch.int32), 3)
         else:

@@ -1,7 +1,8 @@
 """Ahead-of-time kernels of a cuda build: which variants the ranks launch, compiled by Triton into cubins.
 
 The variants are found by running the cuda executor itself over `meta` tensors with a RecordingLauncher: a
-prefill chunk (long enough to take the GEMM kernels) beside a decode, then a decode alone. Nothing is computed
+prefill chunk (long enough to take the GEMM kernels) beside a decode, two decodes, then a decode alone (a
+linear's kernel depends on whether a step has 1, up to 8 or more tokens). Nothing is computed
 and no GPU is needed; the variants are exactly those the executor asks for at serving time, since every kernel
 specialises on the model's constants, never on a step's token count. Each is then compiled for the plan's
 compute capability (Triton's cross-compiler: no GPU here either) and written into the engine with its hash.
@@ -111,7 +112,7 @@ def record_variants(graph: Graph, plan: Plan) -> dict:
                             plan.kv_cache.dtype, plan.quant.activations, limits.max_seq_len, launcher,
                             collectives=_meta_collectives(sizes), device_logits=plan.world_size == 1)
     chunk = step_chunk(limits.max_num_tokens, limits.max_seq_len)
-    for lens in ([chunk, 1], [1]):
+    for lens in ([chunk, 1], [1, 1], [1]):  # GEMMs, the GEMVs of a few tokens, those of one
         sizes.update(T=sum(lens), N=len(lens))
         executor.run_meta(_step(lens, plan.kv_cache.block_size))
     return {key: (launcher.kernels[key], v) for key, v in launcher.seen.items()}

@@ -76,9 +76,9 @@ def cuda_logits(engine: Path, manifest: Manifest) -> tuple[Callable[[list[int]],
 
 
 def check_kernels(executor, launcher, variants: set[str], manifest: Manifest) -> str:
-    """Runs the build's two step shapes (a prefill chunk beside a one-token query, then a decode of the chunk's
-    sequence, each with its device sampler's kernels: greedy, a grammar mask, log-probs) with real tokens through `launcher`, a CheckingLauncher: the first
-    launch of each variant, in the first layer, runs in the interpreter and against its reference. One line, or a
+    """Runs the build's step shapes (a prefill chunk beside a one-token query, a decode of the chunk's sequence,
+    then a decode of both sequences, each with its device sampler's kernels: greedy, a grammar mask, log-probs)
+    with real tokens through `launcher`, a CheckingLauncher: the first launch of each variant, in the first layer, runs in the interpreter and against its reference. One line, or a
     KilnError naming a kernel that differs or a variant no step launched."""
     from runtime.backends.cuda.sampler import launch_sampler_kernels
 
@@ -94,7 +94,11 @@ def check_kernels(executor, launcher, variants: set[str], manifest: Manifest) ->
                           torch.tensor([chunk - 1, chunk])),
              StepMetadata(tokens[chunk + 1:], torch.tensor([chunk]), torch.tensor([chunk]), tables[:1],
                           torch.tensor([chunk + 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                          torch.tensor([0]))]
+                          torch.tensor([0])),
+             # both sequences again, one token each (the chunk's last position rewritten): a two-token step
+             StepMetadata(tokens[chunk:], torch.tensor([chunk, 1]), torch.tensor([chunk, second * block + 1]),
+                          tables, torch.tensor([chunk + 1, 2], dtype=torch.int32),
+                          torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1]))]
     try:
         for meta in steps:
             launch_sampler_kernels(launcher, executor.run(DeviceStep.of(meta, executor.device)).float())
@@ -106,5 +110,5 @@ def check_kernels(executor, launcher, variants: set[str], manifest: Manifest) ->
                         f"({', '.join(missing[:3])}), so they could not be checked; rebuild the engine with this Kiln")
     worst = max(launcher.checked.values(), default=0.0)
     return (f"kernels: all {len(variants)} variants run in Triton's interpreter on the first layer of a "
-            f"{chunk}-token prefill beside a decode, then a decode, each within {worst:.2g} of its torch reference "
+            f"{chunk}-token prefill beside a decode, then decodes of one and two sequences, each within {worst:.2g} of its torch reference "
             "(relative to the largest value)")

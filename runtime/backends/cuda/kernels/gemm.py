@@ -5,7 +5,8 @@ two a byte (layout INT4_LAYOUT, pack_int4). FP8 (runtime.weights.fp8): w[n, k] =
 (or one scale). Activations are f32, f16 or bf16, the output is in x's dtype, accumulation is f32.
 
 Two kernels a format, picked by T on the host: for T <= GEMV_MAX_T (decode) a GEMV whose programs own
-BLOCK_N outputs, walk K and read each weight once for all T rows (CUDA-core FMAs); above it a GEMM over
+BLOCK_N outputs, walk K and read each weight once for all T rows (CUDA-core FMAs; FP8 has a third for T = 1,
+fp8_gemv1, which sums its products once after the K loop rather than at every step); above it a GEMM over
 [BLOCK_M, BLOCK_N] tiles that dequantizes the weight tile to x's dtype and calls tl.dot. f32 activations
 use IEEE f32 dots (not TF32), so results match a float32 reference. Constexprs depend only on model
 constants (K, group size, tiles), never on T, so one variant serves every T on its side of the threshold.
@@ -29,6 +30,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GROUP_SIZES = (32, 64, 128)
 GEMV_MAX_T = 8        # tokens up to which the GEMV runs; past it the weight is cheaper to reuse from tl.dot tiles
 GEMV_BLOCK_N = 16     # outputs a GEMV program owns (small, so a decode step has many programs)
+GEMV1_BLOCK_N = 16    # outputs of a one-token FP8 GEMV program, which reads up to 256 bytes of each row a step
 GEMM_BLOCK_M, GEMM_BLOCK_N = 64, 64
 
 
@@ -138,6 +140,31 @@ def fp8_gemv(x, qweight, scales, bias, y, T, N, K: tl.constexpr, PER_CHANNEL: tl
         acc += tl.load(bias + offs_n, mask=mask_n, other=0.0)[None, :]
     mask = (offs_t[:, None] < T) & mask_n[None, :]
     tl.store(y + offs_t[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(y.dtype.element_ty), mask=mask)
+
+
+@kernel(num_warps=4, num_stages=3)
+def fp8_gemv1(x, qweight, scales, bias, y, N, K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token (batch-1 decode): program p owns y[0, p*BLOCK_N:(p+1)*BLOCK_N]. The products gather in a
+    [BLOCK_N, BLOCK_K] tile and are summed once after the K loop; fp8_gemv sums every step for every token."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides K: loads along K need no mask
+        k = k0 + offs_k
+        b = tl.load(qweight + rows[:, None] * K + k[None, :], mask=mask_n[:, None], other=0).to(tl.uint16)
+        w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
+        acc += w * tl.load(x + k).to(tl.float32)[None, :]
+    out = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BLOCK_N]
+    if PER_CHANNEL:
+        out *= tl.load(scales + offs_n, mask=mask_n, other=0.0) * 256.0
+    else:
+        out *= tl.load(scales) * 256.0
+    if HAS_BIAS:
+        out += tl.load(bias + offs_n, mask=mask_n, other=0.0)
+    tl.store(y + offs_n, out.to(y.dtype.element_ty), mask=mask_n)
 
 
 @kernel(num_warps=4, num_stages=3)
@@ -281,6 +308,10 @@ def linear_fp8(launcher: Launcher, x: torch.Tensor, qweight: torch.Tensor, scale
     y = _output(fn, x, n, bias, out)
     t, codes, bias_arg = x.shape[0], qweight.view(torch.uint8), bias if bias is not None else scales
     common = {"K": k, "PER_CHANNEL": scales.numel() == n and n > 1, "HAS_BIAS": bias is not None}
+    if t == 1:
+        launcher.launch(fp8_gemv1, (cdiv(n, GEMV1_BLOCK_N),), (x, codes, scales, bias_arg, y, n), **common,
+                        BLOCK_N=GEMV1_BLOCK_N, BLOCK_K=next(b for b in (256, 128, 64, 32, 16) if k % b == 0))
+        return y
     if t <= GEMV_MAX_T:
         launcher.launch(fp8_gemv, (cdiv(n, GEMV_BLOCK_N),), (x, codes, scales, bias_arg, y, t, n), **common,
                         MAX_T=GEMV_MAX_T, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=_block_k(k))

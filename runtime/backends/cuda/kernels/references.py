@@ -251,6 +251,11 @@ def fp8_gemv(grid, x, qweight, scales, bias, y, T, N, K, PER_CHANNEL, HAS_BIAS, 
     _linear(x, _fp8(qweight), y, T, bias, HAS_BIAS, _fp8_scale(scales, N, PER_CHANNEL))
 
 
+@references("gemm", "fp8_gemv1")
+def fp8_gemv1(grid, x, qweight, scales, bias, y, N, K, PER_CHANNEL, HAS_BIAS, BLOCK_N, BLOCK_K):
+    _linear(x, _fp8(qweight), y, 1, bias, HAS_BIAS, _fp8_scale(scales, N, PER_CHANNEL))
+
+
 @references("gemm", "fp8_gemm")
 def fp8_gemm(grid, x, x_scales, qweight, scales, bias, y, T, N, K, PER_CHANNEL, FP8_ACT, HAS_BIAS, BLOCK_M, BLOCK_N,
              BLOCK_K):
