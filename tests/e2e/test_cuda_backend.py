@@ -6,8 +6,10 @@ What needs a GPU (the cubins launched, CUDA graphs captured, NCCL) is benchmarks
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import exact_plan
@@ -228,3 +230,18 @@ def test_rank_processes_give_the_tokens_of_one_rank(tp, pp, engines, tiny_llama_
     with open_llm_engine(built.out) as llm:
         got = [r.token_ids for r in llm.generate(PROMPTS[:2], GREEDY)]
     assert got == run(engines["cpu"].out, PROMPTS[:2])[0]
+
+
+def test_the_kernel_benchmark_runs_its_rows_in_the_interpreter(tmp_path):
+    """benchmarks/gpu_kernels_bench.py --interpret: every variant compiled for sm_90 as on a GPU, every row (torch,
+    Kiln fp8 and int4 linears at one and three tokens; paged and split decode attention) run and equal to torch."""
+    out = tmp_path / "rows.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--interpret", "--tokens", "1,3",
+                           "--batches", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["impl"].split(" (")[0], r["tokens"]) for r in rows} == {
+        ("torch bf16", 1), ("Kiln fp8", 1), ("Kiln int4 g128", 1), ("torch bf16", 3), ("Kiln fp8", 3),
+        ("Kiln int4 g128", 3), ("paged_attention", 1), ("decode_attention", 1)}
+    assert all(r["rel err"] < 1e-2 for r in rows), rows
