@@ -89,6 +89,32 @@ def _kv_write_case(cache_dtype: torch.dtype, kv_scale: float) -> Case:
                 torch.cat([k_ref, v_ref]), check)
 
 
+def _rope_kv_case() -> Case:
+    """rope_kv_write (f32, GQA 4/2, head_dim 64, one token skipped) against its torch reference: q and the caches."""
+    from runtime.backends.cuda.kernels import attention as gpu
+    from runtime.backends.cuda.kernels.references import rope_kv_write as reference
+    from runtime.ops.reference import RopeTable
+
+    rope = RopeTable(64, 10000.0, None)
+    rope.ensure(32)
+    table, positions = rope.packed[:32].contiguous(), torch.tensor([3, 30, 0, 11])
+    qkv, slots = _randn(4, 8 * 64, seed=3), torch.tensor([6, -1, 0, 15])
+
+    def run(L, qkv, kc, vc, p, t, s):
+        q, k, v = qkv.split([256, 128, 128], dim=-1)
+        if L is None:  # the reference, on the host
+            reference((4, 6), q, k, v, kc, vc, p, t, s, 512, 512, 512, 2, 1.0, NUM_HEADS=4, HEAD_DIM=64, HALF_BLOCK=32,
+                      QUANTIZED=False)
+        else:
+            gpu.rope_kv_write(L, q, k, v, kc, vc, p, t, s, 4)
+        return torch.cat([q.flatten(), kc.flatten(), vc.flatten()]).float()
+
+    caches = lambda: torch.zeros(4, 4, 2, 64)  # noqa: E731
+    expected = run(None, qkv.clone(), caches(), caches(), positions, table, slots)
+    return Case("attention.rope_kv_write f32", (qkv, caches(), caches(), positions, table, slots), run, expected,
+                ("abs", 1e-5))
+
+
 def _paged_case(act: torch.dtype, cache_dtype: torch.dtype, kv_scale: float, seed: int, splits: int = 0) -> Case:
     """A prefill chunk of 11 after a cached prefix of 9, two decodes, a one-token prompt; GQA 4/2, head_dim 32.
     splits: decodes alone (300, 13, 70 and 1 keys) through decode_attention, up to that many splits of 32 keys."""
@@ -271,7 +297,7 @@ def _sampling_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     return (_row_cases() + [_kv_write_case(torch.float32, 1.0), _kv_write_case(torch.bfloat16, 1.0),
-                            _kv_write_case(torch.float8_e4m3fn, 0.0625),
+                            _kv_write_case(torch.float8_e4m3fn, 0.0625), _rope_kv_case(),
                             _paged_case(torch.float32, torch.float32, 1.0, 0),
                             _paged_case(torch.bfloat16, torch.bfloat16, 1.0, 1),
                             _paged_case(torch.float32, torch.float8_e4m3fn, 0.02, 2),

@@ -15,7 +15,7 @@ from test_build import assert_one_line_error, engine_build
 
 from builder.errors import KilnError
 from builder.verify import verify_engine
-from runtime.backends.cuda.kernels import gemm, rows
+from runtime.backends.cuda.kernels import attention, gemm
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -58,7 +58,7 @@ def test_a_tampered_cubin_is_refused_before_any_logits(h100_engine, tmp_path):
 
 @pytest.mark.parametrize("module,name,old,new", [
     (gemm, "int4_gemm", "acc = tl.dot(a, tl.trans(w), acc)\n", "acc = tl.dot(a, tl.trans(w), acc) * 1.01\n"),
-    (rows, "_rope_kernel", "x2 * cos + x1 * sin", "x2 * cos - x1 * sin"),
+    (attention, "rope_kv_write_kernel", "k2 = (x2 * cos + x1 * sin)", "k2 = (x2 * cos - x1 * sin)"),
 ])
 def test_a_kernel_that_computes_something_else_fails_verify(h100_engine, module, name, old, new, monkeypatch):
     monkeypatch.setattr(module, name, mutated(getattr(module, name), old, new))

@@ -276,3 +276,35 @@ def test_decode_splits_fill_the_multiprocessors_and_share_one_variant():
                              0.125, num_heads=8, splits=splits)
         keys.append(sorted(launcher.seen))
     assert keys[0] == keys[1] and len(keys[0]) == 2
+
+
+# ---------------------------------------------------------------------------------------- rope + kv write
+
+@pytest.mark.parametrize("dtype, cache, kv_scale", [(torch.float32, torch.float32, 1.0),
+                                                    (torch.bfloat16, torch.bfloat16, 1.0),
+                                                    (torch.bfloat16, torch.float8_e4m3fn, 0.05)])
+def test_rope_kv_write_equals_rope_then_kv_write(dtype, cache, kv_scale):
+    """One launch against the two it replaces, on column slices of a fused qkv (rows strided), head_dim 96 (a
+    half of 48, padded), GQA 6/2, one token's slot -1: the same q, the same cache bytes, k left as it was."""
+    from runtime.backends.cuda.kernels import rows
+    from runtime.ops.reference import RopeTable
+
+    nh, nkv, hd, t = 6, 2, 96, 5
+    g = torch.Generator().manual_seed(9)
+    table = RopeTable(hd, 10000.0, None)
+    table.ensure(64)
+    table = table.packed[:64].contiguous()
+    positions = torch.tensor([3, 17, 0, 40, 8])
+    slots = torch.tensor([5, 0, -1, 13, 2])
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    fused, apart = qkv.clone(), qkv.clone()
+    caches = [[torch.zeros(4, 4, nkv, hd).to(cache) for _ in range(2)] for _ in range(2)]
+    q, k, v = fused.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    gpu.rope_kv_write(InterpreterLauncher(), q, k, v, *caches[0], positions, table, slots, nh, kv_scale)
+    q2, k2, v2 = apart.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q2r, k2r = rows.rope(InterpreterLauncher(), q2, k2, positions, table, nh, nkv, hd)
+    gpu.kv_write(InterpreterLauncher(), k2r, v2, *caches[1], slots, kv_scale)
+    assert torch.equal(q, q2r) and torch.equal(k, qkv[:, nh * hd:(nh + nkv) * hd])
+    for a, b in zip(*caches):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert bool(caches[0][0].float().abs().sum() > 0)

@@ -203,3 +203,32 @@ def test_a_mutated_split_attention_kernel_is_caught(name, old, new, monkeypatch)
     monkeypatch.setattr(attention, name, mutated(getattr(attention, name), old, new))
     with pytest.raises(KernelMismatch, match=name):
         split_decode(CheckingLauncher())
+
+
+def rope_and_write(launcher, dtype=torch.float32, cache=torch.float32, kv_scale=1.0):
+    """rope_kv_write on column slices of a fused qkv: 3 tokens (one skipped), GQA 4/2, head_dim 32."""
+    from runtime.ops.reference import RopeTable
+
+    nh, nkv, hd = 4, 2, 32
+    table = RopeTable(hd, 10000.0, None)
+    table.ensure(32)
+    qkv = randn(3, (nh + 2 * nkv) * hd, seed=30, dtype=dtype)
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    k_cache, v_cache = torch.zeros(4, 4, nkv, hd).to(cache), torch.zeros(4, 4, nkv, hd).to(cache)
+    attention.rope_kv_write(launcher, q, k, v, k_cache, v_cache, torch.tensor([2, 9, 30]),
+                            table.packed[:32].contiguous(), torch.tensor([7, -1, 12]), nh, kv_scale)
+    return q, k_cache
+
+
+@pytest.mark.parametrize("dtype,cache,kv_scale", [(torch.float32, torch.float32, 1.0),
+                                                  (torch.bfloat16, torch.float8_e4m3fn, 0.05)])
+def test_rope_kv_write(dtype, cache, kv_scale):
+    launcher = checked(lambda ln: rope_and_write(ln, dtype, cache, kv_scale))
+    assert {key.split(".")[0] for key in launcher.checked} == {"rope_kv_write_kernel"}
+
+
+def test_a_mutated_rope_kv_write_is_caught(monkeypatch):
+    monkeypatch.setattr(attention, "rope_kv_write_kernel", mutated(
+        attention.rope_kv_write_kernel, "k2 = (x2 * cos + x1 * sin)", "k2 = (x2 * cos - x1 * sin)"))
+    with pytest.raises(KernelMismatch, match="rope_kv_write_kernel"):
+        rope_and_write(CheckingLauncher())

@@ -39,6 +39,11 @@ def _placed(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def _holds(launcher: Launcher, k) -> bool:
+    """Whether the launcher can run kernel k: any kernel (the interpreter, a recording), or a compiled variant."""
+    return launcher.allowed is None or any(key.split(".")[0] == k.name for key in launcher.allowed)
+
+
 class CudaExecutor(Executor):
     max_in_flight = 1
 
@@ -60,10 +65,10 @@ class CudaExecutor(Executor):
         # and the attention kernel masks by position.
         self.cache = KVCacheStorage(attention_layers(doc), pools, block_size, kv_dtype, self.device)
         self.rope_tables: dict[tuple, torch.Tensor] = {}   # one per distinct rope, shared by its layers
-        # Decode steps split each context over the multiprocessors, unless the engine's kernels predate the split
-        # kernels (they then run paged_attention, as when they were compiled).
-        self.split_decode = launcher.allowed is None or any(
-            key.split(".")[0] == attention.paged_attention_split_kernel.name for key in launcher.allowed)
+        # Decode steps split each context over the multiprocessors, and RoPE writes the keys into the pools, unless
+        # the engine's kernels predate those kernels (then paged_attention, and rope + kv_write, as compiled).
+        self.split_decode = _holds(launcher, attention.paged_attention_split_kernel)
+        self.fused_rope = _holds(launcher, attention.rope_kv_write_kernel)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else INTERPRETER_MULTIPROCESSORS)
         self.step: DeviceStep | None = None
@@ -126,11 +131,12 @@ class CudaExecutor(Executor):
     def _kv_scale(self, attrs: dict) -> float:
         return float(attrs.get("kv_scale", 1.0)) if self.kv_quantized else 1.0
 
-    def _attend(self, attrs: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write this step's k and v into the layer's pool, then attend q over the pool."""
+    def _attend(self, attrs: dict, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """Write this step's k and v into the layer's pool (k None: already written), then attend q over it."""
         step, layer, kv_scale = self.step, attrs["layer"], self._kv_scale(attrs)
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        attention.kv_write(self.launcher, k, v, k_cache, v_cache, step.slot_mapping, kv_scale)
+        if k is not None:
+            attention.kv_write(self.launcher, k, v, k_cache, v_cache, step.slot_mapping, kv_scale)
         out = torch.empty(q.shape[0], attrs["num_heads"] * attrs["head_dim"], dtype=self.dtype, device=self.device)
         if step.max_query_len == 1 and self.split_decode:  # a decode step: each context split over the GPU
             splits = attention.decode_splits(step.context_lens.shape[0], k_cache.shape[2], self.multiprocessors)
@@ -161,6 +167,11 @@ class CudaExecutor(Executor):
             if norms is not None:
                 q = rows.head_rms_norm(self.launcher, q, norms[0], norms[2])
                 k = rows.head_rms_norm(self.launcher, k, norms[1], norms[2])
+            if self.fused_rope:  # one launch: q rotated in place, k rotated on its way into the pool
+                layer = attrs["layer"]
+                attention.rope_kv_write(self.launcher, q, k, v, self.cache.k[layer], self.cache.v[layer],
+                                        positions.contiguous(), table, self.step.slot_mapping, nh, self._kv_scale(attrs))
+                return self._attend(attrs, q, None, None)
             q, k = rows.rope(self.launcher, q, k, positions, table, nh, nkv, hd)
             return self._attend(attrs, q, k, v)
 

@@ -4,6 +4,8 @@ The semantics are those of the C kernels in runtime/ops/attention.py: slot -1 sk
 marks a block given back behind a sliding window (never read), float8_e4m3fn caches store x / kv_scale.
 
 - `kv_write`: one program per (token, kv head) scatters a head's key and value rows into their cache slot.
+- `rope_kv_write`: rows.rope and kv_write in one launch: query heads rotated in place, keys rotated on their
+  way into the cache (one launch a layer fewer).
 - `paged_attention`: one program per (sequence, kv head, tile of queries) runs an online softmax over the
   sequence's keys, read through its block table. The rows of a query tile are (query, head) pairs of the
   kv head's GQA group, so each K/V tile is loaded once per group and both products are tl.dot on at least
@@ -68,6 +70,81 @@ def kv_write(launcher: Launcher, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     launcher.launch(kv_write_kernel, (k.shape[0], num_kv_heads),
                     (k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), num_kv_heads, float(kv_scale)),
                     HEAD_DIM=head_dim, HEAD_DIM_PADDED=_padded(head_dim),
+                    QUANTIZED=k_cache.dtype == torch.float8_e4m3fn)
+
+
+@kernel(num_warps=1, num_stages=1)
+def rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, table_ptr, slot_mapping_ptr,
+                         q_row_stride, k_row_stride, v_row_stride, num_kv_heads, kv_scale,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                         QUANTIZED: tl.constexpr):
+    """rows.rope and kv_write in one launch. Program (token, head): a query head is rotated in place; a kv head's
+    key is rotated, rounded to the activations' dtype (as rope would have stored it) and written to its cache
+    slot with its value (slot -1: nothing written)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = HEAD_DIM // 2
+    offs = tl.arange(0, HALF_BLOCK)
+    mask = offs < half
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(table_ptr + pos * HEAD_DIM + offs, mask=mask, other=0.0)
+    sin = tl.load(table_ptr + pos * HEAD_DIM + half + offs, mask=mask, other=0.0)
+    if head < NUM_HEADS:
+        src = q_ptr + token * q_row_stride + head * HEAD_DIM
+        x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(src + offs, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(src + half + offs, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        kv_head = head - NUM_HEADS
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            src = k_ptr + token * k_row_stride + kv_head * HEAD_DIM
+            x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
+            k1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty).to(tl.float32)
+            k2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty).to(tl.float32)
+            vsrc = v_ptr + token * v_row_stride + kv_head * HEAD_DIM
+            v1 = tl.load(vsrc + offs, mask=mask, other=0.0).to(tl.float32)
+            v2 = tl.load(vsrc + half + offs, mask=mask, other=0.0).to(tl.float32)
+            if QUANTIZED:
+                k1 = tl.clamp(k1 / kv_scale, -448.0, 448.0)
+                k2 = tl.clamp(k2 / kv_scale, -448.0, 448.0)
+                v1 = tl.clamp(v1 / kv_scale, -448.0, 448.0)
+                v2 = tl.clamp(v2 / kv_scale, -448.0, 448.0)
+            dst = (slot * num_kv_heads + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + offs, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + half + offs, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst + half + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_kv_write(launcher: Launcher, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, kv_scale: float = 1.0) -> None:
+    """q [T, nh*hd] rotated in place, k [T, nkv*hd] rotated and written with v into the caches at slot_mapping
+    (k itself is left as it was): what rows.rope(q, k, out=(q, k)) then kv_write do, in one launch."""
+    fn = "rope_kv_write"
+    _, _, num_kv_heads, head_dim = _check_caches(fn, k_cache, v_cache, kv_scale)
+    if head_dim % 2:
+        raise ValueError(f"{fn}: head_dim must be even, got {head_dim}")
+    _check_rows(fn, "q", q, num_heads * head_dim)
+    for name, t in (("k", k), ("v", v)):
+        _check_rows(fn, name, t, num_kv_heads * head_dim)
+    tokens = q.shape[0]
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (tokens,) or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous int32 or int64 [{tokens}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if k.shape[0] != tokens or v.shape[0] != tokens or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{fn}: q, k and v must have {tokens} rows of one dtype")
+    if table.dim() != 2 or table.shape[1] != head_dim or table.dtype != torch.float32 or not table.is_contiguous():
+        raise ValueError(f"{fn}: table must be a contiguous float32 [P, {head_dim}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
+    launcher.launch(rope_kv_write_kernel, (tokens, num_heads + num_kv_heads),
+                    (q, k, v, k_cache, v_cache, positions, table, slot_mapping, q.stride(0), k.stride(0), v.stride(0),
+                     num_kv_heads, float(kv_scale)),
+                    NUM_HEADS=num_heads, HEAD_DIM=head_dim, HALF_BLOCK=next_power_of_2(head_dim // 2),
                     QUANTIZED=k_cache.dtype == torch.float8_e4m3fn)
 
 

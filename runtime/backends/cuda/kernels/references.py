@@ -109,6 +109,30 @@ def kv_write(grid, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_r
         cache.view(-1, width)[slots[kept]] = v.to(cache.dtype)
 
 
+@references("attention", "rope_kv_write_kernel")
+def rope_kv_write(grid, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, table_ptr, slot_mapping_ptr,
+                  q_row_stride, k_row_stride, v_row_stride, num_kv_heads, kv_scale, NUM_HEADS, HEAD_DIM, HALF_BLOCK,
+                  QUANTIZED):
+    tokens, width, half = grid[0], num_kv_heads * HEAD_DIM, HEAD_DIM // 2
+    at = table_ptr[positions_ptr[:tokens].long()]
+    cos, sin = at[:, None, :half], at[:, None, half:2 * half]
+
+    def rotated(src, heads, stride):
+        x = src.as_strided((tokens, heads, HEAD_DIM), (stride, HEAD_DIM, 1)).float()
+        return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin], -1)
+
+    q_new = rotated(q_ptr, NUM_HEADS, q_row_stride)
+    k_new = rotated(k_ptr, num_kv_heads, k_row_stride).to(k_ptr.dtype).float().reshape(tokens, width)
+    q_ptr.as_strided((tokens, NUM_HEADS, HEAD_DIM), (q_row_stride, HEAD_DIM, 1)).copy_(q_new)
+    slots = slot_mapping_ptr[:tokens].long()
+    kept = slots >= 0
+    for value, cache in ((k_new, k_cache_ptr), (_rows(v_ptr, tokens, width, v_row_stride).float(), v_cache_ptr)):
+        value = value[kept]
+        if QUANTIZED:
+            value = (value / kv_scale).clamp(-448.0, 448.0)
+        cache.view(-1, width)[slots[kept]] = value.to(cache.dtype)
+
+
 @references("attention", "paged_attention_kernel")
 def paged_attention(grid, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                     query_start_loc_ptr, out_row_stride, q_row_stride, block_table_stride, num_kv_heads, scale,
