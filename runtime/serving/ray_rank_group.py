@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+from runtime.backends.fetch import local_engine
 from runtime.core.engine import EngineOptions
 from runtime.format.engine_format import EngineError
+from runtime.launcher import host_group
 from runtime.ranks.nodes import Nodes
 
 BUNDLE = {"CPU": 0.001}  # a bundle must ask for something; the ranks' threads are --threads, not Ray's CPUs
@@ -37,9 +39,6 @@ class RankHost:
 
     def run(self, engine: str, options: EngineOptions, nodes: Nodes) -> str | None:
         """Runs this host's ranks until rank 0 stops; None when they ended cleanly, else why not."""
-        from runtime.backends.fetch import local_engine
-        from runtime.launcher import host_group
-
         try:
             host_group(nodes.count, nodes.rank, nodes.master_addr, nodes.master_port, local_engine(engine), options)
         except SystemExit as exc:  # a worker host's ranks end the process that runs them; this actor returns

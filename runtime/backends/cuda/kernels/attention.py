@@ -25,6 +25,7 @@ compile every variant ahead of time from one recording.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from runtime.backends.cuda.launch import Launcher, cdiv, kernel, next_power_of_2
@@ -150,6 +151,36 @@ def rope_kv_write(launcher: Launcher, q: torch.Tensor, k: torch.Tensor, v: torch
 
 # ---------------------------------------------------------------------------------------- paged attention
 
+@triton.jit
+def _kv_tile(q, k_cache_ptr, v_cache_ptr, table, key, key_end, kv_head, num_kv_heads, d, in_head, kv_scale,
+             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr):
+    """The keys `key` (< key_end) of a sequence's block table, K and V [BLOCK_N, HEAD_DIM_PADDED] in q's dtype, and
+    which of them exist (a block given back, -1, is never read)."""
+    block = tl.load(table + key // BLOCK_SIZE, mask=key < key_end, other=-1)
+    key_ok = (key < key_end) & (block >= 0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
+    at = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]  # int64: pools exceed 2^31
+    kv_mask = key_ok[:, None] & in_head[None, :]
+    k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + at, mask=kv_mask, other=0.0)
+    if QUANTIZED:
+        k = k.to(tl.float32) * kv_scale
+        v = v.to(tl.float32) * kv_scale
+    return k.to(q.dtype), v.to(q.dtype), key_ok
+
+
+@triton.jit
+def _softmax_step(s, v, m, row_sum, acc):
+    """One tile of an online softmax in base 2: scores s [BLOCK_M, BLOCK_N] (-inf where hidden) and values v into
+    the running max m, sum and unnormalised output acc."""
+    m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
+    p = tl.exp2(s - m_new[:, None])
+    correction = tl.exp2(m - m_new)
+    row_sum = row_sum * correction + tl.reduce(p, 1, tl.standard._sum_combine)
+    acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, row_sum, acc
+
+
 @kernel(num_warps=4, num_stages=2)
 def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                            query_start_loc_ptr, out_row_stride, q_row_stride, block_table_stride, num_kv_heads,
@@ -193,29 +224,13 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
     for key0 in range(key_start, key_end, BLOCK_N):
         key = key0 + tl.arange(0, BLOCK_N)
-        block = tl.load(table + key // BLOCK_SIZE, mask=key < key_end, other=-1)
-        key_ok = (key < key_end) & (block >= 0)  # never read a block given back (-1)
-        slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
-        at = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]  # int64: pools exceed 2^31
-        kv_mask = key_ok[:, None] & in_head[None, :]
-        k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PADDED]
-        v = tl.load(v_cache_ptr + at, mask=kv_mask, other=0.0)
-        if QUANTIZED:
-            k = k.to(tl.float32) * kv_scale
-            v = v.to(tl.float32) * kv_scale
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        k, v, key_ok = _kv_tile(q, k_cache_ptr, v_cache_ptr, table, key, key_end, kv_head, num_kv_heads, d, in_head,
+                                kv_scale, HEAD_DIM, BLOCK_SIZE, QUANTIZED)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] f32
         visible = key_ok[None, :] & (key[None, :] <= pos[:, None])
         if WINDOWED:
             visible = visible & (key[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
-        p = tl.exp2(s - m_new[:, None])
-        correction = tl.exp2(m - m_new)
-        row_sum = row_sum * correction + tl.reduce(p, 1, tl.standard._sum_combine)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, row_sum, acc = _softmax_step(tl.where(visible, s, float("-inf")), v, m, row_sum, acc)
     row_sum = tl.where(row_ok, row_sum, 1.0)  # rows past the tile's queries saw no key; they are not stored
     o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # rows that see no key (graph padding: context 0) stay 0
     tl.store(out_ptr + token[:, None] * out_row_stride + (head * HEAD_DIM)[:, None] + d[None, :],
@@ -308,29 +323,13 @@ def paged_attention_split_kernel(part_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bloc
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
     for key0 in range(key_start, key_end, BLOCK_N):
         key = key0 + tl.arange(0, BLOCK_N)
-        block = tl.load(table + key // BLOCK_SIZE, mask=key < key_end, other=-1)
-        key_ok = (key < key_end) & (block >= 0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
-        at = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = key_ok[:, None] & in_head[None, :]
-        k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + at, mask=kv_mask, other=0.0)
-        if QUANTIZED:
-            k = k.to(tl.float32) * kv_scale
-            v = v.to(tl.float32) * kv_scale
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        k, v, key_ok = _kv_tile(q, k_cache_ptr, v_cache_ptr, table, key, key_end, kv_head, num_kv_heads, d, in_head,
+                                kv_scale, HEAD_DIM, BLOCK_SIZE, QUANTIZED)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         visible = key_ok[None, :] & (r[:, None] >= 0)
         if WINDOWED:
             visible = visible & (key[None, :] > pos - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
-        p = tl.exp2(s - m_new[:, None])
-        correction = tl.exp2(m - m_new)
-        row_sum = row_sum * correction + tl.reduce(p, 1, tl.standard._sum_combine)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, row_sum, acc = _softmax_step(tl.where(visible, s, float("-inf")), v, m, row_sum, acc)
     # part [seqs, heads, splits, HEAD_DIM_PADDED + 2]: the unnormalised output, then max (base 2) and sum
     width = HEAD_DIM_PADDED + 2
     row = part_ptr + ((seq.to(tl.int64) * num_kv_heads * GROUP + head) * tl.num_programs(2) + split) * width
