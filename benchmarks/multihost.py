@@ -11,15 +11,15 @@ Each figure is `engine-run bench`'s ITL p50 (a decode step: its sequences take o
 run first with both ranks in one namespace (one host: they talk over loopback), then with `--nnodes 2` over hosts 0
 and 1 with every host's sending rate limited (tc tbf). The planner's prediction is its communication term for the
 step over that link less the same over one host's loopback (builder/planning/planner.py's all-reduce, all-gather
-and transfer with the cpu device's link and node-link latency), printed beside the measured extra time over one host. The two hosts
-share this machine's two cores, as the ranks of one host do.
+and transfer with the cpu device's link and node-link latency), printed beside the measured extra time over one
+host. The two hosts share this machine's two cores, as the ranks of one host do.
 
 disaggregated: `engine-run serve --disaggregate 1:1` with both workers on host 0, then with the prefill worker on host 0
 and the decode worker on host 1 (Ray resources kiln_prefill and kiln_decode) at each rate: --requests streamed chat
-requests one at a time from host 0, each with a prompt of its own (~200 tokens, no prefix-cache hits) and 16 tokens out. Time to first token (the
-prefill worker's token), time from it to the second (the K/V hand-over lands there: the decode worker's first step),
-and per hand-over its bytes and time (kiln_replica_kv_handoff_* from /metrics), beside the planner's transfer time
-for those bytes over the link.
+requests one at a time from host 0, each with a prompt of its own (~200 tokens, no prefix-cache hits) and 16
+tokens out. Time to first token (the prefill worker's token), time from it to the second (the K/V hand-over lands
+there: the decode worker's first step), and per hand-over its bytes and time (kiln_replica_kv_handoff_* from
+/metrics), beside the planner's transfer time for those bytes over the link.
 
 host-loss: benchmarks/host_loss.py's two-minute load with host 1 killed at 40 s (two replicas, --spread)."""
 
@@ -69,15 +69,21 @@ def bench(hosts: Hosts, engine: Path, concurrency: list[int], output_len: int, n
     return {level["concurrency"]: level["itl_p50_ms"] for level in levels}
 
 
+def link(rate: str | None) -> Link:
+    """The planner's link for a rate ("10gbit", "500mbit") between two hosts (the cpu device's node-link latency),
+    or for None one host's loopback (the cpu device's own link), as plans/devices.toml gives them."""
+    cpu = load_devices()["cpu"]
+    if rate is None:
+        return Link(cpu.link_gbs, cpu.link_latency_us)
+    return Link(float(rate[:-4]) * {"gbit": 1e9, "mbit": 1e6}[rate[-4:]] / 8 / 1e9, cpu.node_link_latency_us)
+
+
 def predicted_extra_ms(shape: str, rate: str, batch: int) -> float:
     """What the planner's link model adds to a decode step of `batch` sequences when the ranks' link is `rate` between
     two hosts instead of one host's loopback (the cpu device of plans/devices.toml: its link, and its node link's
     latency, fitted at 1 Gbit/s, at this rate): its all-reduces (tp) or hand-over (pp) and the logits' gather (tp),
     float32 activations. Only the exchanges: the namespace hosts share one machine's cores."""
-    cpu = load_devices()["cpu"]
-    scale = {"gbit": 1e9, "mbit": 1e6}[rate[-4:]]
-    loopback = Link(cpu.link_gbs, cpu.link_latency_us)
-    between = Link(float(rate[:-4]) * scale / 8 / 1e9, cpu.node_link_latency_us)
+    loopback, between = link(None), link(rate)
 
     def comm(link: Link) -> float:
         if shape == "tp2":
@@ -167,7 +173,6 @@ def serve_disaggregated(hosts: Hosts, url: str, members: list[int], work: Path, 
 
 
 def disaggregated(hosts: Hosts, engine: Path, rates: list[str], requests: int) -> list[dict]:
-    cpu = load_devices()["cpu"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = hosts.popen(0, [sys.executable, "-m", "http.server", "8483", "--bind", hosts.address(0),
@@ -182,13 +187,11 @@ def disaggregated(hosts: Hosts, engine: Path, rates: list[str], requests: int) -
             files.kill()
     for (name, run), rate in zip(runs.items(), [None, *rates]):
         count, num_bytes, seconds = run["handoffs"]
-        link = (Link(cpu.link_gbs, cpu.link_latency_us) if rate is None else
-                Link(float(rate[:-4]) * {"gbit": 1e9, "mbit": 1e6}[rate[-4:]] / 8 / 1e9, cpu.node_link_latency_us))
         per = num_bytes / count if count else 0.0
         rows.append({"where": name, "rate": rate, "ttft_p50_ms": 1e3 * statistics.median(run["ttft_s"]),
                      "second_token_p50_ms": 1e3 * statistics.median(run["second_token_s"]),
                      "handoffs": count, "handoff_bytes": per, "handoff_ms": 1e3 * seconds / count if count else None,
-                     "planner_transfer_ms": 1e3 * transfer(link, per)})
+                     "planner_transfer_ms": 1e3 * transfer(link(rate), per)})
         r = rows[-1]
         print(f"disaggregated, {name}: TTFT p50 {r['ttft_p50_ms']:.1f} ms, to the second token "
               f"{r['second_token_p50_ms']:.1f} ms; {count:.0f} hand-overs of {per / 1e6:.2f} MB, "
